@@ -1,0 +1,121 @@
+"""The reference attention backend, and the CPU path: PyTorch ops over gathered cache blocks.
+
+Decodes (one query token each) run as one padded batch: every request's blocks are gathered into a
+`[num_decodes, max_blocks * block_size, num_kv_heads, head_dim]` tensor and masked past its length.
+Prefill chunks run one request at a time with `scaled_dot_product_attention` over the gathered
+prefix plus the chunk, causal with the chunk's offset.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from quire.attention.backend import AttentionBackend, AttentionMetadata
+
+
+def store_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(
+        0, slot_mapping, value
+    )
+
+
+def gather_kv(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [..., num_blocks_per_seq] int
+) -> torch.Tensor:  # [..., num_blocks_per_seq * block_size, num_kv_heads, head_dim]
+    gathered = cache[block_table.long()]
+    return gathered.flatten(-4, -3)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        store_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
+        output = torch.empty_like(query)
+        if metadata.num_decodes > 0:
+            n = metadata.num_decode_tokens
+            output[:n] = self._decode(query[:n], k_cache, v_cache, metadata, scale)
+        self._prefill(query, k_cache, v_cache, metadata, scale, output)
+        return output
+
+    def _decode(
+        self,
+        query: torch.Tensor,  # [num_decodes, num_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        num_decodes = metadata.num_decodes
+        block_size = k_cache.shape[1]
+        seq_lens_cpu = metadata.seq_lens_cpu[:num_decodes]
+        max_len = max(seq_lens_cpu)
+        num_blocks = -(-max_len // block_size)
+        block_tables = metadata.block_tables[:num_decodes, :num_blocks]
+        keys = gather_kv(k_cache, block_tables)[:, :max_len]  # [B, L, Hkv, D]
+        values = gather_kv(v_cache, block_tables)[:, :max_len]
+        q = query.unsqueeze(2)  # [B, Hq, 1, D]
+        k = keys.transpose(1, 2)  # [B, Hkv, L, D]
+        v = values.transpose(1, 2)
+        mask = None
+        if min(seq_lens_cpu) != max_len:
+            positions = torch.arange(max_len, device=query.device)
+            valid = positions[None, :] < metadata.seq_lens[:num_decodes, None]  # [B, L]
+            mask = valid[:, None, None, :]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+        return out.squeeze(2)
+
+    def _prefill(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        output: torch.Tensor,
+    ) -> None:
+        block_size = k_cache.shape[1]
+        starts = metadata.query_start_loc_cpu
+        for i in range(metadata.num_decodes, metadata.num_seqs):
+            start, end = starts[i], starts[i + 1]
+            query_len = end - start
+            seq_len = metadata.seq_lens_cpu[i]
+            num_blocks = -(-seq_len // block_size)
+            block_table = metadata.block_tables[i, :num_blocks]
+            k = gather_kv(k_cache, block_table)[:seq_len].transpose(0, 1)  # [Hkv, L, D]
+            v = gather_kv(v_cache, block_table)[:seq_len].transpose(0, 1)
+            q = query[start:end].transpose(0, 1)  # [Hq, Q, D]
+            prefix_len = seq_len - query_len
+            if prefix_len == 0:
+                out = F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[0] != k.shape[0]
+                )
+            else:
+                q_pos = torch.arange(prefix_len, seq_len, device=query.device)
+                k_pos = torch.arange(seq_len, device=query.device)
+                mask = k_pos[None, :] <= q_pos[:, None]  # [Q, L]
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[0] != k.shape[0]
+                )
+            output[start:end] = out.transpose(0, 1)

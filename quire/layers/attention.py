@@ -1,0 +1,57 @@
+"""Attention layer: projections, q/k norm, rotary, then the backend over the paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from quire.attention.backend import AttentionBackend, AttentionMetadata
+from quire.layers.norm import RMSNorm
+from quire.layers.rotary import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary: RotaryEmbedding,
+        qkv_bias: bool = False,
+        qk_norm_eps: float | None = None,
+    ):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        self.scale = head_dim**-0.5
+        self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=False)
+        self.rotary = rotary
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        # Bound by the worker once the KV pool is allocated.
+        self.backend: AttentionBackend | None = None
+        self.k_cache = torch.empty(0)  # [num_blocks, block_size, num_kv_heads, head_dim]
+        self.v_cache = torch.empty(0)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))

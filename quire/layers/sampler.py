@@ -1,0 +1,280 @@
+"""The sampler: one engine step's logits -> one token per sequence, plus the logprobs asked for.
+
+Rows of a batch have independent SamplingParams; every step is batched over rows. Per row, in order:
+banned tokens -> repetition penalty -> frequency and presence penalties -> greedy rows take the
+argmax; random rows divide by their temperature, then apply top-k, top-p and min-p, and draw with
+the exponential race `argmax(probs / q)`, q ~ Exp(1). A row with its own generator draws its noise
+from it alone, so a seeded request samples the same tokens whatever else shares its batch.
+
+Returned logprobs follow vLLM v1: they are of the raw model distribution (log_softmax of the
+unmodified logits), not of the penalized or filtered one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quire.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    """The sampling parameters of one step's sampled sequences, one row each, on the device.
+
+    Greedy rows have temperature 0 and their filters switched off (top_k 0, top_p 1, min_p 0), so
+    the flags below only report work that some random row needs.
+    """
+
+    temperature: torch.Tensor  # [S] float32, 0 for greedy rows
+    top_p: torch.Tensor  # [S] float32, 1 = off
+    top_k: torch.Tensor  # [S] int64, 0 = off
+    min_p: torch.Tensor  # [S] float32, 0 = off
+    presence_penalty: torch.Tensor  # [S] float32
+    frequency_penalty: torch.Tensor  # [S] float32
+    repetition_penalty: torch.Tensor  # [S] float32
+    # Per row; None draws from torch's default RNG. On the logits' device.
+    generators: list[torch.Generator | None]
+    output_token_ids: list[list[int]]  # generated so far, per row (all penalties)
+    prompt_token_ids: list[list[int]]  # per row (repetition penalty, with the output)
+    banned_token_ids: list[list[int]]  # per row, never sampled (e.g. EOS below min_tokens)
+    max_num_logprobs: int | None  # max over rows of params.logprobs; None if no row wants them
+    all_greedy: bool
+    all_random: bool
+    max_top_k: int  # max over rows of top_k; 0 if no row uses top-k
+    any_top_p: bool
+    any_min_p: bool
+    any_repetition_penalty: bool
+    any_presence_frequency_penalty: bool
+    any_banned: bool
+
+    @classmethod
+    def from_params(
+        cls,
+        params: list[SamplingParams],
+        output_token_ids: list[list[int]],
+        prompt_token_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+        banned_token_ids: list[list[int]],
+        device: torch.device | str,
+    ) -> SamplingBatch:
+        greedy = [p.is_greedy for p in params]
+        temperature = [0.0 if g else p.temperature for p, g in zip(params, greedy)]
+        top_k = [0 if g else p.top_k for p, g in zip(params, greedy)]
+        top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
+        min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
+        num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
+
+        def as_tensor(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            temperature=as_tensor(temperature),
+            top_p=as_tensor(top_p),
+            top_k=as_tensor(top_k, torch.int64),
+            min_p=as_tensor(min_p),
+            presence_penalty=as_tensor([p.presence_penalty for p in params]),
+            frequency_penalty=as_tensor([p.frequency_penalty for p in params]),
+            repetition_penalty=as_tensor([p.repetition_penalty for p in params]),
+            generators=generators,
+            output_token_ids=output_token_ids,
+            prompt_token_ids=prompt_token_ids,
+            banned_token_ids=banned_token_ids,
+            max_num_logprobs=max(num_logprobs, default=None),
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+            max_top_k=max(top_k, default=0),
+            any_top_p=any(p < 1.0 for p in top_p),
+            any_min_p=any(p > 0.0 for p in min_p),
+            any_repetition_penalty=any(p.repetition_penalty != 1.0 for p in params),
+            any_presence_frequency_penalty=any(
+                p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params
+            ),
+            any_banned=any(banned_token_ids),
+        )
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [S] int64
+    sampled_logprobs: torch.Tensor  # [S] float32, under log_softmax of the raw logits
+    # When some row asked for logprobs (k = max_num_logprobs): column 0 is the sampled token,
+    # then the k most likely tokens, best first.
+    logprob_token_ids: torch.Tensor | None  # [S, 1 + k] int64
+    logprobs: torch.Tensor | None  # [S, 1 + k] float32
+    sampled_ranks: torch.Tensor | None  # [S] int64, 1 = most likely
+
+
+class Sampler(torch.nn.Module):
+    def forward(
+        self,
+        logits: torch.Tensor,  # [S, V] float32, left unmodified
+        batch: SamplingBatch,
+    ) -> SamplerOutput:
+        raw_logprobs = None if batch.max_num_logprobs is None else logits.log_softmax(dim=-1)
+        processed = logits
+        if batch.any_banned:
+            processed = apply_banned_tokens(processed, batch.banned_token_ids)
+        processed = apply_penalties(processed, batch)
+        sampled = sample(processed, batch)  # [S]
+
+        if raw_logprobs is None:
+            sampled_logits = logits.gather(-1, sampled[:, None]).squeeze(-1)
+            sampled_logprobs = sampled_logits - logits.logsumexp(dim=-1)
+            return SamplerOutput(sampled, sampled_logprobs, None, None, None)
+        ids, lps, ranks = compute_topk_logprobs(raw_logprobs, sampled, batch.max_num_logprobs)
+        return SamplerOutput(sampled, lps[:, 0], ids, lps, ranks)
+
+
+def token_counts(
+    token_ids: list[list[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:  # [S, V] float32: how often each token occurs in each row's list
+    max_len = max(map(len, token_ids), default=0)
+    # Pad with the out-of-vocabulary id V, counted in an extra column that is then dropped.
+    padded = torch.tensor(
+        [ids + [vocab_size] * (max_len - len(ids)) for ids in token_ids],
+        dtype=torch.int64,
+        device=device,
+    )  # [S, max_len]
+    counts = torch.zeros(len(token_ids), vocab_size + 1, device=device)
+    counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device))
+    return counts[:, :vocab_size]
+
+
+def apply_banned_tokens(
+    logits: torch.Tensor,  # [S, V]
+    banned_token_ids: list[list[int]],
+) -> torch.Tensor:  # [S, V], banned tokens at -inf
+    banned = token_counts(banned_token_ids, logits.shape[-1], logits.device) > 0
+    return logits.masked_fill(banned, float("-inf"))
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # [S, V]
+    batch: SamplingBatch,
+) -> torch.Tensor:  # [S, V]
+    """Repetition penalty, then frequency and presence penalties, as in vLLM.
+
+    Repetition: a token seen in the prompt or the output has its logit divided by the penalty if
+    positive, multiplied if not. Frequency subtracts penalty * (times the token was generated);
+    presence subtracts penalty once if it was generated at all.
+    """
+    if not (batch.any_repetition_penalty or batch.any_presence_frequency_penalty):
+        return logits
+    vocab_size = logits.shape[-1]
+    output_counts = token_counts(batch.output_token_ids, vocab_size, logits.device)  # [S, V]
+    in_output = output_counts > 0
+    if batch.any_repetition_penalty:
+        in_prompt = token_counts(batch.prompt_token_ids, vocab_size, logits.device) > 0
+        penalty = torch.where(in_prompt | in_output, batch.repetition_penalty[:, None], 1.0)
+        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    if batch.any_presence_frequency_penalty:
+        logits = (
+            logits
+            - batch.frequency_penalty[:, None] * output_counts
+            - batch.presence_penalty[:, None] * in_output
+        )
+    return logits
+
+
+def sample(
+    logits: torch.Tensor,  # [S, V], penalized
+    batch: SamplingBatch,
+) -> torch.Tensor:  # [S] int64
+    if batch.all_greedy:
+        return logits.argmax(dim=-1)
+    random = sample_random(logits, batch)
+    if batch.all_random:
+        return random
+    return torch.where(batch.temperature == 0, logits.argmax(dim=-1), random)
+
+
+def sample_random(
+    logits: torch.Tensor,  # [S, V], penalized
+    batch: SamplingBatch,
+) -> torch.Tensor:  # [S] int64; meaningless for greedy rows
+    temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)
+    logits = logits / temperature[:, None]
+    if batch.max_top_k > 0:
+        logits = apply_top_k(logits, batch.top_k, batch.max_top_k)
+    if batch.any_top_p:
+        logits = apply_top_p(logits, batch.top_p)
+    probs = logits.softmax(dim=-1)
+    if batch.any_min_p:
+        probs = apply_min_p(probs, batch.min_p)
+    return exponential_race(probs, batch.generators)
+
+
+def apply_top_k(
+    logits: torch.Tensor,  # [S, V]
+    top_k: torch.Tensor,  # [S] int64, 0 = off
+    max_top_k: int,
+) -> torch.Tensor:  # [S, V]: logits below each row's k-th largest at -inf (ties kept)
+    max_k = min(max_top_k, logits.shape[-1])
+    top_values = logits.topk(max_k, dim=-1).values  # [S, max_k], descending
+    k = top_k.clamp(max=max_k)
+    kth_value = top_values.gather(-1, (k - 1).clamp(min=0)[:, None])  # [S, 1]
+    kth_value = kth_value.masked_fill(k[:, None] == 0, float("-inf"))
+    return logits.masked_fill(logits < kth_value, float("-inf"))
+
+
+def apply_top_p(
+    logits: torch.Tensor,  # [S, V]
+    top_p: torch.Tensor,  # [S] float32, 1 = off
+) -> torch.Tensor:  # [S, V]
+    """Keeps the smallest set of most likely tokens whose probability reaches top_p."""
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [S, V]
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    prob_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # 0 for the top token: always kept
+    # Rows at top_p 1 keep everything, even where rounding pushes the cumulative sum to 1 early.
+    drop_sorted = (prob_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    drop = torch.empty_like(drop_sorted).scatter_(-1, sorted_ids, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def apply_min_p(
+    probs: torch.Tensor,  # [S, V]
+    min_p: torch.Tensor,  # [S] float32, 0 = off
+) -> torch.Tensor:  # [S, V], not renormalized
+    """Zeroes the tokens less likely than min_p times the most likely one."""
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]  # [S, 1]
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def exponential_race(
+    probs: torch.Tensor,  # [S, V], need not be normalized
+    generators: list[torch.Generator | None],
+) -> torch.Tensor:  # [S] int64
+    """Draws token i with probability probs[i] / sum(probs): argmax(probs / q), q ~ Exp(1).
+
+    Unseeded rows share one draw from the default RNG; each seeded row draws from its generator.
+    """
+    q = torch.empty_like(probs)
+    seeded = [(row, g) for row, g in enumerate(generators) if g is not None]
+    if len(seeded) < len(generators):
+        q.exponential_()
+    for row, generator in seeded:
+        q[row].exponential_(generator=generator)
+    # q can round to 0; a tiny floor keeps 0 / 0 (a filtered token) from becoming NaN.
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return probs.div(q).argmax(dim=-1)
+
+
+def compute_topk_logprobs(
+    logprobs: torch.Tensor,  # [N, V], already log_softmax'ed
+    token_ids: torch.Tensor,  # [N] int64
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The given tokens' logprobs and ranks, with the k most likely tokens' logprobs.
+
+    Returns ids [N, 1 + k] int64 and lps [N, 1 + k] float32 (column 0 the given token, then the
+    top k, best first) and ranks [N] int64 (1 + the number of strictly more likely tokens).
+    Serves sampled tokens and prompt logprobs alike.
+    """
+    token_logprobs = logprobs.gather(-1, token_ids[:, None])  # [N, 1]
+    ranks = (logprobs > token_logprobs).sum(dim=-1) + 1
+    top_logprobs, top_ids = logprobs.topk(k, dim=-1)  # [N, k]
+    ids = torch.cat([token_ids[:, None], top_ids], dim=-1)
+    lps = torch.cat([token_logprobs, top_logprobs], dim=-1)
+    return ids, lps, ranks

@@ -1,0 +1,162 @@
+"""Reading a GGUF checkpoint: a Hugging Face-style config and float32 weights under HF names.
+
+llama.cpp stores a model under its own names (`blk.N.attn_q.weight`) and, for the `llama`
+architecture only, with the rows of q_proj and k_proj permuted so that each rotary pair sits side by
+side. Both are undone here, so the weights drop into the same model code as a safetensors checkpoint.
+"""
+
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+# general.architecture -> the Hugging Face class whose parameter names the weights are given under
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+# llama.cpp's converter permutes q/k rows for these architectures only (LlamaModel.permute)
+_ROTARY_PERMUTED = {"llama"}
+
+# Hugging Face's default when a checkpoint states no rope base (llama.cpp's too)
+_DEFAULT_ROPE_THETA = 10000.0
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
+
+
+def load_gguf_config(path: str) -> dict:
+    """A Hugging Face-style config dict from the GGUF file's metadata.
+
+    Raises FileNotFoundError for a missing file and ValueError for an architecture quire does not
+    load.
+    """
+    return _config_from_reader(_open(path))
+
+
+def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF parameter name, float32 tensor in HF shape) for every tensor in the file, in file order.
+
+    Tensors are dequantized one at a time from the memory-mapped file, so peak memory is about one
+    dequantized tensor. A tied checkpoint has no `lm_head.weight`; the model ties it to the embedding.
+    The file and its architecture are checked on the call, before the first tensor is asked for.
+    """
+    reader = _open(path)
+    return _iter_weights(reader, _config_from_reader(reader))
+
+
+def _iter_weights(reader: GGUFReader, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    permuted = config["model_type"] in _ROTARY_PERMUTED
+    heads_for = {
+        "attn_q": config["num_attention_heads"],
+        "attn_k": config["num_key_value_heads"],
+    }
+    for tensor in reader.tensors:
+        name, gguf_kind = _hf_name(tensor.name)
+        # the reader gives the data in torch order already: [rows, bytes per row] for blocks
+        weights = dequantize(tensor.data, tensor.tensor_type)
+        if permuted and gguf_kind in heads_for:
+            weights = _unpermute_rotary(weights, heads_for[gguf_kind])
+        # an unquantized tensor is still a read-only view of the memory map: copy only that one
+        yield name, torch.from_numpy(np.require(weights, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
+
+
+def _open(path: str) -> GGUFReader:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    return GGUFReader(path)
+
+
+def _config_from_reader(reader: GGUFReader) -> dict:
+    architecture = _field(reader, "general.architecture")
+    if architecture not in ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {architecture!r} is not supported; quire loads "
+            f"{', '.join(sorted(ARCHITECTURES))}."
+        )
+
+    def arch_field(key: str, default: Any = None) -> Any:
+        return _field(reader, f"{architecture}.{key}", default)
+
+    hidden_size = arch_field("embedding_length")
+    num_attention_heads = arch_field("attention.head_count")
+    head_dim = arch_field("attention.key_length") or arch_field("rope.dimension_count")
+    vocab_size = arch_field("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    tensor_names = {tensor.name for tensor in reader.tensors}
+    return {
+        "architectures": [ARCHITECTURES[architecture]],
+        "model_type": architecture,
+        "hidden_size": hidden_size,
+        "intermediate_size": arch_field("feed_forward_length"),
+        "num_hidden_layers": arch_field("block_count"),
+        "num_attention_heads": num_attention_heads,
+        # llama.cpp omits the KV head count when it equals the head count (no GQA)
+        "num_key_value_heads": arch_field("attention.head_count_kv", num_attention_heads),
+        "head_dim": head_dim or hidden_size // num_attention_heads,
+        "rms_norm_eps": arch_field("attention.layer_norm_rms_epsilon"),
+        "rope_theta": arch_field("rope.freq_base", _DEFAULT_ROPE_THETA),
+        "max_position_embeddings": arch_field("context_length"),
+        "vocab_size": vocab_size,
+        # llama.cpp writes output.weight only when it is not the embedding matrix
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "bfloat16",
+    }
+
+
+def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.get_field(key)
+    return default if field is None else field.contents()
+
+
+def _hf_name(gguf_name: str) -> tuple[str, str]:
+    """(HF parameter name, llama.cpp tensor kind) for a GGUF tensor name."""
+    if match := _LAYER_TENSOR.fullmatch(gguf_name):
+        layer, kind, suffix = match.groups()
+        if kind in _LAYER_NAMES:
+            return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}", kind
+    elif match := _GLOBAL_TENSOR.fullmatch(gguf_name):
+        kind, suffix = match.groups()
+        if kind in _GLOBAL_NAMES:
+            return f"{_GLOBAL_NAMES[kind]}.{suffix}", kind
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face name in quire's loader.")
+
+
+def _unpermute_rotary(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation, from halves-interleaved back to HF's rotate-half order.
+
+    llama.cpp reshapes each head's rows as [2, head_dim // 2] and swaps the axes; this swaps them
+    back. Works on a weight [num_heads * head_dim, hidden] and on a bias [num_heads * head_dim].
+    """
+    half_head_dim = weights.shape[0] // num_heads // 2
+    # [num_heads, head_dim // 2, 2, ...] -> [num_heads, 2, head_dim // 2, ...]
+    per_head = weights.reshape(num_heads, half_head_dim, 2, *weights.shape[1:])
+    return per_head.swapaxes(1, 2).reshape(weights.shape)

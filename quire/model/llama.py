@@ -1,0 +1,141 @@
+"""Llama-family decoder: embed, N x (attention + SiLU-gated MLP, pre-norm residual), norm, head.
+
+Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm) are this model with one switch each; see qwen2.py and
+qwen3.py. Projections are fused (q|k|v, gate|up); `load_weights` maps checkpoint names onto them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from quire.attention.backend import AttentionMetadata
+from quire.layers.activation import silu_and_mul
+from quire.layers.attention import Attention
+from quire.layers.norm import RMSNorm
+from quire.layers.rotary import RotaryEmbedding
+from quire.model.model_config import ModelConfig
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.self_attn = Attention(
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            rotary,
+            qkv_bias=qkv_bias,
+            qk_norm_eps=config.rms_norm_eps if qk_norm else None,
+        )
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, config: ModelConfig, max_position: int):
+        super().__init__()
+        self.config = config
+        rotary = RotaryEmbedding(config.head_dim, max_position, config.rope)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, rotary, self.qkv_bias, self.qk_norm)
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.layers]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, metadata)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # -> [n, vocab] float32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies checkpoint tensors (Hugging Face names) into the fused parameters. Raises
+        ValueError naming what is missing or unexpected, so a wrong checkpoint fails loudly."""
+        params = dict(self.named_parameters())
+        cfg = self.config
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        shards = {
+            "q_proj": ("qkv_proj", 0, q),
+            "k_proj": ("qkv_proj", q, kv),
+            "v_proj": ("qkv_proj", q + kv, kv),
+            "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
+            "up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
+        }
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            target, offset, size = name, 0, None
+            for shard, (fused, shard_offset, shard_size) in shards.items():
+                if f".{shard}." in name:
+                    target = name.replace(shard, fused)
+                    offset, size = shard_offset, shard_size
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"Checkpoint tensor {name!r} has no place in {cfg.architecture}.")
+            dest = param.data if size is None else param.data.narrow(0, offset, size)
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"Checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dest.shape)}."
+                )
+            dest.copy_(tensor)
+            loaded.add(name)
+        expected = set().union(*(_checkpoint_name(n, shards) for n in params))
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"Checkpoint is missing tensors: {sorted(missing)[:8]}")
+
+
+def _checkpoint_name(param_name: str, shards: dict[str, tuple[str, int, int]]) -> set[str]:
+    """The checkpoint names that fill a (possibly fused) parameter."""
+    names = {
+        param_name.replace(fused, shard)
+        for shard, (fused, _, _) in shards.items()
+        if f".{fused}." in param_name
+    }
+    return names or {param_name}

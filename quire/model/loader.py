@@ -1,0 +1,79 @@
+"""Builds the model for a checkpoint and fills its weights: HF safetensors folders and GGUF files."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import os
+import time
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from quire.config import EngineConfig
+from quire.layers.rotary import RotaryEmbedding
+from quire.model.gguf_loader import iter_gguf_weights, load_gguf_config
+from quire.model.model_config import ModelConfig
+from quire.model.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+
+def load_model_config(config: EngineConfig) -> ModelConfig:
+    if config.is_gguf:
+        return ModelConfig.from_dict(load_gguf_config(config.model))
+    return ModelConfig.from_pretrained(config.model)
+
+
+def iter_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"{model_dir!r} has no *.safetensors weight files.")
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(
+    config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_position: int
+) -> nn.Module:
+    start = time.perf_counter()
+    model_class = get_model_class(model_config.architecture)
+    # Built without initializing weights (the checkpoint overwrites them), then materialized.
+    with torch.device("meta"), _default_dtype(dtype):
+        model = model_class(model_config, max_position)
+    model.to_empty(device=config.device)
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.build_cache()
+    weights = (
+        iter_gguf_weights(config.model)
+        if config.is_gguf
+        else iter_safetensors_weights(config.model)
+    )
+    with torch.no_grad():
+        model.load_weights(weights)
+    model.eval()
+    num_params = sum(p.numel() for p in model.parameters())
+    logger.info(
+        "Loaded %s (%.1fM params, %s) in %.1f s",
+        model_config.architecture,
+        num_params / 1e6,
+        str(dtype).removeprefix("torch."),
+        time.perf_counter() - start,
+    )
+    return model

@@ -1,0 +1,217 @@
+"""ModelRunner: turns a SchedulerOutput into one flattened forward pass and samples.
+
+All scheduled tokens of a step are flattened into one batch (decodes first). Attention writes their
+K/V into the paged cache through `slot_mapping` and attends over each request's context. Only the
+rows that sample (the last token of a request whose known tokens are then all computed) and rows
+whose prompt logprobs were asked for go through the LM head.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from quire.attention.backend import AttentionBackend, AttentionMetadata
+from quire.config import EngineConfig
+from quire.engine.scheduler import ScheduledRequest, SchedulerOutput
+from quire.layers.sampler import Sampler, SamplingBatch, compute_topk_logprobs
+from quire.model.loader import load_model
+from quire.model.model_config import ModelConfig
+from quire.worker import kv_cache
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TopLogprobs:
+    """Per position: column 0 the chosen token, then the top-k alternatives."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]  # rank of the chosen token, 1 = most likely
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, int]  # request id -> new token
+    sampled_logprobs: dict[str, float]  # request id -> its logprob (raw distribution)
+    logprobs: dict[str, TopLogprobs]  # for requests that asked for logprobs
+    prompt_logprobs: dict[str, TopLogprobs]  # prompt positions computed this step
+
+
+def make_backend(name: str) -> AttentionBackend:
+    if name == "triton":
+        from quire.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    from quire.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend()
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        dtype: torch.dtype,
+        max_model_len: int,
+    ):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.block_size = config.block_size
+        self.model = load_model(config, model_config, dtype, max_model_len)
+        self.layers = self.model.attention_layers
+        self.backend = make_backend(config.attention_backend)
+        for layer in self.layers:
+            layer.backend = self.backend
+        self.sampler = Sampler()
+        self.num_blocks = config.num_kv_blocks or kv_cache.num_kv_blocks(
+            model_config,
+            config.block_size,
+            dtype,
+            config.device,
+            config.kv_cache_memory,
+            config.gpu_memory_utilization,
+            config.max_num_batched_tokens,
+        )
+        kv_cache.allocate_kv_cache(
+            self.layers, self.num_blocks, config.block_size, dtype, config.device
+        )
+
+    # ---- batch preparation -----------------------------------------------------------------
+    def _prepare(
+        self, scheduled: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        starts = np.fromiter(
+            (s.request.num_computed_tokens for s in scheduled), np.int64, len(scheduled)
+        )
+        query_lens = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, len(scheduled))
+        seq_lens = starts + query_lens
+        cu_query = np.zeros(len(scheduled) + 1, np.int64)
+        np.cumsum(query_lens, out=cu_query[1:])
+        num_tokens = int(cu_query[-1])
+
+        input_ids: list[int] = []
+        for s, start in zip(scheduled, starts.tolist()):
+            input_ids.extend(s.request.token_ids[start : start + s.num_new_tokens])
+        # positions[t] = start of its request + offset inside the chunk
+        seq_index = np.repeat(np.arange(len(scheduled)), query_lens)
+        positions = np.arange(num_tokens) - cu_query[:-1][seq_index] + starts[seq_index]
+
+        max_blocks = max(len(s.block_ids) for s in scheduled)
+        block_tables = np.zeros((len(scheduled), max_blocks), np.int32)
+        for i, s in enumerate(scheduled):
+            block_tables[i, : len(s.block_ids)] = s.block_ids
+        slot_mapping = (
+            block_tables[seq_index, positions // self.block_size].astype(np.int64) * self.block_size
+            + positions % self.block_size
+        )
+        num_decodes = int(np.searchsorted(query_lens != 1, True))  # decodes come first
+
+        dev = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_start_loc=torch.from_numpy(cu_query.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(block_tables).to(dev),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=cu_query.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decodes,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        return ids, torch.from_numpy(positions).to(dev), metadata
+
+    # ---- the step --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        if output.block_copies:
+            kv_cache.copy_blocks(self.layers, output.block_copies)
+        scheduled = output.scheduled
+        input_ids, positions, metadata = self._prepare(scheduled)
+        hidden = self.model(input_ids, positions, metadata)  # [num_tokens, hidden]
+
+        # Rows that sample: each request's last new token; a fork samples from its parent's row.
+        row_of: dict[str, int] = {}
+        for i, s in enumerate(scheduled):
+            if s.samples:
+                row_of[s.request.request_id] = metadata.query_start_loc_cpu[i + 1] - 1
+        requests = [s.request for s in scheduled if s.samples]
+        for child, parent in output.forked:
+            row_of[child.request_id] = row_of[parent.request_id]
+            requests.append(child)
+
+        result = ModelRunnerOutput({}, {}, {}, self._prompt_logprobs(scheduled, hidden, metadata))
+        if not requests:
+            return result
+        rows = torch.tensor([row_of[r.request_id] for r in requests], device=self.device)
+        logits = self.model.compute_logits(hidden[rows])  # [num_sampled, vocab] float32
+        batch = SamplingBatch.from_params(
+            [r.sampling_params for r in requests],
+            [r.output_token_ids for r in requests],
+            [r.prompt_token_ids for r in requests],
+            [r.generator for r in requests],
+            [_banned_tokens(r) for r in requests],
+            self.device,
+        )
+        sampled = self.sampler(logits, batch)
+        token_ids = sampled.sampled_token_ids.tolist()
+        token_logprobs = sampled.sampled_logprobs.tolist()
+        for i, r in enumerate(requests):
+            result.sampled[r.request_id] = token_ids[i]
+            result.sampled_logprobs[r.request_id] = token_logprobs[i]
+        if sampled.logprob_token_ids is not None:
+            all_ids = sampled.logprob_token_ids.tolist()
+            all_lps = sampled.logprobs.tolist()
+            ranks = sampled.sampled_ranks.tolist()
+            for i, r in enumerate(requests):
+                k = r.sampling_params.logprobs
+                if k is not None:
+                    result.logprobs[r.request_id] = TopLogprobs(
+                        [all_ids[i][: k + 1]], [all_lps[i][: k + 1]], [ranks[i]]
+                    )
+        return result
+
+    def _prompt_logprobs(
+        self,
+        scheduled: list[ScheduledRequest],
+        hidden: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> dict[str, TopLogprobs]:
+        """Logprobs of prompt tokens 1.. given their prefix, for the chunk computed this step."""
+        result = {}
+        for i, s in enumerate(scheduled):
+            request = s.request
+            if request.prompt_logprobs_done:
+                continue
+            start = request.num_computed_tokens
+            # Position p predicts prompt token p + 1; the last prompt position predicts no prompt token.
+            end = min(start + s.num_new_tokens, request.num_prompt_tokens - 1)
+            if end <= start:
+                continue
+            first_row = metadata.query_start_loc_cpu[i]
+            logits = self.model.compute_logits(hidden[first_row : first_row + end - start])
+            targets = torch.tensor(
+                request.prompt_token_ids[start + 1 : end + 1], device=self.device
+            )
+            k = request.sampling_params.prompt_logprobs
+            ids, lps, ranks = compute_topk_logprobs(logits.log_softmax(-1), targets, k)
+            result[request.request_id] = TopLogprobs(ids.tolist(), lps.tolist(), ranks.tolist())
+        return result
+
+
+def _banned_tokens(request) -> list[int]:
+    """Below min_tokens, EOS and the stop token ids cannot be sampled."""
+    params = request.sampling_params
+    if request.num_output_tokens >= params.min_tokens:
+        return []
+    banned = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        banned |= params.all_stop_token_ids
+    return sorted(banned)

@@ -1,0 +1,104 @@
+"""Shared fixtures: the default GGUF model's tokenizer and tiny random Hugging Face checkpoints."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from quire.config import default_model_path  # noqa: E402
+
+# Shapes chosen to cover GQA ratios, head_dim != hidden / heads, tied and untied embeddings.
+TINY_CONFIGS = {
+    "llama": dict(
+        architectures=["LlamaForCausalLM"],
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+    ),
+    "qwen2": dict(
+        architectures=["Qwen2ForCausalLM"],
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    ),
+    "qwen3": dict(
+        architectures=["Qwen3ForCausalLM"],
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+@pytest.fixture(scope="session")
+def default_model() -> str:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory, default_model) -> str:
+    """The default model's tokenizer saved as tokenizer.json, reused by the tiny checkpoints."""
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("tokenizer")
+    tok = AutoTokenizer.from_pretrained(
+        os.path.dirname(default_model), gguf_file=os.path.basename(default_model)
+    )
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def build_tiny_model(path: str, arch: str, tokenizer_dir: str, seed: int = 0) -> str:
+    """Saves a random tiny checkpoint of `arch` (float32, SmolLM2's tokenizer) at `path`."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(TINY_CONFIGS[arch])
+    model_type = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}.get(
+        spec["architectures"][0], "qwen3"
+    )
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=49152,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
+        **spec,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    for name in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, name), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    return {arch: build_tiny_model(str(root / arch), arch, tokenizer_dir) for arch in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models) -> str:
+    return tiny_models["llama"]

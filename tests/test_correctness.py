@@ -1,0 +1,112 @@
+"""Greedy decoding and logprobs match transformers on the same weights (float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quire import LLM, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a land far away, there lived a dragon who",
+    "1, 2, 3,",
+    "def fibonacci(n):\n    ",
+    "A",
+]
+NUM_NEW_TOKENS = 32
+
+
+def hf_greedy(model_dir: str, prompt_ids: list[list[int]], num_new: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    outputs = []
+    for ids in prompt_ids:
+        input_ids = torch.tensor([ids])
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=num_new,
+            min_new_tokens=num_new,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        outputs.append(out[0, len(ids) :].tolist())
+    return outputs
+
+
+def greedy(max_tokens: int = NUM_NEW_TOKENS, **kwargs) -> SamplingParams:
+    # min_tokens bans EOS exactly as transformers' min_new_tokens does.
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, **kwargs)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_greedy_tokens_match_transformers(tiny_models, arch):
+    llm = LLM(model=tiny_models[arch], dtype="float32")
+    outputs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    prompt_ids = [o.prompt_token_ids for o in outputs]
+    expected = hf_greedy(tiny_models[arch], prompt_ids, NUM_NEW_TOKENS)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_prompt_and_sample_logprobs_match_transformers_log_softmax(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(model=tiny_llama, dtype="float32")
+    params = greedy(max_tokens=8, logprobs=3, prompt_logprobs=2)
+    (output,) = llm.generate([PROMPTS[1]], params, use_tqdm=False)
+    completion = output.outputs[0]
+    full = output.prompt_token_ids + completion.token_ids
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    with torch.no_grad():
+        ref = model(torch.tensor([full])).logits[0].log_softmax(-1)  # [len, vocab]
+
+    num_prompt = len(output.prompt_token_ids)
+    assert output.prompt_logprobs[0] is None
+    assert len(output.prompt_logprobs) == num_prompt
+    for pos in range(1, num_prompt):
+        entry = output.prompt_logprobs[pos]
+        token = full[pos]
+        assert entry[token].logprob == pytest.approx(ref[pos - 1, token].item(), abs=1e-4)
+        top2 = ref[pos - 1].topk(2)
+        for tid, lp in zip(top2.indices.tolist(), top2.values.tolist()):
+            assert entry[tid].logprob == pytest.approx(lp, abs=1e-4)
+
+    cumulative = 0.0
+    for i, token in enumerate(completion.token_ids):
+        pos = num_prompt + i - 1
+        entry = completion.logprobs[i]
+        assert entry[token].logprob == pytest.approx(ref[pos, token].item(), abs=1e-4)
+        assert entry[token].rank == 1  # greedy picks the most likely token
+        top3 = ref[pos].topk(3)
+        assert set(entry) == set(top3.indices.tolist())
+        cumulative += ref[pos, token].item()
+    assert completion.cumulative_logprob == pytest.approx(cumulative, abs=1e-3)
+
+
+def test_default_gguf_model_matches_transformers_on_the_same_file(default_model):
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(dtype="float32")
+    prompts = ["The capital of France is", "Write a haiku about the sea."]
+    outputs = llm.generate(prompts, greedy(max_tokens=24), use_tqdm=False)
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(default_model),
+        gguf_file=os.path.basename(default_model),
+        dtype=torch.float32,
+    )
+    for output in outputs:
+        input_ids = torch.tensor([output.prompt_token_ids])
+        ref = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=24,
+            min_new_tokens=24,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        assert output.outputs[0].token_ids == ref[0, input_ids.shape[1] :].tolist()
