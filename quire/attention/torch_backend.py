@@ -1,7 +1,9 @@
 """The reference attention backend, and the CPU path: PyTorch ops over gathered cache blocks.
 
-Decodes (one query token each) run as one padded batch: every request's blocks are gathered into a
-`[num_decodes, max_blocks * block_size, num_kv_heads, head_dim]` tensor and masked past its length.
+Decodes (one query token each) run in the C kernel of quire/kernels/cpu when it can be built (it
+reads K/V through the block table, no gathered copy); otherwise as one padded batch: every
+request's blocks are gathered into a `[num_decodes, max_blocks * block_size, num_kv_heads,
+head_dim]` tensor and masked past its length.
 Prefill chunks run one request at a time with `scaled_dot_product_attention` over the gathered
 prefix plus the chunk, causal with the chunk's offset.
 """
@@ -12,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from quire.attention.backend import AttentionBackend, AttentionMetadata
+from quire.kernels import cpu as cpu_kernels
 
 
 def store_kv(
@@ -66,25 +69,18 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         num_decodes = metadata.num_decodes
-        block_size = k_cache.shape[1]
-        seq_lens_cpu = metadata.seq_lens_cpu[:num_decodes]
-        max_len = max(seq_lens_cpu)
-        num_blocks = -(-max_len // block_size)
-        block_tables = metadata.block_tables[:num_decodes, :num_blocks]
-        keys = gather_kv(k_cache, block_tables)[:, :max_len]  # [B, L, Hkv, D]
-        values = gather_kv(v_cache, block_tables)[:, :max_len]
-        q = query.unsqueeze(2)  # [B, Hq, 1, D]
-        k = keys.transpose(1, 2)  # [B, Hkv, L, D]
-        v = values.transpose(1, 2)
-        mask = None
-        if min(seq_lens_cpu) != max_len:
-            positions = torch.arange(max_len, device=query.device)
-            valid = positions[None, :] < metadata.seq_lens[:num_decodes, None]  # [B, L]
-            mask = valid[:, None, None, :]
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-        )
-        return out.squeeze(2)
+        if query.device.type == "cpu" and cpu_kernels.supports_paged_decode(
+            query.dtype, query.shape[1], k_cache.shape[2], query.shape[2]
+        ):
+            return cpu_kernels.paged_decode(
+                query,
+                k_cache,
+                v_cache,
+                metadata.block_tables[:num_decodes],
+                metadata.seq_lens[:num_decodes],
+                scale,
+            )
+        return gathered_decode(query, k_cache, v_cache, metadata, scale)
 
     def _prefill(
         self,
@@ -119,3 +115,33 @@ class TorchAttentionBackend(AttentionBackend):
                     q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[0] != k.shape[0]
                 )
             output[start:end] = out.transpose(0, 1)
+
+
+def gathered_decode(
+    query: torch.Tensor,  # [num_decodes, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention in plain PyTorch: gather each request's blocks, mask, SDPA."""
+    num_decodes = metadata.num_decodes
+    block_size = k_cache.shape[1]
+    seq_lens_cpu = metadata.seq_lens_cpu[:num_decodes]
+    max_len = max(seq_lens_cpu)
+    num_blocks = -(-max_len // block_size)
+    block_tables = metadata.block_tables[:num_decodes, :num_blocks]
+    keys = gather_kv(k_cache, block_tables)[:, :max_len]  # [B, L, Hkv, D]
+    values = gather_kv(v_cache, block_tables)[:, :max_len]
+    q = query.unsqueeze(2)  # [B, Hq, 1, D]
+    k = keys.transpose(1, 2)  # [B, Hkv, L, D]
+    v = values.transpose(1, 2)
+    mask = None
+    if min(seq_lens_cpu) != max_len:
+        positions = torch.arange(max_len, device=query.device)
+        valid = positions[None, :] < metadata.seq_lens[:num_decodes, None]  # [B, L]
+        mask = valid[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    return out.squeeze(2)
