@@ -3,6 +3,11 @@
 A step stores its new K/V with `store_kv`, then runs the decode requests (ordered first, one token
 each) through the split-K `paged_decode` kernel and the prefill chunks after them through
 `prefill_paged`, each kernel writing its slice of one output tensor.
+
+The host-side metadata it reads (num_decodes, num_decode_tokens, num_seqs, max_seq_len,
+max_query_len) only sizes launch grids and picks branches, and it never reads device values back,
+so a decode-only batch can be captured in a CUDA graph: worker/cuda_graph.py fixes those values per
+captured batch size (max_seq_len to max_model_len) and pads the batch with seq_len 0, slot -1 rows.
 """
 
 from __future__ import annotations

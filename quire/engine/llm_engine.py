@@ -267,6 +267,9 @@ class LLMEngine:
                 )
             )
         metrics = {"arrival_time": group.arrival_time}
+        first_scheduled_time = group.sequences[0].request.first_scheduled_time
+        if first_scheduled_time is not None:
+            metrics["first_scheduled_time"] = first_scheduled_time
         if group.first_token_time is not None:
             metrics["first_token_time"] = group.first_token_time
         return RequestOutput(

@@ -108,11 +108,79 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench(subparsers: argparse._SubParsersAction) -> None:
+    from quire.bench import latency, serve, throughput
+
+    p = subparsers.add_parser("bench", help="benchmarks: throughput, latency, serve")
+    benches = p.add_subparsers(dest="bench_command", required=True)
+    for module in (throughput, latency, serve):
+        module.add_parser(benches)
+
+
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` (default: $QUIRE_API_KEY if set, else open)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send (default: --model as given)",
+    )
+    p.add_argument("--disable-log-requests", action="store_true", help="no line per request")
+    p.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
+    add_engine_args(p)
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from quire.entrypoints.api_server import serve
+
+    # The per-request and stats lines are INFO: shown unless --disable-log-requests/-stats.
+    if logging.getLogger().getEffectiveLevel() > logging.INFO:
+        logging.getLogger("quire").setLevel(logging.INFO)
+    serve(
+        engine_config_from_args(args),
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or os.environ.get("QUIRE_API_KEY"),
+        served_model_name=args.served_model_name or args.model,
+        log_requests=not args.disable_log_requests,
+        log_stats=not args.disable_log_stats,
+    )
+    return 0
+
+
+def _add_chat(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("chat", help="chat with the model in the terminal")
+    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--max-tokens", type=int, default=512, help="per reply")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.9)
+    add_engine_args(p)
+    p.set_defaults(func=_run_chat)
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    from quire.entrypoints.chat_cli import run_chat_from_args
+
+    return run_chat_from_args(args, engine_config_from_args(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="quire", description="quire: LLM inference and serving")
     parser.add_argument("--log-level", default="WARNING")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate(subparsers)
+    _add_serve(subparsers)
+    _add_chat(subparsers)
+    _add_bench(subparsers)
     return parser
 
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from quire.attention.backend import AttentionBackend, AttentionMetadata
 from quire.layers.norm import RMSNorm
-from quire.layers.rotary import RotaryEmbedding
+from quire.layers.rotary import apply_rotary
 
 
 class Attention(nn.Module):
@@ -17,7 +17,6 @@ class Attention(nn.Module):
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
-        rotary: RotaryEmbedding,
         qkv_bias: bool = False,
         qk_norm_eps: float | None = None,
     ):
@@ -30,7 +29,6 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5
         self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, hidden_size, bias=False)
-        self.rotary = rotary
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         # Bound by the worker once the KV pool is allocated.
@@ -40,7 +38,7 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,  # [num_tokens]
+        rotary: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [num_tokens, 1, head_dim]
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
@@ -52,6 +50,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        cos, sin = rotary
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))

@@ -52,17 +52,19 @@ class RotaryEmbedding(nn.Module):
         self.sin_cache = emb.sin()
 
     def forward(
-        self,
-        positions: torch.Tensor,  # [num_tokens]
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_cache[positions].unsqueeze(1).to(query.dtype)  # [num_tokens, 1, head_dim]
-        sin = self.sin_cache[positions].unsqueeze(1).to(query.dtype)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: [num_tokens, 1, head_dim]
+        """The step's cos/sin tables, looked up once and shared by every layer."""
+        cos = self.cos_cache[positions].unsqueeze(1).to(dtype)
+        sin = self.sin_cache[positions].unsqueeze(1).to(dtype)
+        return cos, sin
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(
+    x: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+    sin: torch.Tensor,
+) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -30,14 +30,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, config: ModelConfig, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         self.self_attn = Attention(
             config.hidden_size,
             config.num_attention_heads,
             config.num_key_value_heads,
             config.head_dim,
-            rotary,
             qkv_bias=qkv_bias,
             qk_norm_eps=config.rms_norm_eps if qk_norm else None,
         )
@@ -46,9 +45,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
+        self,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), metadata)
+        hidden = hidden + self.self_attn(rotary, self.input_layernorm(hidden), metadata)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -59,10 +61,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_position: int):
         super().__init__()
         self.config = config
-        rotary = RotaryEmbedding(config.head_dim, max_position, config.rope)
+        self.rotary = RotaryEmbedding(config.head_dim, max_position, config.rope)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, self.qkv_bias, self.qk_norm)
+            DecoderLayer(config, self.qkv_bias, self.qk_norm)
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -82,8 +84,9 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         hidden = self.embed_tokens(input_ids)
+        rotary = self.rotary(positions, hidden.dtype)
         for layer in self.layers:
-            hidden = layer(positions, hidden, metadata)
+            hidden = layer(rotary, hidden, metadata)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # -> [n, vocab] float32

@@ -21,6 +21,7 @@ from quire.layers.sampler import Sampler, SamplingBatch, compute_topk_logprobs
 from quire.model.loader import load_model
 from quire.model.model_config import ModelConfig
 from quire.worker import kv_cache
+from quire.worker.cuda_graph import CUDAGraphRunner, use_cuda_graphs
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +78,14 @@ class ModelRunner:
             config.kv_cache_memory,
             config.gpu_memory_utilization,
             config.max_num_batched_tokens,
+            model=self.model,
+            max_num_seqs=config.max_num_seqs,
         )
         kv_cache.allocate_kv_cache(
             self.layers, self.num_blocks, config.block_size, dtype, config.device
+        )
+        self.cuda_graphs = (
+            CUDAGraphRunner(self.model, config, max_model_len) if use_cuda_graphs(config) else None
         )
 
     # ---- batch preparation -----------------------------------------------------------------
@@ -135,7 +141,10 @@ class ModelRunner:
             kv_cache.copy_blocks(self.layers, output.block_copies)
         scheduled = output.scheduled
         input_ids, positions, metadata = self._prepare(scheduled)
-        hidden = self.model(input_ids, positions, metadata)  # [num_tokens, hidden]
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(metadata):
+            hidden = self.cuda_graphs.run(input_ids, positions, metadata)  # [num_tokens, hidden]
+        else:
+            hidden = self.model(input_ids, positions, metadata)  # [num_tokens, hidden]
 
         # Rows that sample: each request's last new token; a fork samples from its parent's row.
         row_of: dict[str, int] = {}

@@ -1,0 +1,204 @@
+"""`quire bench latency`: prefill time for one prompt, and decode step time at batch 1 and batch B,
+each against its roofline on this machine.
+
+A decode step's floor is the bytes it moves (the weights once plus every request's K/V context)
+over the measured memory bandwidth; a prefill's floor is its FLOPs over the measured bf16 matmul
+peak (quire.bench.roofline). The fraction printed is floor / measured: 1.0 is the roofline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from quire.bench import roofline
+from quire.bench.models import add_model_dir_arg, resolve_model
+
+_WARMUP_DECODE_STEPS = 2
+
+
+@dataclass
+class PrefillResult:
+    prompt_len: int
+    seconds: float  # median over the iterations
+    flops: int
+    roofline_seconds: float
+
+    @property
+    def roofline_fraction(self) -> float:
+        return roofline.roofline_fraction(self.roofline_seconds, self.seconds)
+
+
+@dataclass
+class DecodeResult:
+    batch_size: int
+    steps: int
+    step_seconds: float  # mean over the timed steps
+    mean_context_len: float
+    bytes_per_step: float  # mean over the timed steps
+    roofline_seconds: float  # per step, mean
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch_size / self.step_seconds
+
+    @property
+    def roofline_fraction(self) -> float:
+        return roofline.roofline_fraction(self.roofline_seconds, self.step_seconds)
+
+
+def _random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(min(vocab_size, 10000)) for _ in range(length)]
+
+
+def measure_prefill(
+    engine, prompt_len: int, num_iters: int, hardware: roofline.Hardware, rng: random.Random
+) -> PrefillResult:
+    """Median time from adding one request (a fresh random prompt, so nothing is cached) to its
+    first token, after one warm-up."""
+    from quire.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    times = []
+    for i in range(num_iters + 1):
+        prompt = _random_prompt(rng, prompt_len, engine.model_config.vocab_size)
+        start = time.perf_counter()
+        engine.add_request(f"prefill-{i}", prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times[1:])
+    flops = roofline.prefill_flops(engine.model_config, prompt_len)
+    ideal = flops / (hardware.matmul_tflops * 1e12)
+    return PrefillResult(prompt_len, seconds, flops, ideal)
+
+
+def measure_decode(
+    engine,
+    batch_size: int,
+    prompt_len: int,
+    num_steps: int,
+    hardware: roofline.Hardware,
+    rng: random.Random,
+) -> DecodeResult:
+    """Prefills `batch_size` requests, then times `num_steps` steps in which every request
+    decodes one token. Each step's floor uses the requests' context lengths at that step."""
+    from quire.sampling_params import SamplingParams
+
+    mc, dtype = engine.model_config, engine.dtype
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    ids = [f"decode-{batch_size}-{i}" for i in range(batch_size)]
+    num_output = dict.fromkeys(ids, 0)
+    for request_id in ids:
+        engine.add_request(request_id, _random_prompt(rng, prompt_len, mc.vocab_size), params)
+
+    def step() -> None:
+        outputs = engine.step()
+        for out in outputs:
+            num_output[out.request_id] = len(out.outputs[0].token_ids)
+
+    while min(num_output.values()) == 0:
+        step()
+    for _ in range(_WARMUP_DECODE_STEPS):
+        step()
+    times, step_bytes, contexts = [], [], []
+    for _ in range(num_steps):
+        # Each request attends to its prompt plus every output token (the newest is computed now).
+        context_lens = [prompt_len + n for n in num_output.values()]
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+        step_bytes.append(roofline.decode_step_bytes(mc, dtype, context_lens))
+        contexts.append(statistics.fmean(context_lens))
+    engine.abort_request(ids)
+    step_seconds = statistics.fmean(times)
+    bytes_per_step = statistics.fmean(step_bytes)
+    ideal = bytes_per_step / (hardware.bandwidth_gbps * 1e9)
+    return DecodeResult(
+        batch_size, num_steps, step_seconds, statistics.fmean(contexts), bytes_per_step, ideal
+    )
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from quire.entrypoints.cli import add_engine_args
+
+    p = subparsers.add_parser(
+        "latency",
+        help="prefill and decode step time against the memory / compute roofline",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=32, help="B of the batch-B decode")
+    p.add_argument("--decode-steps", type=int, default=16, help="timed decode steps per batch")
+    p.add_argument("--num-iters", type=int, default=3, help="timed prefills")
+    p.add_argument("--output-json", default="quire-bench-latency.json")
+    add_model_dir_arg(p)
+    add_engine_args(p)
+    p.set_defaults(func=main, dtype="bfloat16")
+
+
+def main(args: argparse.Namespace) -> int:
+    from quire.entrypoints.cli import engine_config_from_args
+    from quire.entrypoints.llm import LLM
+
+    for name in ("prompt_len", "batch_size", "decode_steps", "num_iters"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1.")
+    args.model = resolve_model(args.model, args.model_dir)
+    engine = LLM.from_engine_config(engine_config_from_args(args)).engine
+    mc, dtype, device = engine.model_config, engine.dtype, engine.config.device
+    hardware = roofline.measure_hardware(device, dtype)
+    rng = random.Random(args.seed)
+    prefill = measure_prefill(engine, args.prompt_len, args.num_iters, hardware, rng)
+    batch_sizes = sorted({1, args.batch_size})
+    decodes = [
+        measure_decode(engine, b, args.prompt_len, args.decode_steps, hardware, rng)
+        for b in batch_sizes
+    ]
+
+    weight_gb = roofline.num_params(mc) * dtype.itemsize / 1e9
+    print(
+        f"model: {engine.config.model} ({roofline.num_params(mc) / 1e6:.0f}M params, "
+        f"{weight_gb:.2f} GB {str(dtype).removeprefix('torch.')}), {device}, "
+        f"{torch.get_num_threads()} threads\n"
+        f"machine: read {hardware.read_gbps:.1f} GB/s, copy {hardware.copy_gbps:.1f} GB/s, "
+        f"matmul {hardware.matmul_tflops:.3f} TFLOP/s\n"
+        f"prefill {prefill.prompt_len} tokens: {prefill.seconds * 1e3:.1f} ms, "
+        f"{prefill.flops / 1e12:.3f} TFLOP, floor {prefill.roofline_seconds * 1e3:.1f} ms "
+        f"-> {prefill.roofline_fraction:.1%} of the compute roofline"
+    )
+    for d in decodes:
+        print(
+            f"decode batch {d.batch_size} (context ~{d.mean_context_len:.0f}): "
+            f"{d.step_seconds * 1e3:.2f} ms/step, {d.tokens_per_s:.1f} tok/s, "
+            f"{d.bytes_per_step / 1e6:.1f} MB/step, floor {d.roofline_seconds * 1e3:.2f} ms "
+            f"-> {d.roofline_fraction:.1%} of the memory roofline"
+        )
+    report = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "model": engine.config.model,
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": device,
+        "torch_threads": torch.get_num_threads(),
+        "num_params": roofline.num_params(mc),
+        "hardware": asdict(hardware),
+        "prefill": asdict(prefill) | {"roofline_fraction": prefill.roofline_fraction},
+        "decode": [
+            asdict(d) | {"tokens_per_s": d.tokens_per_s, "roofline_fraction": d.roofline_fraction}
+            for d in decodes
+        ],
+    }
+    with open(args.output_json, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {args.output_json}", file=sys.stderr)
+    return 0

@@ -1,0 +1,153 @@
+"""The roofline: this machine's measured memory bandwidth and matmul peak, and the bytes and FLOPs
+a model moves and computes per decode step and per prefill.
+
+Decode is memory-bound: its floor is (weights + KV read) / bandwidth. Prefill is compute-bound:
+its floor is FLOPs / matmul peak. The cost model counts the matmul weights only (the attention
+projections, the MLP and the LM head); norms and biases are under 0.1% of a real model and are
+left out. The embedding table costs one row per token (also left out) but, tied or not, the LM
+head reads a whole `vocab x hidden` matrix.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from quire.model.model_config import ModelConfig
+
+_CPU_BANDWIDTH_BYTES = 512 << 20
+_GPU_BANDWIDTH_BYTES = 4 << 30
+_CPU_MATMUL_SIZE = 2048
+_GPU_MATMUL_SIZE = 8192
+
+
+@dataclass
+class Hardware:
+    """Measured peaks: read bandwidth (what a decode step does), copy bandwidth (read + write,
+    both counted) and dense bf16 matmul throughput."""
+
+    device: str
+    read_gbps: float
+    copy_gbps: float
+    matmul_tflops: float
+
+    @property
+    def bandwidth_gbps(self) -> float:
+        return self.read_gbps
+
+
+def _best_seconds(fn: Callable[[], object], device: str, iters: int) -> float:
+    """The fastest of `iters` timed calls after one warm-up: on a shared machine the fastest run
+    is the one least disturbed by other jobs."""
+    fn()
+    best = float("inf")
+    for _ in range(iters):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_bandwidth(
+    device: str = "cpu", nbytes: int | None = None, iters: int = 5
+) -> tuple[float, float]:
+    """(read GB/s, copy GB/s) over a tensor much larger than the caches: a sum reads it once, a
+    copy reads and writes it."""
+    if nbytes is None:
+        nbytes = _GPU_BANDWIDTH_BYTES if device == "cuda" else _CPU_BANDWIDTH_BYTES
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    read_s = _best_seconds(lambda: src.sum(), device, iters)
+    copy_s = _best_seconds(lambda: dst.copy_(src), device, iters)
+    return nbytes / read_s / 1e9, 2 * nbytes / copy_s / 1e9
+
+
+def measure_matmul_tflops(
+    device: str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    size: int | None = None,
+    iters: int = 5,
+) -> float:
+    """Dense `size x size` matmul throughput in TFLOP/s (2 * size^3 FLOPs per product)."""
+    if size is None:
+        size = _GPU_MATMUL_SIZE if device == "cuda" else _CPU_MATMUL_SIZE
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    seconds = _best_seconds(lambda: a @ b, device, iters)
+    return 2 * size**3 / seconds / 1e12
+
+
+def measure_hardware(device: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> Hardware:
+    read_gbps, copy_gbps = measure_bandwidth(device)
+    return Hardware(device, read_gbps, copy_gbps, measure_matmul_tflops(device, dtype))
+
+
+# ---- the cost model ------------------------------------------------------------------------
+def layer_matmul_params(mc: ModelConfig) -> int:
+    """Weights of one decoder layer's matmuls: q, k, v, o and the gated MLP's gate, up, down."""
+    q_size = mc.num_attention_heads * mc.head_dim
+    kv_size = mc.num_key_value_heads * mc.head_dim
+    attention = mc.hidden_size * (q_size + 2 * kv_size) + q_size * mc.hidden_size
+    mlp = 3 * mc.hidden_size * mc.intermediate_size
+    return attention + mlp
+
+
+def lm_head_params(mc: ModelConfig) -> int:
+    return mc.vocab_size * mc.hidden_size
+
+
+def num_params(mc: ModelConfig) -> int:
+    """Every matmul weight plus the embedding table (one copy when tied to the LM head)."""
+    embeddings = lm_head_params(mc) * (1 if mc.tie_word_embeddings else 2)
+    return mc.num_hidden_layers * layer_matmul_params(mc) + embeddings
+
+
+def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype) -> int:
+    """K and V of one token across all layers."""
+    return 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * dtype.itemsize
+
+
+def decode_weight_bytes(mc: ModelConfig, dtype: torch.dtype) -> int:
+    """Weights one decode step reads: every layer's matmuls and the LM head."""
+    return (mc.num_hidden_layers * layer_matmul_params(mc) + lm_head_params(mc)) * dtype.itemsize
+
+
+def decode_step_bytes(mc: ModelConfig, dtype: torch.dtype, context_lens: Sequence[int]) -> int:
+    """Bytes one decode step moves: the weights once, plus each request's K/V over its context
+    (`context_lens[i]` tokens attended, the new one included)."""
+    return decode_weight_bytes(mc, dtype) + sum(context_lens) * kv_bytes_per_token(mc, dtype)
+
+
+def attention_flops(mc: ModelConfig, num_queries: int, context_len: int) -> int:
+    """QK^T and PV for `num_queries` new tokens that end a context of `context_len` tokens, causal:
+    query j (0-based) attends to context_len - num_queries + j + 1 keys; each (query, key) pair
+    costs 2 * head_dim FLOPs per head for QK^T and as many for PV."""
+    start = context_len - num_queries
+    keys = num_queries * start + num_queries * (num_queries + 1) // 2
+    return 4 * mc.num_hidden_layers * mc.num_attention_heads * mc.head_dim * keys
+
+
+def prefill_flops(mc: ModelConfig, num_tokens: int) -> int:
+    """A prompt of `num_tokens`: 2 FLOPs per weight per token in the layers, the LM head for the
+    last position only (the one that is sampled), and causal attention."""
+    layers = 2 * mc.num_hidden_layers * layer_matmul_params(mc) * num_tokens
+    return layers + 2 * lm_head_params(mc) + attention_flops(mc, num_tokens, num_tokens)
+
+
+def decode_step_flops(mc: ModelConfig, context_lens: Sequence[int]) -> int:
+    """One decode step of len(context_lens) requests, one token each."""
+    per_token = 2 * (mc.num_hidden_layers * layer_matmul_params(mc) + lm_head_params(mc))
+    attention = sum(attention_flops(mc, 1, n) for n in context_lens)
+    return per_token * len(context_lens) + attention
+
+
+def roofline_fraction(ideal_seconds: float, measured_seconds: float) -> float:
+    """How close a measurement is to its floor: 1.0 = at the roofline."""
+    return ideal_seconds / measured_seconds

@@ -1,0 +1,321 @@
+"""AsyncLLM: an asyncio front over LLMEngine.
+
+One background thread owns the engine and runs the step loop; nothing else touches the engine.
+Callers talk to it through a command queue (add, abort, shutdown) and get each request's outputs
+through an asyncio queue fed from the thread with `call_soon_threadsafe`, one call per event loop
+per step. The thread steps while any request is live, so concurrent requests batch together, and
+blocks on the command queue when idle.
+
+Why a thread and not an engine-core process: the step releases the GIL inside torch, and the
+front end's work per token (one SSE chunk) is small next to a step; see the serving notes in
+docs/ARCHITECTURE.md for the measurement.
+
+Each request's stream is an async generator of cumulative RequestOutputs. A consumer that falls
+behind gets the newest output only (outputs are cumulative, so nothing is lost). Closing or
+cancelling the stream before the request finishes aborts it, which frees its KV blocks once the
+current step ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+
+from quire.config import EngineConfig
+from quire.engine.llm_engine import LLMEngine, PromptType
+from quire.engine.metrics import EngineMetrics
+from quire.engine.request import RequestStatus
+from quire.outputs import RequestOutput
+from quire.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# How long the loop sleeps when it has live requests but could schedule none of them.
+_STALL_WAIT_S = 0.001
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop has stopped; the engine takes no more requests."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed while running this request (an internal error, not bad input)."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    # RequestOutput, a RequestFailedError/EngineDeadError to raise, or None: aborted elsewhere.
+    queue: asyncio.Queue
+
+
+@dataclass
+class _AddRequest:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams | None
+    arrival_time: float
+    stream: _Stream
+    added: asyncio.Future
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+_SHUTDOWN = object()
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None) -> None:
+        self.engine = engine
+        # The front end's own tokenizer: the engine thread's is never used from two threads.
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.metrics = metrics or EngineMetrics(engine.config.model, log_stats_interval_s=None)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}  # owned by the engine thread
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="quire-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_config(
+        cls, config: EngineConfig, metrics: EngineMetrics | None = None
+    ) -> AsyncLLM:
+        return cls(LLMEngine(config), metrics)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def is_running(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    # ---- requests (any event loop) -------------------------------------------------------
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Queues a request and returns its output stream once the engine has accepted it.
+
+        Raises ValueError (the engine untouched) on bad input. Closing the stream before the
+        last output aborts the request; so does cancelling this call.
+        """
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue())
+        added = loop.create_future()
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self._commands.put(_AddRequest(request_id, prompt, params, arrival_time, stream, added))
+        try:
+            await added
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return self._iterate(request_id, stream)
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs of one request until it finishes; leaving early aborts it."""
+        stream = await self.add_request(request_id or uuid.uuid4().hex, prompt, params)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            await stream.aclose()
+
+    def abort(self, request_ids: str | Iterable[str]) -> None:
+        """Ends requests and frees their KV blocks after the current step. Safe from any thread;
+        ids that are finished or unknown are ignored."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        if ids:
+            self._commands.put(_Abort(ids))
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Stops the step loop; live requests end with EngineDeadError."""
+        self._commands.put(_SHUTDOWN)
+        self._thread.join(timeout)
+
+    async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                # Outputs are cumulative: a consumer that fell behind needs only the newest.
+                while isinstance(item, RequestOutput) and not item.finished:
+                    if stream.queue.empty():
+                        break
+                    item = stream.queue.get_nowait()
+                if item is None:
+                    finished = True
+                    return
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def _check_alive(self) -> None:
+        if not self.is_running:
+            raise EngineDeadError(f"The engine has stopped: {self._dead!r}")
+
+    # ---- the step loop (engine thread) ---------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self._handle_commands(block=not self.engine.has_unfinished_requests()):
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self.metrics.log_stats_if_due(self.engine, time.monotonic())
+        except BaseException as error:
+            logger.exception("The engine loop died")
+            self._dead = error
+        else:
+            self._dead = EngineDeadError("the engine was shut down")
+        self._end_all_streams(EngineDeadError(f"The engine has stopped: {self._dead!r}"))
+
+    def _handle_commands(self, block: bool) -> bool:
+        """Runs queued commands (waiting for one if `block`); False once told to shut down."""
+        try:
+            if block:
+                command = self._commands.get(timeout=self.metrics.log_stats_interval_s)
+            else:
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        aborted: list[str] = []
+        while True:
+            if command is _SHUTDOWN:
+                return False
+            if isinstance(command, _AddRequest):
+                self._add(command)
+            else:
+                aborted += command.request_ids
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+        if aborted:
+            self._abort(aborted)
+        self.metrics.update_gauges(self.engine)
+        return True
+
+    def _add(self, command: _AddRequest) -> None:
+        try:
+            self.engine.add_request(
+                command.request_id, command.prompt, command.params, command.arrival_time
+            )
+        except Exception as error:  # ValueError is bad input; anything else fails this request
+            if not isinstance(error, ValueError):
+                logger.exception("Adding request %s failed", command.request_id)
+                error = RequestFailedError(f"Adding the request failed: {error!r}")
+            _call_soon(command.stream.loop, _settle, command.added, error)
+            return
+        self._streams[command.request_id] = command.stream
+        if not _call_soon(command.stream.loop, _settle, command.added, None):
+            self._abort([command.request_id])  # the caller's event loop is gone
+
+    def _abort(self, request_ids: list[str], reason: str = "abort") -> None:
+        live = [rid for rid in dict.fromkeys(request_ids) if rid in self.engine.groups]
+        self.engine.abort_request(live)
+        for request_id in request_ids:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                _call_soon(stream.loop, stream.queue.put_nowait, None)
+        if live:
+            self.metrics.record_aborted(live, time.monotonic(), reason)
+
+    def _step(self) -> None:
+        num_steps = self.engine.num_steps
+        try:
+            outputs = self.engine.step()
+        except Exception as error:
+            self._fail_live_requests(error)
+            return
+        self.metrics.record_step(self.engine, outputs, time.monotonic())
+        self._deliver(outputs)
+        if self.engine.num_steps == num_steps:  # nothing could be scheduled: wait a little
+            time.sleep(_STALL_WAIT_S)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]]
+        batches = defaultdict(list)
+        ids_by_loop: dict[asyncio.AbstractEventLoop, list[str]] = defaultdict(list)
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            batches[stream.loop].append((stream.queue, output))
+            ids_by_loop[stream.loop].append(output.request_id)
+            if output.finished:
+                del self._streams[output.request_id]
+        for loop, items in batches.items():
+            if not _call_soon(loop, _put_all, items):
+                self._abort(ids_by_loop[loop])  # the consumers' event loop is gone
+
+    def _fail_live_requests(self, error: Exception) -> None:
+        """A step raised: which request caused it is unknown, so every live request fails (with
+        an error for its caller) and the engine is emptied; the loop keeps serving new ones."""
+        request_ids = list(self.engine.groups)
+        logger.exception("Engine step failed; failing %d live requests", len(request_ids))
+        failure = RequestFailedError(f"The engine failed while running this request: {error!r}")
+        for request_id in request_ids:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                _call_soon(stream.loop, stream.queue.put_nowait, failure)
+        self.engine.abort_request(request_ids)
+        # Forks made by the failed step's schedule never joined their group: end them too.
+        scheduler = self.engine.scheduler
+        scheduler.finish_requests(list(scheduler.requests), RequestStatus.FINISHED_ABORTED)
+        self.engine.kv_manager.take_copies()  # copies scheduled for the failed step
+        self.metrics.record_aborted(request_ids, time.monotonic(), "error")
+        self.metrics.update_gauges(self.engine)
+
+    def _end_all_streams(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            _call_soon(stream.loop, stream.queue.put_nowait, error)
+        self._streams.clear()
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> bool:
+    """Schedules `callback` on `loop` from another thread; False if the loop is closed."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():  # the caller was cancelled
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for stream_queue, item in items:
+        stream_queue.put_nowait(item)

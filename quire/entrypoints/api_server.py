@@ -1,0 +1,766 @@
+"""The OpenAI-compatible HTTP server: `build_app(engine)` makes the FastAPI app, `serve` runs it.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both streamed as server-sent events with
+`stream: true`), GET /v1/models, GET /health, GET /metrics, POST /tokenize, POST /detokenize,
+GET /version. Errors use OpenAI's body `{"error": {"message", "type", "param", "code"}}`: 400 for
+bad input (pydantic's checks, then SamplingParams' and the engine's ValueErrors), 401 for a
+missing or wrong API key, 404 for an unknown model. A client that disconnects, mid-stream or
+while waiting for a whole response, has its requests aborted at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from quire import __version__
+from quire.config import DEFAULT_GGUF_NAME, EngineConfig
+from quire.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
+from quire.engine.llm_engine import LLMEngine
+from quire.engine.metrics import EngineMetrics
+from quire.entrypoints import openai_protocol as protocol
+from quire.entrypoints.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from quire.outputs import CompletionOutput, RequestOutput
+from quire.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = DEFAULT_GGUF_NAME.split(".")[0]  # SmolLM2-135M-Instruct
+_PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version"})
+_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error"}
+_CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
+_SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
+_T = TypeVar("_T")
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's format."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def response(self) -> JSONResponse:
+        error_type = _ERROR_TYPES.get(self.status, "server_error")
+        body = protocol.error_body(self.message, error_type, self.param, self.code)
+        return JSONResponse(body, status_code=self.status)
+
+
+def bad_request(error: ValueError, param: str | None = None) -> APIError:
+    """A 400 for a ValueError from SamplingParams or the engine. Their messages start with the
+    name of the field at fault, which becomes `param` when it is a sampling field."""
+    message = str(error)
+    first_word = message.split(" ", 1)[0]
+    return APIError(400, message, first_word if first_word in _SAMPLING_FIELDS else param)
+
+
+@dataclass
+class _Prompt:
+    text: str | None
+    token_ids: list[int]
+
+    @property
+    def engine_input(self) -> dict[str, Any]:
+        return {"prompt": self.text, "prompt_token_ids": self.token_ids}
+
+
+class OpenAIServing:
+    """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = model_name
+
+    # ---- validation ------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
+                "model",
+                "model_not_found",
+            )
+
+    def completion_prompts(self, prompt: str | list) -> list[_Prompt]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompt = [prompt]
+        prompts = []
+        for item in prompt:
+            if isinstance(item, str):
+                prompts.append(_Prompt(item, self.tokenizer.encode(item)))
+            else:
+                self.check_token_ids(item, "prompt")
+                prompts.append(_Prompt(None, list(item)))
+        return prompts
+
+    def chat_prompt(self, messages: list[protocol.ChatMessage], add_generation_prompt: bool):
+        if not self.tokenizer.chat_template:
+            raise APIError(
+                400,
+                "This model has no chat template: use /v1/completions.",
+                "messages",
+            )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [m.to_template_dict() for m in messages],
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+            )
+        except jinja2.TemplateError as error:
+            message = f"The chat template rejected the messages: {error}"
+            raise APIError(400, message, "messages") from error
+        return _Prompt(text, self.tokenizer.encode(text, add_special_tokens=False))
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        vocab_size = self.engine.engine.model_config.vocab_size
+        if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
+            raise APIError(400, f"Token ids must be in [0, {vocab_size}).", param)
+
+    def check_context(self, prompts: list[_Prompt], max_tokens: int | None, param: str) -> None:
+        """Prompt plus max_tokens must fit the context (the engine would cut max_tokens short)."""
+        max_model_len = self.engine.max_model_len
+        for prompt in prompts:
+            num_prompt = len(prompt.token_ids)
+            if num_prompt >= max_model_len:
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {max_model_len} tokens, and the "
+                    f"prompt has {num_prompt}: shorten the {param}.",
+                    param,
+                    "context_length_exceeded",
+                )
+            if max_tokens is not None and num_prompt + max_tokens > max_model_len:
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {max_model_len} tokens. However, "
+                    f"you requested {num_prompt + max_tokens} tokens ({num_prompt} in the "
+                    f"{param}, {max_tokens} in the completion). Reduce the {param} or max_tokens.",
+                    "max_tokens",
+                    "context_length_exceeded",
+                )
+
+    # ---- engine requests -------------------------------------------------------------------
+    async def add_requests(
+        self,
+        request_id: str,
+        prompts: list[_Prompt],
+        params: SamplingParams,
+        arrival_time: float,
+        param: str,
+    ) -> _EngineRequests:
+        """One engine request per prompt; all or none are added."""
+        if len(prompts) == 1:
+            ids = [request_id]
+        else:
+            ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        streams = []
+        try:
+            for rid, prompt in zip(ids, prompts):
+                stream = await self.engine.add_request(
+                    rid, prompt.engine_input, params, arrival_time
+                )
+                streams.append(stream)
+        except BaseException as error:
+            self.engine.abort(ids[: len(streams)])
+            if isinstance(error, ValueError):
+                raise bad_request(error, param) from error
+            raise
+        return _EngineRequests(self.engine, ids, streams)
+
+    # ---- /v1/completions -------------------------------------------------------------------
+    async def create_completion(self, body: CompletionRequest, raw: Request) -> Response:
+        arrival_time = time.monotonic()
+        self.check_model(body.model)
+        try:
+            params = body.to_sampling_params()
+        except ValueError as error:
+            raise bad_request(error) from error
+        prompts = self.completion_prompts(body.prompt)
+        self.check_context(prompts, body.max_tokens, "prompt")
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        requests = await self.add_requests(response_id, prompts, params, arrival_time, "prompt")
+        completion = _Completion(self, body, params, prompts, response_id)
+        if body.stream:
+            events = completion.events(requests.outputs())
+            return EventStreamResponse(events, on_close=requests.abort_unfinished)
+        try:
+            finals = await _unless_disconnected(raw, requests.final_outputs())
+        finally:
+            requests.abort_unfinished()
+        return JSONResponse(completion.response(finals))
+
+    # ---- /v1/chat/completions --------------------------------------------------------------
+    async def create_chat_completion(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        arrival_time = time.monotonic()
+        self.check_model(body.model)
+        try:
+            params = body.to_sampling_params()
+        except ValueError as error:
+            raise bad_request(error) from error
+        prompt = self.chat_prompt(body.messages, body.add_generation_prompt)
+        self.check_context([prompt], body.max_output_tokens, "messages")
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        requests = await self.add_requests(response_id, [prompt], params, arrival_time, "messages")
+        chat = _ChatCompletion(self, body, params, prompt, response_id)
+        if body.stream:
+            events = chat.events(requests.outputs())
+            return EventStreamResponse(events, on_close=requests.abort_unfinished)
+        try:
+            finals = await _unless_disconnected(raw, requests.final_outputs())
+        finally:
+            requests.abort_unfinished()
+        return JSONResponse(chat.response(finals[0]))
+
+    # ---- /tokenize, /detokenize ------------------------------------------------------------
+    def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "Give either prompt or messages.", "prompt")
+        if body.messages is not None:
+            token_ids = self.chat_prompt(body.messages, body.add_generation_prompt).token_ids
+        else:
+            token_ids = self.tokenizer.encode(
+                body.prompt, add_special_tokens=body.add_special_tokens
+            )
+        return {
+            "count": len(token_ids),
+            "max_model_len": self.engine.max_model_len,
+            "tokens": token_ids,
+        }
+
+    def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        self.check_model(body.model)
+        self.check_token_ids(body.tokens, "tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+
+@dataclass
+class _ChoiceState:
+    """What a stream has sent of one choice."""
+
+    num_chars: int = 0
+    num_tokens: int = 0
+    text_offset: int = 0  # where the next token's logprobs entry starts in the streamed text
+    started: bool = False
+    finished: bool = False
+
+
+class _Completion:
+    """One /v1/completions request's choices: prompt p's sample j is choice p * n + j."""
+
+    def __init__(
+        self,
+        serving: OpenAIServing,
+        body: CompletionRequest,
+        params: SamplingParams,
+        prompts: list[_Prompt],
+        response_id: str,
+    ) -> None:
+        self.serving = serving
+        self.body = body
+        self.n = params.n
+        self.prompts = prompts
+        self.response_id = response_id
+        self.created = int(time.time())
+
+    def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        choices = []
+        for p, output in enumerate(finals):
+            for completion in output.outputs:
+                choice = self._choice(p, output, completion, _ChoiceState())
+                choice["finish_reason"] = completion.finish_reason
+                choice["stop_reason"] = completion.stop_reason
+                choices.append(choice)
+        body = self._object(choices)
+        body["usage"] = self._usage(finals)
+        return body
+
+    async def events(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+        states = [_ChoiceState() for _ in range(len(self.prompts) * self.n)]
+        finals: list[RequestOutput | None] = [None] * len(self.prompts)
+        try:
+            async for p, output in outputs:
+                finals[p] = output
+                for completion in output.outputs:
+                    state = states[p * self.n + completion.index]
+                    if state.finished:
+                        continue
+                    state.finished = completion.finish_reason is not None
+                    new_text = len(completion.text) > state.num_chars
+                    new_tokens = len(completion.token_ids) > state.num_tokens
+                    if not (
+                        new_text
+                        or state.finished
+                        or (self.body.echo and not state.started)
+                        or (new_tokens and self.body.logprobs is not None)
+                    ):
+                        continue
+                    choice = self._choice(p, output, completion, state)
+                    choice["finish_reason"] = completion.finish_reason
+                    choice["stop_reason"] = completion.stop_reason
+                    yield _sse(self._object([choice], self.body.include_usage))
+            if self.body.include_usage:
+                chunk = self._object([])
+                chunk["usage"] = self._usage([f for f in finals if f is not None])
+                yield _sse(chunk)
+        except (RequestFailedError, EngineDeadError) as error:
+            yield _sse(protocol.error_body(str(error), "server_error"))
+        yield "data: [DONE]\n\n"
+
+    def _choice(
+        self, p: int, output: RequestOutput, completion: CompletionOutput, state: _ChoiceState
+    ) -> dict[str, Any]:
+        """The choice's text and logprobs after what `state` says was sent; advances `state`.
+        With echo, the first piece starts with the prompt (and its logprobs)."""
+        echo = self.body.echo and not state.started
+        state.started = True
+        text = completion.text[state.num_chars :]
+        token_ids = completion.token_ids[state.num_tokens :]
+        logprobs = None
+        if self.body.logprobs is not None:
+            positions = list(completion.logprobs[state.num_tokens : len(completion.token_ids)])
+            if echo:
+                token_ids = output.prompt_token_ids + token_ids
+                positions = list(output.prompt_logprobs or []) + positions
+            logprobs = protocol.completion_logprobs(
+                token_ids, positions, self.body.logprobs, state.text_offset, self._decode
+            )
+            if logprobs["tokens"]:
+                state.text_offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+        state.num_chars = len(completion.text)
+        state.num_tokens = len(completion.token_ids)
+        if echo:
+            text = self._prompt_text(p) + text
+        return {"index": p * self.n + completion.index, "text": text, "logprobs": logprobs}
+
+    def _prompt_text(self, index: int) -> str:
+        prompt = self.prompts[index]
+        if prompt.text is None:
+            prompt.text = self.serving.tokenizer.decode(prompt.token_ids)
+        return prompt.text
+
+    def _decode(self, token_id: int) -> str:
+        return self.serving.tokenizer.decode([token_id])
+
+    def _usage(self, finals: list[RequestOutput]) -> dict[str, int]:
+        num_completion_tokens = sum(len(c.token_ids) for f in finals for c in f.outputs)
+        num_prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
+        return protocol.usage(num_prompt_tokens, num_completion_tokens)
+
+    def _object(self, choices: list[dict], null_usage: bool = False) -> dict[str, Any]:
+        body = protocol.response_object(
+            "text_completion", self.response_id, self.created, self.serving.model_name, choices
+        )
+        if null_usage:
+            body["usage"] = None
+        return body
+
+
+class _ChatCompletion:
+    """One /v1/chat/completions request: n choices of one conversation."""
+
+    def __init__(
+        self,
+        serving: OpenAIServing,
+        body: ChatCompletionRequest,
+        params: SamplingParams,
+        prompt: _Prompt,
+        response_id: str,
+    ) -> None:
+        self.serving = serving
+        self.body = body
+        self.n = params.n
+        self.prompt = prompt
+        self.response_id = response_id
+        self.created = int(time.time())
+
+    def response(self, final: RequestOutput) -> dict[str, Any]:
+        choices = [
+            {
+                "index": completion.index,
+                "message": {"role": "assistant", "content": completion.text},
+                "logprobs": self._logprobs(completion, 0),
+                "finish_reason": completion.finish_reason,
+                "stop_reason": completion.stop_reason,
+            }
+            for completion in final.outputs
+        ]
+        body = self._object("chat.completion", choices)
+        body["usage"] = self._usage(final)
+        return body
+
+    async def events(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+        """The role first, then content deltas; each choice's last chunk has its finish_reason."""
+        include_usage = self.body.include_usage
+        for index in range(self.n):
+            delta = {"role": "assistant", "content": ""}
+            yield _sse(self._chunk(index, delta, None, None, include_usage))
+        states = [_ChoiceState() for _ in range(self.n)]
+        final = None
+        try:
+            async for _, output in outputs:
+                final = output
+                for completion in output.outputs:
+                    state = states[completion.index]
+                    if state.finished:
+                        continue
+                    state.finished = completion.finish_reason is not None
+                    text = completion.text[state.num_chars :]
+                    logprobs = self._logprobs(completion, state.num_tokens)
+                    has_new_tokens = len(completion.token_ids) > state.num_tokens
+                    state.num_chars = len(completion.text)
+                    state.num_tokens = len(completion.token_ids)
+                    if not (text or state.finished or (logprobs and has_new_tokens)):
+                        continue
+                    delta = {"content": text} if text else {}
+                    yield _sse(
+                        self._chunk(
+                            completion.index,
+                            delta,
+                            logprobs,
+                            completion.finish_reason,
+                            include_usage,
+                            completion.stop_reason,
+                        )
+                    )
+            if include_usage and final is not None:
+                chunk = self._object("chat.completion.chunk", [])
+                chunk["usage"] = self._usage(final)
+                yield _sse(chunk)
+        except (RequestFailedError, EngineDeadError) as error:
+            yield _sse(protocol.error_body(str(error), "server_error"))
+        yield "data: [DONE]\n\n"
+
+    def _chunk(
+        self,
+        index: int,
+        delta: dict[str, str],
+        logprobs: dict | None,
+        finish_reason: str | None,
+        null_usage: bool,
+        stop_reason: int | str | None = None,
+    ) -> dict[str, Any]:
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
+        chunk = self._object("chat.completion.chunk", [choice])
+        if null_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _logprobs(self, completion: CompletionOutput, start: int) -> dict[str, list] | None:
+        if not self.body.logprobs:
+            return None
+        end = len(completion.token_ids)
+        return protocol.chat_logprobs(
+            completion.token_ids[start:end],
+            completion.logprobs[start:end],
+            self.body.top_logprobs or 0,
+        )
+
+    def _usage(self, final: RequestOutput) -> dict[str, int]:
+        num_completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+        return protocol.usage(len(self.prompt.token_ids), num_completion_tokens)
+
+    def _object(self, object_type: str, choices: list[dict]) -> dict[str, Any]:
+        return protocol.response_object(
+            object_type, self.response_id, self.created, self.serving.model_name, choices
+        )
+
+
+# ---- streams and disconnects ------------------------------------------------------------------
+async def merge_streams(
+    streams: list[AsyncIterator[_T]],
+) -> AsyncIterator[tuple[int, _T]]:
+    """Items of several async generators as they come, tagged with the generator's index.
+    Leaving early (or an error in one) closes them all."""
+    if len(streams) == 1:
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await streams[0].aclose()
+        return
+    merged: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncIterator[_T]) -> None:
+        try:
+            async for item in stream:
+                merged.put_nowait((index, item))
+        except Exception as error:
+            merged.put_nowait((index, error))
+        finally:
+            merged.put_nowait((index, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await merged.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            await stream.aclose()
+
+
+class _EngineRequests:
+    """The engine requests behind one HTTP request, one per prompt. The server calls
+    `abort_unfinished` whenever a response ends, so none outlives its client, even one whose
+    stream was never read."""
+
+    def __init__(
+        self, engine: AsyncLLM, ids: list[str], streams: list[AsyncIterator[RequestOutput]]
+    ) -> None:
+        self.engine = engine
+        self.ids = ids
+        self.streams = streams
+        self.unfinished = set(ids)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) as they come."""
+        merged = merge_streams(self.streams)
+        try:
+            async for index, output in merged:
+                if output.finished:
+                    self.unfinished.discard(self.ids[index])
+                yield index, output
+        finally:
+            self.abort_unfinished()
+            await merged.aclose()
+
+    async def final_outputs(self) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(self.ids)
+        async for index, output in self.outputs():
+            finals[index] = output
+        if any(f is None or not f.finished for f in finals):
+            raise APIError(503, "The request was aborted before it finished.")
+        return finals
+
+    def abort_unfinished(self) -> None:
+        if self.unfinished:
+            self.engine.abort(self.unfinished)
+            self.unfinished = set()
+
+
+async def _unless_disconnected(raw: Request, work: Awaitable[_T]) -> _T:
+    """Awaits `work`, cancelling it (which aborts its requests) if the client disconnects."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():  # the client went away first
+        task.cancel()
+        raise APIError(_CLIENT_CLOSED_REQUEST, "The client disconnected.")
+    return task.result()
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events. Its event generator is closed however the response ends, so a client
+    that disconnects mid-stream has its requests aborted at once."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, headers={"Cache-Control": "no-cache"})
+        self._events = events
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            await self._events.aclose()
+
+
+def _sse(body: dict[str, Any]) -> str:
+    return f"data: {_json(body)}\n\n"
+
+
+def _json(body: Any) -> str:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+
+
+# ---- the app --------------------------------------------------------------------------------
+class APIKeyMiddleware:
+    """401 unless `Authorization: Bearer <key>`; /health, /metrics and /version stay open."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in _PUBLIC_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                error = APIError(
+                    401,
+                    "Missing or incorrect API key: send the header Authorization: Bearer <key>.",
+                    code="invalid_api_key",
+                )
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(
+    engine: AsyncLLM, served_model_name: str | None = None, api_key: str | None = None
+) -> FastAPI:
+    """The FastAPI app serving `engine` under `served_model_name` (default: the model path)."""
+    serving = OpenAIServing(engine, served_model_name or engine.engine.config.model)
+    app = FastAPI(title="quire", version=__version__)
+    app.state.serving = serving
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, error: APIError) -> JSONResponse:
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_request(_: Request, error: RequestValidationError) -> JSONResponse:
+        return validation_error(error).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        return APIError(error.status_code, str(error.detail)).response()
+
+    @app.exception_handler(RequestFailedError)
+    async def _request_failed(_: Request, error: RequestFailedError) -> JSONResponse:
+        return APIError(500, str(error)).response()
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, error: EngineDeadError) -> JSONResponse:
+        return APIError(503, str(error)).response()
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, raw: Request) -> Response:
+        return await serving.create_completion(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await serving.create_chat_completion(body, raw)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        card = protocol.model_card(
+            serving.model_name, engine.engine.config.model, engine.max_model_len
+        )
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            return APIError(503, "The engine has stopped.").response()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        return serving.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return serving.detokenize(body)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    return app
+
+
+def validation_error(error: RequestValidationError) -> APIError:
+    """pydantic's complaints as one 400: malformed JSON, unknown fields, wrong types or values."""
+    problems = error.errors()
+    first = problems[0]
+    loc = [str(part) for part in first["loc"] if part != "body"]
+    if first["type"] == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "")
+        return APIError(400, f"The request body is not valid JSON: {detail}".strip())
+    if first["type"] == "extra_forbidden":
+        return APIError(400, f"Unrecognized request argument supplied: {loc[-1]}", loc[-1])
+    messages = []
+    for problem in problems[:3]:
+        where = ".".join(str(p) for p in problem["loc"] if p != "body") or "body"
+        messages.append(f"{where}: {problem['msg']}")
+    return APIError(400, "Invalid request: " + "; ".join(messages), ".".join(loc) or None)
+
+
+def serve(
+    config: EngineConfig,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    log_requests: bool = True,
+    log_stats: bool = True,
+) -> None:
+    """Loads the model and serves it until interrupted."""
+    import uvicorn
+
+    name = served_model_name or DEFAULT_MODEL_NAME
+    metrics = EngineMetrics(
+        name, log_requests=log_requests, log_stats_interval_s=10.0 if log_stats else None
+    )
+    engine = AsyncLLM(LLMEngine(config), metrics)
+    app = build_app(engine, name, api_key)
+    logger.info("Serving %s at http://%s:%d/v1", name, host, port)
+    try:
+        uvicorn.run(app, host=host, port=port, log_config=None)
+    finally:
+        engine.shutdown()

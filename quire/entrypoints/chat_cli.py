@@ -1,0 +1,115 @@
+"""`quire chat`: an interactive chat in the terminal. Replies stream as they are generated; the
+conversation is kept as history for the next turn. /exit (or Ctrl-D) quits, /reset forgets the
+conversation, Ctrl-C stops a reply early.
+
+It drives LLMEngine directly: one user, one request at a time, no server in between.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from collections.abc import Callable
+
+from quire.config import EngineConfig
+from quire.engine.llm_engine import LLMEngine
+from quire.sampling_params import SamplingParams
+
+EXIT_COMMANDS = ("/exit", "/quit")
+RESET_COMMAND = "/reset"
+
+
+class ChatSession:
+    """A conversation with the model: each `reply` adds the user's turn and the model's."""
+
+    def __init__(
+        self, engine: LLMEngine, params: SamplingParams, system_prompt: str | None = None
+    ) -> None:
+        if not engine.tokenizer.chat_template:
+            raise ValueError("This model's tokenizer has no chat template; use `quire generate`.")
+        self.engine = engine
+        self.params = params
+        self.system_prompt = system_prompt
+        self.history: list[dict[str, str]] = []
+        self._ids = itertools.count()
+        self.reset()
+
+    def reset(self) -> None:
+        self.history = []
+        if self.system_prompt:
+            self.history.append({"role": "system", "content": self.system_prompt})
+
+    def reply(self, user_text: str, on_text: Callable[[str], None] = lambda _: None) -> str:
+        """Generates the model's answer to `user_text`, calling `on_text` with each new piece.
+        Raises ValueError (history unchanged) when the conversation no longer fits the context.
+        On Ctrl-C the reply so far is kept."""
+        messages = self.history + [{"role": "user", "content": user_text}]
+        tokenizer = self.engine.tokenizer
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        token_ids = tokenizer.encode(text, add_special_tokens=False)
+        request_id = f"chat-{next(self._ids)}"
+        self.engine.add_request(
+            request_id, {"prompt": text, "prompt_token_ids": token_ids}, self.params
+        )
+        answer = ""
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    new_text = output.outputs[0].text[len(answer) :]
+                    answer = output.outputs[0].text
+                    if new_text:
+                        on_text(new_text)
+        finally:
+            self.engine.abort_request(request_id)  # a no-op unless interrupted
+            self.history = messages + [{"role": "assistant", "content": answer}]
+        return answer
+
+
+def run_chat(
+    session: ChatSession,
+    read_line: Callable[[str], str] = input,
+    write: Callable[[str], object] = sys.stdout.write,
+    flush: Callable[[], object] = sys.stdout.flush,
+) -> None:
+    """The read-reply loop until /exit or end of input."""
+    write("Type a message; /reset forgets the conversation, /exit quits.\n")
+    while True:
+        try:
+            line = read_line(">>> ").strip()
+        except EOFError:
+            write("\n")
+            return
+        except KeyboardInterrupt:
+            write("\n")
+            continue
+        if line in EXIT_COMMANDS:
+            return
+        if line == RESET_COMMAND:
+            session.reset()
+            write("(conversation cleared)\n")
+            continue
+        if not line:
+            continue
+
+        def show(piece: str) -> None:
+            write(piece)
+            flush()
+
+        try:
+            session.reply(line, show)
+        except KeyboardInterrupt:
+            write(" [stopped]")
+        except ValueError as error:
+            write(f"error: {error} (use /reset to start over)")
+        write("\n")
+
+
+def run_chat_from_args(args: argparse.Namespace, config: EngineConfig) -> int:
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens
+    )
+    print("Loading the model...", file=sys.stderr)
+    session = ChatSession(LLMEngine(config), params, args.system)
+    run_chat(session)
+    return 0
