@@ -10,6 +10,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+if not torch.cuda.is_available():
+    # Triton kernels run in the interpreter; read when quire.kernels is first imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from quire.config import default_model_path  # noqa: E402
 
 # Shapes chosen to cover GQA ratios, head_dim != hidden / heads, tied and untied embeddings.

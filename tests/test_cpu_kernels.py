@@ -64,3 +64,8 @@ def test_paged_decode_matches_gathered_reference_in_bfloat16():
 def test_unsupported_dtype_is_reported_so_the_backend_falls_back():
     assert not cpu_kernels.supports_paged_decode(torch.float16, 8, 2, 64)
     assert not cpu_kernels.supports_paged_decode(torch.float32, 64, 1, 64)  # GQA group > 32
+
+
+def test_loading_the_kernels_keeps_subnormal_floats_for_the_whole_process():
+    cpu_kernels.load_library()
+    assert torch.tensor(1e-40, dtype=torch.float32).item() != 0.0

@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -50,6 +51,8 @@ _PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version"})
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error"}
 _CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
 _SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
+_FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})  # pydantic union tags
 _T = TypeVar("_T")
 
 
@@ -71,12 +74,16 @@ class APIError(Exception):
         return JSONResponse(body, status_code=self.status)
 
 
-def bad_request(error: ValueError, param: str | None = None) -> APIError:
-    """A 400 for a ValueError from SamplingParams or the engine. Their messages start with the
-    name of the field at fault, which becomes `param` when it is a sampling field."""
+def bad_request(
+    error: ValueError, param: str | None = None, fields: Iterable[str] = ()
+) -> APIError:
+    """A 400 for a ValueError from the request's own checks, SamplingParams or the engine. Their
+    messages start with the name of the field at fault, which becomes `param` when it is a
+    sampling field or one of `fields` (the request's)."""
     message = str(error)
     first_word = message.split(" ", 1)[0]
-    return APIError(400, message, first_word if first_word in _SAMPLING_FIELDS else param)
+    known = first_word in _SAMPLING_FIELDS or first_word in fields
+    return APIError(400, message, first_word if known else param)
 
 
 @dataclass
@@ -202,7 +209,7 @@ class OpenAIServing:
         try:
             params = body.to_sampling_params()
         except ValueError as error:
-            raise bad_request(error) from error
+            raise bad_request(error, fields=type(body).model_fields) from error
         prompts = self.completion_prompts(body.prompt)
         self.check_context(prompts, body.max_tokens, "prompt")
         response_id = f"cmpl-{uuid.uuid4().hex}"
@@ -224,7 +231,7 @@ class OpenAIServing:
         try:
             params = body.to_sampling_params()
         except ValueError as error:
-            raise bad_request(error) from error
+            raise bad_request(error, fields=type(body).model_fields) from error
         prompt = self.chat_prompt(body.messages, body.add_generation_prompt)
         self.check_context([prompt], body.max_output_tokens, "messages")
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -540,6 +547,7 @@ async def merge_streams(
     finally:
         for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for stream in streams:
             await stream.aclose()
 
@@ -725,20 +733,33 @@ def build_app(
 
 
 def validation_error(error: RequestValidationError) -> APIError:
-    """pydantic's complaints as one 400: malformed JSON, unknown fields, wrong types or values."""
+    """pydantic's complaints as one 400: malformed JSON, unknown fields, wrong types or values.
+    Of several (a value that fits no member of a union), the deepest is the most telling."""
     problems = error.errors()
-    first = problems[0]
-    loc = [str(part) for part in first["loc"] if part != "body"]
-    if first["type"] == "json_invalid":
-        detail = first.get("ctx", {}).get("error", "")
+    problem = max(problems, key=lambda p: len(p["loc"]))
+    param = _field_path(problem["loc"])
+    if problem["type"] == "json_invalid":
+        detail = problem.get("ctx", {}).get("error", "")
         return APIError(400, f"The request body is not valid JSON: {detail}".strip())
-    if first["type"] == "extra_forbidden":
-        return APIError(400, f"Unrecognized request argument supplied: {loc[-1]}", loc[-1])
-    messages = []
-    for problem in problems[:3]:
-        where = ".".join(str(p) for p in problem["loc"] if p != "body") or "body"
-        messages.append(f"{where}: {problem['msg']}")
-    return APIError(400, "Invalid request: " + "; ".join(messages), ".".join(loc) or None)
+    if problem["type"] == "extra_forbidden":
+        return APIError(400, f"Unrecognized request argument supplied: {param}", param)
+    message = f"Invalid value for {param or 'the request body'}: {problem['msg']}"
+    if len(problems) > 1:
+        message += f" (and {len(problems) - 1} more problems)"
+    return APIError(400, message, param)
+
+
+def _field_path(loc: tuple) -> str | None:
+    """`messages.0.content` from pydantic's location, without "body" and union member tags."""
+    parts = []
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            parts.append(str(part))
+        elif _FIELD_NAME.fullmatch(part) and part not in _TYPE_TAGS:
+            parts.append(part)
+        else:
+            break
+    return ".".join(parts) or None
 
 
 def serve(

@@ -95,10 +95,10 @@ def _run_generate(args: argparse.Namespace) -> int:
         outputs = llm.generate(args.prompt, params)
     elapsed = time.perf_counter() - start
     num_tokens = 0
-    for output in outputs:
+    for prompt, output in zip(args.prompt, outputs):
         for completion in output.outputs:
             num_tokens += len(completion.token_ids)
-            print(f"--- prompt: {output.prompt!r}  [{completion.finish_reason}]")
+            print(f"--- prompt: {prompt!r}  [{completion.finish_reason}]")
             print(completion.text)
     print(
         f"--- {len(outputs)} prompts, {num_tokens} tokens in {elapsed:.2f} s "

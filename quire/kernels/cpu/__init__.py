@@ -22,14 +22,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "paged_decode.c")
-_FLAGS = [
-    "-O3",
-    "-march=native",
-    "-fopenmp",
-    "-fPIC",
-    "-shared",
-    "-ffast-math",  # vectorized expf (libmvec) and reassociated dot products; inputs are finite
-]
+# -ffast-math at compile time only (vectorized expf from libmvec, reassociated dot products; the
+# inputs are finite). Linking is a separate step without it: gcc would otherwise link
+# crtfastmath.o, which turns on flush-to-zero for the whole process when the library loads.
+_COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-ffast-math", "-c"]
+_LINK_FLAGS = ["-shared", "-fopenmp"]
 
 
 def _cache_dir() -> str:
@@ -48,20 +45,22 @@ def load_library() -> ctypes.CDLL | None:
         return None
     with open(_SOURCE, "rb") as f:
         source = f.read()
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + platform.node().encode()).hexdigest()
+    flags = " ".join(_COMPILE_FLAGS + _LINK_FLAGS).encode()
+    key = hashlib.sha256(source + flags + platform.node().encode()).hexdigest()
     path = os.path.join(_cache_dir(), f"quire_cpu_{key[:16]}.so")
     if not os.path.exists(path):
         os.makedirs(_cache_dir(), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
-        os.close(fd)
-        result = subprocess.run(
-            [compiler, *_FLAGS, _SOURCE, "-o", tmp, "-lm"], capture_output=True, text=True
-        )
-        if result.returncode != 0:
-            os.unlink(tmp)
-            logger.warning("Building CPU kernels failed, using PyTorch path:\n%s", result.stderr)
-            return None
-        os.replace(tmp, path)
+        with tempfile.TemporaryDirectory(dir=_cache_dir()) as build:
+            obj, lib = os.path.join(build, "kernels.o"), os.path.join(build, "kernels.so")
+            for command in (
+                [compiler, *_COMPILE_FLAGS, _SOURCE, "-o", obj],
+                [compiler, *_LINK_FLAGS, obj, "-o", lib, "-lm"],
+            ):
+                result = subprocess.run(command, capture_output=True, text=True)
+                if result.returncode != 0:
+                    logger.warning("Building CPU kernels failed; using PyTorch:\n%s", result.stderr)
+                    return None
+            os.replace(lib, path)
     lib = ctypes.CDLL(path)
     args = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
     for name in ("paged_decode_bf16", "paged_decode_f32"):

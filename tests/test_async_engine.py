@@ -1,0 +1,233 @@
+"""AsyncLLM: requests stream cumulative outputs from one background step loop, concurrent requests
+share its steps, and a stream that is left early aborts its request and frees its KV blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Callable
+
+import pytest
+
+from quire import LLM, SamplingParams
+from quire.config import EngineConfig
+from quire.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
+
+NUM_KV_BLOCKS = 512
+PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,", "Hello, my name is"]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def engine_config(model: str) -> EngineConfig:
+    return EngineConfig(model=model, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS)
+
+
+def run(coro, timeout: float = 60.0):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def assert_idle_with_all_blocks_free(llm: AsyncLLM) -> None:
+    assert wait_until(lambda: not llm.engine.has_unfinished_requests())
+    assert wait_until(lambda: sample(llm, "quire:num_requests_running") == 0)
+    kv = llm.engine.kv_manager
+    kv.check_invariants()
+    assert kv.num_free_blocks == kv.num_blocks
+    assert not llm.engine.scheduler.requests
+
+
+def sample(llm: AsyncLLM, name: str, labels: dict[str, str] | None = None) -> float:
+    labels = {"model_name": llm.engine.config.model, **(labels or {})}
+    return llm.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+async def collect(llm: AsyncLLM, prompt, params: SamplingParams, request_id: str | None = None):
+    return [output async for output in llm.generate(prompt, params, request_id)]
+
+
+@pytest.fixture(scope="module")
+def async_llm(tiny_llama):
+    llm = AsyncLLM.from_engine_config(engine_config(tiny_llama))
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline_token_ids(tiny_llama) -> list[list[int]]:
+    llm = LLM.from_engine_config(engine_config(tiny_llama))
+    outputs = llm.generate(PROMPTS, greedy(8), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_generate_streams_cumulative_outputs_until_the_last_is_finished(async_llm):
+    outputs = run(collect(async_llm, PROMPTS[0], greedy(8)))
+    assert len(outputs) > 1
+    assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+    for before, after in zip(outputs, outputs[1:]):
+        assert after.outputs[0].text.startswith(before.outputs[0].text)
+        assert after.outputs[0].token_ids[: len(before.outputs[0].token_ids)] == (
+            before.outputs[0].token_ids
+        )
+    assert len(outputs[-1].outputs[0].token_ids) == 8
+    assert outputs[-1].outputs[0].finish_reason == "length"
+    assert_idle_with_all_blocks_free(async_llm)
+
+
+def test_concurrent_requests_give_the_offline_engine_outputs(async_llm, offline_token_ids):
+    async def all_prompts():
+        return await asyncio.gather(*(collect(async_llm, p, greedy(8)) for p in PROMPTS))
+
+    results = run(all_prompts())
+    assert [r[-1].outputs[0].token_ids for r in results] == offline_token_ids
+
+
+def test_concurrent_requests_share_engine_steps(async_llm):
+    num_requests, max_tokens = 16, 8
+    steps_before = async_llm.engine.num_steps
+
+    async def many():
+        prompts = [f"Request {i} says" for i in range(num_requests)]
+        return await asyncio.gather(*(collect(async_llm, p, greedy(max_tokens)) for p in prompts))
+
+    results = run(many())
+    steps = async_llm.engine.num_steps - steps_before
+    assert all(len(r[-1].outputs[0].token_ids) == max_tokens for r in results)
+    # Alone, each request would take max_tokens steps: 128 in all.
+    assert steps <= num_requests * max_tokens // 4
+    assert_idle_with_all_blocks_free(async_llm)
+
+
+def test_leaving_a_stream_early_aborts_the_request_and_frees_its_blocks(async_llm):
+    aborted_before = sample(async_llm, "quire:request_success_total", {"finished_reason": "abort"})
+
+    async def read_two_outputs():
+        seen = 0
+        async for _ in async_llm.generate(PROMPTS[1], greedy(500)):
+            seen += 1
+            if seen == 2:
+                break
+
+    run(read_two_outputs())
+    assert_idle_with_all_blocks_free(async_llm)
+    aborted = sample(async_llm, "quire:request_success_total", {"finished_reason": "abort"})
+    assert aborted == aborted_before + 1
+
+
+def test_cancelling_the_consuming_task_aborts_its_request(async_llm):
+    async def cancel_midway():
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in async_llm.generate(PROMPTS[2], greedy(500)):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(cancel_midway())
+    assert_idle_with_all_blocks_free(async_llm)
+
+
+def test_a_slow_consumer_gets_the_newest_output_without_losing_text(async_llm):
+    async def read_after_the_request_finished():
+        stream = await async_llm.add_request("slow-reader", PROMPTS[3], greedy(12))
+        assert wait_until(lambda: not async_llm.engine.has_unfinished_requests())
+        await asyncio.sleep(0.1)  # the outputs' delivery to this loop
+        return [output async for output in stream]
+
+    outputs = run(read_after_the_request_finished())
+    reference = run(collect(async_llm, PROMPTS[3], greedy(12)))[-1]
+    assert len(outputs) == 1 and outputs[0].finished
+    assert outputs[0].outputs[0].text == reference.outputs[0].text
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ("", "The prompt is empty"),
+        ([0, 49152], "Prompt token ids must be in [0, 49152)"),
+        ("word " * 2000, "max_model_len is 1024"),
+    ],
+)
+def test_bad_input_raises_value_error_and_the_engine_keeps_serving(async_llm, prompt, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        run(async_llm.add_request("bad", prompt, greedy(4)))
+    outputs = run(collect(async_llm, PROMPTS[0], greedy(4), request_id="bad"))
+    assert len(outputs[-1].outputs[0].token_ids) == 4
+    assert_idle_with_all_blocks_free(async_llm)
+
+
+def test_a_failing_step_fails_the_live_requests_and_the_loop_keeps_serving(async_llm, monkeypatch):
+    assert_idle_with_all_blocks_free(async_llm)  # the loop thread is waiting: safe to patch
+    runner = async_llm.engine.runner
+    execute = runner.execute
+    calls = []
+
+    def fail_once(scheduler_output):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("simulated kernel failure")
+        return execute(scheduler_output)
+
+    monkeypatch.setattr(runner, "execute", fail_once)
+    with pytest.raises(RequestFailedError, match="simulated kernel failure"):
+        run(collect(async_llm, PROMPTS[0], greedy(4)))
+    assert_idle_with_all_blocks_free(async_llm)
+    outputs = run(collect(async_llm, PROMPTS[0], greedy(4)))
+    assert len(outputs[-1].outputs[0].token_ids) == 4
+    assert async_llm.is_running
+
+
+def test_metrics_count_tokens_latencies_and_finish_reasons(async_llm):
+    before = {
+        "prompt": sample(async_llm, "quire:prompt_tokens_total"),
+        "generation": sample(async_llm, "quire:generation_tokens_total"),
+        "length": sample(async_llm, "quire:request_success_total", {"finished_reason": "length"}),
+        "ttft": sample(async_llm, "quire:time_to_first_token_seconds_count"),
+        "queue": sample(async_llm, "quire:request_queue_time_seconds_count"),
+        "e2e": sample(async_llm, "quire:e2e_request_latency_seconds_count"),
+    }
+    outputs = run(collect(async_llm, PROMPTS[0], greedy(6)))
+    num_prompt_tokens = len(outputs[-1].prompt_token_ids)
+    assert sample(async_llm, "quire:prompt_tokens_total") == before["prompt"] + num_prompt_tokens
+    assert sample(async_llm, "quire:generation_tokens_total") == before["generation"] + 6
+    assert (
+        sample(async_llm, "quire:request_success_total", {"finished_reason": "length"})
+        == before["length"] + 1
+    )
+    assert sample(async_llm, "quire:time_to_first_token_seconds_count") == before["ttft"] + 1
+    assert sample(async_llm, "quire:request_queue_time_seconds_count") == before["queue"] + 1
+    assert sample(async_llm, "quire:e2e_request_latency_seconds_count") == before["e2e"] + 1
+    assert sample(async_llm, "quire:kv_cache_usage_perc") == 0.0
+
+
+def test_shutdown_ends_live_streams_and_refuses_new_requests(tiny_llama):
+    llm = AsyncLLM.from_engine_config(engine_config(tiny_llama))
+
+    async def shut_down_midway():
+        stream = await llm.add_request("live", PROMPTS[0], greedy(1000))
+        await stream.__anext__()
+        await asyncio.to_thread(llm.shutdown)
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await llm.add_request("late", PROMPTS[0], greedy(4))
+
+    run(shut_down_midway())
+    assert not llm.is_running

@@ -1,0 +1,308 @@
+"""Benchmark tools: smoke runs on tiny models, the roofline cost model on a hand-checked shape, the
+serving statistics on synthetic latencies, and the serve client against a stub server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+
+import pytest
+import torch
+
+from quire.bench import roofline
+from quire.bench.serve import (
+    RequestResult,
+    compute_metrics,
+    latency_stats,
+    parse_goodput,
+)
+from quire.bench.throughput import make_requests
+from quire.entrypoints.cli import main
+from quire.model.model_config import ModelConfig, RopeConfig
+
+TINY_RUN = ["--kv-cache-memory", str(8 << 20), "--seed", "0"]
+
+
+def _read_json(path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+# ---- throughput ------------------------------------------------------------------------------
+def test_make_requests_is_seeded_and_a_smaller_count_is_a_prefix():
+    small = make_requests(4, (10, 20), (3, 5), seed=7, vocab_size=100)
+    large = make_requests(8, (10, 20), (3, 5), seed=7, vocab_size=100)
+    assert small == large[:4]
+    assert all(10 <= len(r.prompt_token_ids) <= 20 and 3 <= r.output_len <= 5 for r in large)
+    assert all(0 <= t < 100 for r in large for t in r.prompt_token_ids)
+
+
+def test_throughput_writes_json_with_positive_numbers(tiny_llama, tmp_path):
+    out = tmp_path / "throughput.json"
+    argv = ["bench", "throughput", "--model", tiny_llama, "--num-requests", "4"]
+    argv += ["--input-len", "8", "16", "--output-len", "2", "4", "--output-json", str(out)]
+    assert main(argv + TINY_RUN) == 0
+    report = _read_json(out)
+    assert report["workload"]["num_requests"] == 4
+    (quire,) = report["results"]
+    assert quire["engine"] == "quire"
+    assert quire["requests"] == 4
+    expected_output = sum(r.output_len for r in make_requests(4, (8, 16), (2, 4), 0, 49152))
+    assert quire["output_tokens"] == expected_output
+    for key in ("prompt_tokens", "elapsed_s", "output_tokens_per_s", "total_tokens_per_s"):
+        assert quire[key] > 0
+
+
+def test_throughput_compare_transformers_runs_both_paths_and_reports_ratio(tiny_llama, tmp_path):
+    out = tmp_path / "throughput.json"
+    argv = ["bench", "throughput", "--model", tiny_llama, "--num-requests", "3"]
+    argv += ["--input-len", "8", "16", "--output-len", "2", "4", "--output-json", str(out)]
+    argv += ["--compare", "transformers", "--hf-batch-size", "2"]
+    assert main(argv + TINY_RUN) == 0
+    report = _read_json(out)
+    engines = [r["engine"] for r in report["results"]]
+    assert engines == [
+        "quire",
+        "transformers generate (batch 2)",
+        "transformers continuous batching",
+    ]
+    quire_tokens = report["results"][0]["output_tokens"]
+    assert all(r["output_tokens"] == quire_tokens for r in report["results"])
+    assert report["transformers_best"] in engines[1:]
+    assert report["ratio_quire_over_transformers"] > 0
+
+
+# ---- latency and the roofline ----------------------------------------------------------------
+def _hand_model(tied: bool = False) -> ModelConfig:
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        rope=RopeConfig(),
+    )
+
+
+def test_layer_params_count_qkvo_and_gated_mlp():
+    # q 8x8, k 8x4, v 8x4, o 8x8 = 192; gate, up, down 3 x 8x16 = 384
+    assert roofline.layer_matmul_params(_hand_model()) == 576
+
+
+def test_num_params_counts_the_embedding_once_when_tied():
+    assert roofline.num_params(_hand_model(tied=False)) == 2 * 576 + 2 * 80
+    assert roofline.num_params(_hand_model(tied=True)) == 2 * 576 + 80
+
+
+def test_qwen3_0_6b_has_0_44b_non_embedding_params():
+    mc = ModelConfig(
+        architecture="Qwen3ForCausalLM",
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        rope=RopeConfig(),
+    )
+    assert mc.num_hidden_layers * roofline.layer_matmul_params(mc) == 440_401_920
+    assert roofline.num_params(mc) == 440_401_920 + 155_582_464
+
+
+def test_decode_step_bytes_are_weights_plus_kv_context():
+    mc = _hand_model()
+    # K and V, 2 layers, 1 KV head of 4, 2 bytes: 32 bytes per token
+    assert roofline.kv_bytes_per_token(mc, torch.bfloat16) == 32
+    # layers 2 x 576 plus LM head 80, in bf16
+    assert roofline.decode_weight_bytes(mc, torch.bfloat16) == (1152 + 80) * 2
+    assert roofline.decode_step_bytes(mc, torch.bfloat16, [3, 5]) == 2464 + 8 * 32
+
+
+def test_prefill_flops_are_2_per_weight_per_token_plus_causal_attention():
+    mc = _hand_model()
+    layers = 2 * 1152 * 3
+    lm_head_last_token = 2 * 80
+    # 3 causal queries see 1 + 2 + 3 = 6 keys; 4 FLOPs per head dim per pair, 2 heads, 2 layers
+    attention = 4 * 2 * 2 * 4 * 6
+    assert roofline.prefill_flops(mc, 3) == layers + lm_head_last_token + attention
+
+
+def test_decode_step_flops_attend_over_each_context():
+    mc = _hand_model()
+    per_token = 2 * (1152 + 80)
+    attention = 4 * 2 * 2 * 4 * (3 + 5)
+    assert roofline.decode_step_flops(mc, [3, 5]) == 2 * per_token + attention
+
+
+def test_roofline_fraction_is_floor_over_measured():
+    assert roofline.roofline_fraction(ideal_seconds=1.0, measured_seconds=4.0) == 0.25
+
+
+def test_latency_writes_prefill_and_decode_with_roofline(tiny_llama, tmp_path):
+    out = tmp_path / "latency.json"
+    argv = ["bench", "latency", "--model", tiny_llama, "--prompt-len", "16", "--batch-size", "2"]
+    argv += ["--decode-steps", "2", "--num-iters", "1", "--output-json", str(out)]
+    assert main(argv + TINY_RUN) == 0
+    report = _read_json(out)
+    assert report["prefill"]["prompt_len"] == 16
+    assert [d["batch_size"] for d in report["decode"]] == [1, 2]
+    for entry in [report["prefill"], *report["decode"]]:
+        assert entry["roofline_fraction"] > 0
+    assert report["hardware"]["read_gbps"] > 0 and report["hardware"]["matmul_tflops"] > 0
+
+
+# ---- serve statistics ------------------------------------------------------------------------
+def test_latency_stats_mean_median_and_linear_percentiles():
+    stats = latency_stats("ttft", [0.1, 0.2, 0.3, 0.4])
+    assert stats == pytest.approx(
+        {
+            "mean_ttft_ms": 250.0,
+            "median_ttft_ms": 250.0,
+            "p90_ttft_ms": 370.0,  # position 0.9 * 3 = 2.7: 300 + 0.7 * 100
+            "p99_ttft_ms": 397.0,
+        }
+    )
+
+
+def test_tpot_excludes_the_first_token():
+    result = RequestResult(True, output_tokens=5, ttft=0.1, e2el=0.5)
+    assert result.tpot == pytest.approx(0.1)
+    assert RequestResult(True, output_tokens=1, ttft=0.1, e2el=0.1).tpot == 0.0
+
+
+def test_goodput_counts_requests_meeting_every_slo():
+    results = [
+        RequestResult(True, 10, 11, ttft=0.1, e2el=0.6),  # tpot 50 ms: meets both
+        RequestResult(True, 10, 11, ttft=0.3, e2el=0.8),  # ttft over 200 ms
+        RequestResult(True, 10, 11, ttft=0.1, e2el=1.1),  # tpot 100 ms
+        RequestResult(False, error="HTTP 500"),
+    ]
+    metrics = compute_metrics(results, duration=2.0, slos=parse_goodput(["ttft:200", "tpot:50"]))
+    assert metrics["request_goodput"] == 0.5
+    assert metrics["completed"] == 3 and metrics["failed"] == 1
+    assert metrics["total_output_tokens"] == 33
+    assert metrics["request_throughput"] == 1.5
+    assert metrics["mean_tpot_ms"] == pytest.approx((50 + 50 + 100) / 3)
+
+
+def test_itl_statistics_pool_every_gap_of_every_request():
+    results = [
+        RequestResult(True, 1, 3, ttft=0.1, e2el=0.3, itl=[0.1, 0.1]),
+        RequestResult(True, 1, 2, ttft=0.1, e2el=0.5, itl=[0.4]),
+    ]
+    metrics = compute_metrics(results, duration=1.0)
+    assert metrics["mean_itl_ms"] == pytest.approx(200.0)
+    assert metrics["median_itl_ms"] == pytest.approx(100.0)
+    assert "request_goodput" not in metrics
+
+
+@pytest.mark.parametrize("spec", ["ttft", "ttft:-1", "latency:100", "tpot:abc"])
+def test_parse_goodput_rejects_bad_specs(spec):
+    with pytest.raises(ValueError, match="METRIC:MS"):
+        parse_goodput([spec])
+
+
+# ---- serve against a stub OpenAI-compatible server -------------------------------------------
+class StubServer:
+    """/v1/models and a streaming /v1/completions that sends max_tokens chunks of one token each
+    ("x"), then a usage chunk when asked for, then [DONE]."""
+
+    def __init__(self, send_usage: bool = True):
+        self.send_usage = send_usage
+        self.payloads: list[dict] = []
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        server = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._handle, "127.0.0.1", 0), self.loop
+        ).result()
+        self.server = server
+        return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+    def __exit__(self, *exc) -> None:
+        self.loop.call_soon_threadsafe(self.server.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+
+    async def _handle(self, reader, writer) -> None:
+        request_line = (await reader.readline()).decode()
+        length = 0
+        while (line := (await reader.readline()).decode().strip()) != "":
+            name, _, value = line.partition(":")
+            if name.lower() == "content-length":
+                length = int(value)
+        body = await reader.readexactly(length) if length else b""
+        if request_line.startswith("GET /v1/models"):
+            data = json.dumps({"object": "list", "data": [{"id": "stub-model"}]}).encode()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
+            writer.write(f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode())
+            writer.write(data)
+        else:
+            payload = json.loads(body)
+            self.payloads.append(payload)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n")
+            writer.write(b"Connection: close\r\n\r\n")
+            for _ in range(payload["max_tokens"]):
+                chunk = {"object": "text_completion", "choices": [{"index": 0, "text": "x"}]}
+                writer.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                await writer.drain()
+                await asyncio.sleep(0.001)
+            if self.send_usage and payload.get("stream_options", {}).get("include_usage"):
+                usage = {"prompt_tokens": 7, "completion_tokens": payload["max_tokens"]}
+                writer.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+            writer.write(b"data: [DONE]\n\n")
+        await writer.drain()
+        writer.close()
+
+
+SERVE_ARGS = ["--num-prompts", "4", "--input-len", "5", "10", "--output-len", "3", "6"]
+
+
+def test_serve_bench_streams_from_an_openai_compatible_server(tokenizer_dir, tmp_path):
+    out = tmp_path / "serve.json"
+    stub = StubServer()
+    with stub as url:
+        argv = ["bench", "serve", "--base-url", url, "--tokenizer", tokenizer_dir, *SERVE_ARGS]
+        argv += ["--request-rate", "inf", "100", "--goodput", "ttft:60000"]
+        assert main(argv + ["--output-json", str(out)]) == 0
+    report = _read_json(out)
+    assert report["model"] == "stub-model"
+    assert [run["request_rate"] for run in report["runs"]] == ["inf", 100.0]
+    output_lens = [p["max_tokens"] for p in stub.payloads[1:5]]  # [0] is the probe
+    for run in report["runs"]:
+        assert run["completed"] == 4 and run["failed"] == 0
+        assert run["total_output_tokens"] == sum(output_lens)
+        assert run["total_input_tokens"] == 4 * 7  # from the usage report
+        assert run["request_goodput"] == pytest.approx(run["request_throughput"])
+        assert run["mean_ttft_ms"] > 0 and run["mean_itl_ms"] > 0 and run["p99_e2el_ms"] > 0
+    assert all(p["stream"] is True and p["ignore_eos"] is True for p in stub.payloads)
+    assert all(p["stream_options"] == {"include_usage": True} for p in stub.payloads)
+
+
+def test_serve_bench_counts_chunks_without_usage_and_plots(tokenizer_dir, tmp_path):
+    pytest.importorskip("matplotlib")
+    out, png = tmp_path / "serve.json", tmp_path / "serve.png"
+    stub = StubServer(send_usage=False)
+    with stub as url:
+        argv = ["bench", "serve", "--base-url", url, "--tokenizer", tokenizer_dir, *SERVE_ARGS]
+        argv += ["--model", "m", "--max-concurrency", "2", "--request-rate", "inf", "200"]
+        assert main(argv + ["--output-json", str(out), "--plot", str(png)]) == 0
+    (run, _) = _read_json(out)["runs"]
+    assert run["total_output_tokens"] == sum(p["max_tokens"] for p in stub.payloads[1:5])
+    assert run["max_concurrency"] == 2
+    assert png.stat().st_size > 0
+    assert not math.isnan(run["mean_tpot_ms"])

@@ -1,0 +1,515 @@
+"""Scheduler: token budget, chunked prefill, decode-first batches, preemption, forks and abort.
+
+No model: each test drives `schedule()` and `update()` directly and invents the sampled tokens
+(token 0 is EOS). Block size 4 unless a test says otherwise.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from quire.engine.kv_manager import KVCacheManager
+from quire.engine.request import Request, RequestStatus
+from quire.engine.scheduler import Scheduler, SchedulerOutput
+from quire.sampling_params import SamplingParams
+
+EOS = 0
+BS = 4
+
+
+def make_request(
+    group_id: str, prompt: list[int], max_tokens: int = 16, n: int = 1, **params
+) -> Request:
+    """A request as LLMEngine builds it: EOS among the stop ids, `#0` suffix when n > 1."""
+    sampling_params = SamplingParams(n=n, max_tokens=max_tokens, **params)
+    sampling_params.all_stop_token_ids.add(EOS)
+    request_id = group_id if n == 1 else f"{group_id}#0"
+    return Request(request_id, list(prompt), sampling_params, max_tokens, group_id=group_id)
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 64,
+    max_model_len: int = 64,
+    enable_prefix_caching: bool = True,
+) -> Scheduler:
+    kv = KVCacheManager(num_blocks, BS, enable_prefix_caching)
+    return Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len)
+
+
+def sampling_ids(output: SchedulerOutput) -> list[str]:
+    """The requests the model runner samples for: those whose known tokens are all computed
+    after this step, and every fork (from its parent's logits)."""
+    ids = [s.request.request_id for s in output.scheduled if s.samples]
+    return ids + [child.request_id for child, _ in output.forked]
+
+
+def step(scheduler: Scheduler, token_id: int = 7) -> SchedulerOutput:
+    output = scheduler.schedule()
+    scheduler.update(output, dict.fromkeys(sampling_ids(output), token_id))
+    return output
+
+
+def batch(output: SchedulerOutput) -> list[tuple[str, int]]:
+    return [(s.request.request_id, s.num_new_tokens) for s in output.scheduled]
+
+
+def ids(requests) -> list[str]:
+    return [r.request_id for r in requests]
+
+
+def prompt(start: int, length: int) -> list[int]:
+    return list(range(start, start + length))
+
+
+def assert_all_blocks_free(scheduler: Scheduler) -> None:
+    kv = scheduler.kv_manager
+    kv.check_invariants()
+    assert kv.num_free_blocks == kv.num_blocks
+    assert all(block.ref_count == 0 for block in kv.blocks)
+
+
+# ---- budget, chunking and order ------------------------------------------------------------
+
+
+def test_a_prompt_longer_than_the_budget_is_prefilled_in_chunks():
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    request = make_request("a", prompt(100, 20))
+    scheduler.add_request(request)
+    batches = [batch(step(scheduler)) for _ in range(4)]
+    assert batches == [[("a", 8)], [("a", 8)], [("a", 4)], [("a", 1)]]
+    assert request.num_output_tokens == 2
+
+
+def test_only_the_last_chunk_of_a_prompt_samples():
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    scheduler.add_request(make_request("a", prompt(100, 20)))
+    samples = []
+    for _ in range(3):
+        output = scheduler.schedule()
+        samples.append(output.scheduled[0].samples)
+        scheduler.update(output, dict.fromkeys(sampling_ids(output), 7))
+    assert samples == [False, False, True]
+
+
+def test_waiting_requests_share_what_is_left_of_the_budget():
+    scheduler = make_scheduler(max_num_batched_tokens=10)
+    for i, name in enumerate("abc"):
+        scheduler.add_request(make_request(name, prompt(100 * (i + 1), 6)))
+    output = step(scheduler)
+    assert batch(output) == [("a", 6), ("b", 4)]
+    assert output.num_batched_tokens == 10
+    assert ids(scheduler.waiting) == ["c"]
+
+
+def test_running_requests_are_served_before_waiting_ones():
+    scheduler = make_scheduler(max_num_batched_tokens=4)
+    scheduler.add_request(make_request("a", prompt(100, 6)))
+    step(scheduler)
+    scheduler.add_request(make_request("b", prompt(200, 6)))
+    assert batch(step(scheduler)) == [("a", 2), ("b", 2)]
+
+
+def test_a_running_request_that_takes_the_whole_budget_leaves_waiting_ones_waiting():
+    scheduler = make_scheduler(max_num_batched_tokens=4)
+    scheduler.add_request(make_request("a", prompt(100, 12)))
+    step(scheduler)
+    scheduler.add_request(make_request("b", prompt(200, 2)))
+    assert batch(step(scheduler)) == [("a", 4)]
+    assert ids(scheduler.waiting) == ["b"]
+
+
+def test_decodes_come_first_in_the_batch():
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    scheduler.add_request(make_request("p", prompt(100, 3), n=2))
+    scheduler.add_request(make_request("x", prompt(200, 10)))
+    assert batch(step(scheduler)) == [("p#0", 3), ("x", 5)]
+    assert ids(scheduler.running) == ["p#0", "x", "p#1"]
+    assert batch(step(scheduler)) == [("p#0", 1), ("p#1", 1), ("x", 5)]
+
+
+def test_max_num_seqs_caps_the_running_batch():
+    scheduler = make_scheduler(max_num_seqs=2)
+    scheduler.add_request(make_request("a", prompt(100, 3), max_tokens=2))
+    scheduler.add_request(make_request("b", prompt(200, 3), max_tokens=3))
+    scheduler.add_request(make_request("c", prompt(300, 3)))
+    batches = [batch(step(scheduler)) for _ in range(3)]
+    assert batches == [
+        [("a", 3), ("b", 3)],
+        [("a", 1), ("b", 1)],
+        [("b", 1), ("c", 3)],
+    ]
+
+
+def test_a_request_waits_until_all_its_n_sequences_fit_in_max_num_seqs():
+    scheduler = make_scheduler(max_num_seqs=3)
+    scheduler.add_request(make_request("a", prompt(100, 3), max_tokens=2))
+    scheduler.add_request(make_request("g", prompt(200, 3), n=3))
+    batches = [batch(step(scheduler)) for _ in range(3)]
+    assert batches == [[("a", 3)], [("a", 1)], [("g#0", 3)]]
+    assert ids(scheduler.running) == ["g#0", "g#1", "g#2"]
+
+
+# ---- preemption ------------------------------------------------------------------------------
+
+
+def run_into_preemption(enable_prefix_caching: bool = True) -> tuple[Scheduler, list]:
+    """4 blocks of 4 tokens. "a" and "b" (7-token prompts) fill the pool; the third step's decode
+    of "a" needs a fifth block. "c" arrives after the first step."""
+    scheduler = make_scheduler(
+        num_blocks=4, max_model_len=16, enable_prefix_caching=enable_prefix_caching
+    )
+    a = make_request("a", prompt(100, 7), max_tokens=5)
+    b = make_request("b", prompt(200, 7), max_tokens=8)
+    c = make_request("c", prompt(300, 3))
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    outputs = [step(scheduler)]
+    scheduler.add_request(c)
+    outputs += [step(scheduler), step(scheduler)]
+    return scheduler, outputs
+
+
+def test_the_newest_running_request_is_preempted_when_blocks_run_out():
+    scheduler, outputs = run_into_preemption()
+    assert [batch(o) for o in outputs] == [[("a", 7), ("b", 7)], [("a", 1), ("b", 1)], [("a", 1)]]
+    assert ids(outputs[2].preempted) == ["b"]
+    assert ids(scheduler.running) == ["a"]
+
+
+def test_a_preempted_request_gives_back_its_blocks_and_progress():
+    scheduler, _ = run_into_preemption()
+    b = scheduler.requests["b"]
+    assert b.status == RequestStatus.PREEMPTED
+    assert b.num_computed_tokens == 0
+    assert b.output_token_ids == [7, 7]
+    assert b.num_preemptions == 1 and scheduler.num_preemptions == 1
+    assert scheduler.kv_manager.get_block_ids("b") == []
+    assert scheduler.kv_manager.get_block_ids("a") == [0, 1, 3]  # b's last block, reused first
+
+
+def test_a_preempted_request_goes_back_to_the_front_of_the_waiting_queue():
+    scheduler, _ = run_into_preemption()
+    assert ids(scheduler.waiting) == ["b", "c"]
+
+
+def test_a_preempted_request_resumes_from_its_cached_prefix():
+    scheduler, _ = run_into_preemption()
+    b = scheduler.requests["b"]
+    step(scheduler)
+    step(scheduler)  # "a" reaches max_tokens and frees its blocks
+    resumed = step(scheduler)
+    # 9 known tokens; its first block (tokens 0-3) stayed cached, the second was reused by "a".
+    assert batch(resumed) == [("b", 5), ("c", 3)]
+    assert scheduler.kv_manager.get_block_ids("b") == [2, 3, 1]
+    assert b.status == RequestStatus.RUNNING
+    assert b.num_computed_tokens == 9 and b.output_token_ids == [7, 7, 7]
+
+
+def test_a_preempted_request_without_prefix_caching_recomputes_everything():
+    scheduler, _ = run_into_preemption(enable_prefix_caching=False)
+    step(scheduler)
+    step(scheduler)
+    assert batch(step(scheduler))[0] == ("b", 9)
+
+
+def test_the_request_that_cannot_grow_is_itself_preempted_when_it_is_the_newest():
+    scheduler, _ = run_into_preemption()
+    for _ in range(5):
+        output = step(scheduler)
+    # "b" holds 3 blocks, "c" 1; "c" needs a second block and is the newest.
+    assert batch(output) == [("b", 1)]
+    assert ids(output.preempted) == ["c"]
+    assert ids(scheduler.waiting) == ["c"]
+
+
+# ---- forks -----------------------------------------------------------------------------------
+
+
+def test_n_sequences_fork_at_the_end_of_the_prefill_and_share_its_blocks():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("g", prompt(100, 6), n=3))
+    output = step(scheduler)
+    assert [(c.request_id, p.request_id) for c, p in output.forked] == [
+        ("g#1", "g#0"),
+        ("g#2", "g#0"),
+    ]
+    kv = scheduler.kv_manager
+    assert kv.get_block_ids("g#0") == kv.get_block_ids("g#1") == kv.get_block_ids("g#2") == [0, 1]
+    assert [b.ref_count for b in kv.blocks[:3]] == [3, 3, 0]
+    assert [r.num_computed_tokens for r in scheduler.running] == [6, 6, 6]
+
+
+def test_no_fork_happens_before_the_prompt_is_computed():
+    scheduler = make_scheduler(max_num_batched_tokens=4)
+    scheduler.add_request(make_request("g", prompt(100, 6), n=3))
+    assert step(scheduler).forked == []
+    assert ids(scheduler.running) == ["g#0"]
+
+
+def test_forks_copy_the_shared_partial_block_on_their_first_decode():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("g", prompt(100, 6), n=3))
+    step(scheduler)
+    output = step(scheduler)
+    assert output.block_copies == [(1, 2), (1, 3)]
+    kv = scheduler.kv_manager
+    assert [kv.get_block_ids(f"g#{i}") for i in range(3)] == [[0, 2], [0, 3], [0, 1]]
+
+
+def test_forks_of_a_block_aligned_prompt_copy_nothing():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("g", prompt(100, 8), n=2))
+    step(scheduler)
+    assert step(scheduler).block_copies == []
+    kv = scheduler.kv_manager
+    assert [kv.get_block_ids(f"g#{i}") for i in range(2)] == [[0, 1, 2], [0, 1, 3]]
+
+
+# ---- stop rules ------------------------------------------------------------------------------
+
+
+def test_eos_stops_a_request_and_frees_its_blocks():
+    scheduler = make_scheduler()
+    request = make_request("a", prompt(100, 6))
+    scheduler.add_request(request)
+    step(scheduler, token_id=EOS)
+    assert request.status == RequestStatus.FINISHED_STOPPED
+    assert request.output_token_ids == [EOS]
+    assert scheduler.num_unfinished == 0
+    assert_all_blocks_free(scheduler)
+
+
+def test_eos_before_min_tokens_does_not_stop():
+    scheduler = make_scheduler()
+    request = make_request("a", prompt(100, 6), min_tokens=2)
+    scheduler.add_request(request)
+    step(scheduler, token_id=EOS)
+    assert request.status == RequestStatus.RUNNING
+    step(scheduler, token_id=EOS)
+    assert request.status == RequestStatus.FINISHED_STOPPED
+
+
+def test_ignore_eos_keeps_generating_until_max_tokens():
+    scheduler = make_scheduler()
+    request = make_request("a", prompt(100, 6), max_tokens=3, ignore_eos=True)
+    scheduler.add_request(request)
+    for _ in range(3):
+        step(scheduler, token_id=EOS)
+    assert request.output_token_ids == [EOS, EOS, EOS]
+    assert request.status == RequestStatus.FINISHED_LENGTH
+
+
+def test_a_stop_token_id_stops_and_is_the_stop_reason():
+    scheduler = make_scheduler()
+    request = make_request("a", prompt(100, 6), stop_token_ids=[9])
+    scheduler.add_request(request)
+    step(scheduler, token_id=9)
+    assert request.status == RequestStatus.FINISHED_STOPPED
+    assert request.stop_reason == 9
+
+
+def test_max_model_len_ends_a_request_with_length():
+    scheduler = make_scheduler(max_model_len=8)
+    request = make_request("a", prompt(100, 6))
+    scheduler.add_request(request)
+    step(scheduler)
+    step(scheduler)
+    assert request.num_tokens == 8
+    assert request.status == RequestStatus.FINISHED_LENGTH
+
+
+# ---- abort -----------------------------------------------------------------------------------
+
+
+def test_abort_of_a_waiting_request_removes_it():
+    scheduler = make_scheduler()
+    request = make_request("a", prompt(100, 6))
+    scheduler.add_request(request)
+    assert scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED) == [request]
+    assert request.status == RequestStatus.FINISHED_ABORTED
+    assert not scheduler.waiting and scheduler.num_unfinished == 0
+    assert scheduler.schedule().is_empty
+
+
+def test_abort_of_a_running_request_frees_its_blocks():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", prompt(100, 6)))
+    step(scheduler)
+    scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    assert not scheduler.running and scheduler.num_unfinished == 0
+    assert_all_blocks_free(scheduler)
+
+
+def test_abort_of_a_preempted_request_removes_it_from_the_waiting_queue():
+    scheduler, _ = run_into_preemption()
+    scheduler.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+    assert ids(scheduler.waiting) == ["c"]
+    scheduler.finish_requests(["a", "c"], RequestStatus.FINISHED_ABORTED)
+    assert scheduler.num_unfinished == 0
+    assert_all_blocks_free(scheduler)
+
+
+def test_abort_of_all_forks_frees_their_shared_blocks():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("g", prompt(100, 6), n=3))
+    step(scheduler)
+    step(scheduler)
+    scheduler.finish_requests(["g#0", "g#1", "g#2"], RequestStatus.FINISHED_ABORTED)
+    assert_all_blocks_free(scheduler)
+
+
+def test_abort_of_an_unknown_id_does_nothing():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", prompt(100, 6)))
+    assert scheduler.finish_requests(["nope"], RequestStatus.FINISHED_ABORTED) == []
+    assert ids(scheduler.waiting) == ["a"]
+
+
+# ---- property test: random traffic on tiny pools ---------------------------------------------
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Requests arrive, steps run, requests are aborted, on pools small enough to force
+    preemption. Every step is checked against the scheduling rules; every state against the
+    bookkeeping invariants; and stepping without arrivals must finish every request."""
+
+    @initialize(
+        num_blocks=st.integers(2, 8),
+        block_size=st.sampled_from([2, 4]),
+        max_num_seqs=st.integers(1, 4),
+        budget=st.integers(1, 12),
+        caching=st.booleans(),
+        data=st.data(),
+    )
+    def make_scheduler(self, num_blocks, block_size, max_num_seqs, budget, caching, data) -> None:
+        # As LLMEngine guarantees: max_model_len fits in the pool.
+        max_model_len = data.draw(st.integers(2, num_blocks * block_size), label="max_model_len")
+        self.kv = KVCacheManager(num_blocks, block_size, caching)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, budget, max_model_len)
+        self.ended: list[Request] = []
+        self.ids = itertools.count()
+
+    def _step(self, draw_token) -> None:
+        scheduler, kv = self.scheduler, self.kv
+        running_before = list(scheduler.running)
+        waiting_before = list(scheduler.waiting)
+        output = scheduler.schedule()
+        entries = output.scheduled
+
+        assert output.num_batched_tokens <= scheduler.max_num_batched_tokens
+        assert all(s.num_new_tokens >= 1 for s in entries)
+        assert len({id(s.request) for s in entries}) == len(entries)
+        sizes = [s.num_new_tokens for s in entries]
+        assert sizes == sorted(sizes, key=lambda k: k != 1), "decodes first"
+        for s in entries:
+            covered = len(s.block_ids) * kv.block_size
+            assert covered >= s.request.num_computed_tokens + s.num_new_tokens
+        # Victims are the newest running requests, newest first.
+        victims = running_before[::-1][: len(output.preempted)]
+        assert [id(r) for r in output.preempted] == [id(r) for r in victims]
+        admitted = [s for s in entries if any(s.request is w for w in waiting_before)]
+        if admitted:
+            assert not output.preempted
+            scheduled = {id(s.request) for s in entries}
+            assert all(id(r) in scheduled for r in running_before)
+        assert len(scheduler.running) <= scheduler.max_num_seqs
+        for child, parent in output.forked:
+            assert kv.get_block_ids(child.request_id) == kv.get_block_ids(parent.request_id)
+
+        sampled = {request_id: draw_token() for request_id in sampling_ids(output)}
+        updated = scheduler.update(output, sampled)
+        assert sorted(r.request_id for r in updated) == sorted(sampled)
+        self.ended += [r for r in updated if r.is_finished]
+
+    @rule(data=st.data())
+    def add(self, data) -> None:
+        max_model_len = self.scheduler.max_model_len
+        tokens = data.draw(st.lists(st.integers(1, 3), min_size=1, max_size=max_model_len - 1))
+        n = data.draw(st.integers(1, min(3, self.scheduler.max_num_seqs)), label="n")
+        max_tokens = data.draw(st.integers(1, 16), label="max_tokens")
+        ignore_eos = data.draw(st.booleans(), label="ignore_eos")
+        # As LLMEngine resolves it: never past max_model_len.
+        max_tokens = min(max_tokens, max_model_len - len(tokens))
+        request = make_request(
+            f"r{next(self.ids)}", tokens, max_tokens, n=n, ignore_eos=ignore_eos
+        )
+        self.scheduler.add_request(request)
+
+    @rule(num_steps=st.integers(1, 4), tokens=st.lists(st.integers(EOS, 3), min_size=1))
+    def step(self, num_steps: int, tokens: list[int]) -> None:
+        stream = itertools.cycle(tokens)
+        for _ in range(num_steps):
+            self._step(lambda: next(stream))
+
+    @rule(data=st.data())
+    def abort(self, data) -> None:
+        if not self.scheduler.requests:
+            return
+        request_id = data.draw(st.sampled_from(sorted(self.scheduler.requests)), label="abort")
+        (request,) = self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+        assert request.status == RequestStatus.FINISHED_ABORTED
+        self.ended.append(request)
+
+    @rule(seed=st.integers(0, 2**16))
+    def run_until_idle(self, seed: int) -> None:
+        """With no new arrivals every request finishes; each step brings the oldest running
+        request at least one token closer to its end."""
+        tokens = itertools.cycle([1, 2, 3, EOS] if seed % 2 else [1, 2, 3])
+        bound = 3 * len(self.scheduler.requests) * self.scheduler.max_model_len + 1
+        for _ in range(bound):
+            if not self.scheduler.num_unfinished:
+                break
+            self._step(lambda: next(tokens))
+        assert self.scheduler.num_unfinished == 0
+        assert not self.scheduler.running and not self.scheduler.waiting
+        assert self.kv.num_free_blocks == self.kv.num_blocks
+        assert all(block.ref_count == 0 for block in self.kv.blocks)
+
+    @invariant()
+    def books_balance(self) -> None:
+        self.kv.check_invariants()
+
+    @invariant()
+    def every_unfinished_request_is_either_waiting_or_running(self) -> None:
+        running = [id(r) for r in self.scheduler.running]
+        waiting = [id(r) for r in self.scheduler.waiting]
+        assert len(set(running)) == len(running) and len(set(waiting)) == len(waiting)
+        assert not set(running) & set(waiting)
+        assert set(running) | set(waiting) == {id(r) for r in self.scheduler.requests.values()}
+        assert all(r.status == RequestStatus.RUNNING for r in self.scheduler.running)
+        assert all(
+            r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            for r in self.scheduler.waiting
+        )
+
+    @invariant()
+    def running_requests_hold_exactly_the_blocks_their_computed_tokens_need(self) -> None:
+        for request in self.scheduler.running:
+            num_blocks = len(self.kv.get_block_ids(request.request_id))
+            assert num_blocks == self.kv.blocks_needed(request.num_computed_tokens)
+            assert request.num_computed_tokens < request.num_tokens <= self.scheduler.max_model_len
+
+    @invariant()
+    def waiting_and_ended_requests_hold_no_blocks(self) -> None:
+        for request in [*self.scheduler.waiting, *self.ended]:
+            assert self.kv.get_block_ids(request.request_id) == []
+            assert request.num_computed_tokens == 0 or request.is_finished
+        assert all(request.is_finished for request in self.ended)
+
+    def teardown(self) -> None:
+        self.run_until_idle(seed=0)
+
+
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_scheduler_random_traffic = SchedulerMachine.TestCase

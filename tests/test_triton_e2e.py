@@ -1,0 +1,64 @@
+"""The whole engine on the Triton backend gives the torch backend's greedy tokens (float32).
+
+Without CUDA the kernels run in Triton's interpreter (conftest.py sets TRITON_INTERPRET=1 before
+anything imports quire.kernels). The batch mixes prompt lengths, chunks the long prompts
+(max_num_batched_tokens=32, so decodes and prefill chunks share steps) and, in a second call,
+reuses a cached prefix.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quire import LLM, SamplingParams
+
+pytest.importorskip("triton")
+
+NUM_NEW_TOKENS = 6
+BLOCK_SIZE = 16
+
+
+def random_prompt(generator: torch.Generator, length: int) -> list[int]:
+    return torch.randint(3, 49152, (length,), generator=generator).tolist()
+
+
+_generator = torch.Generator().manual_seed(0)
+SHARED = random_prompt(_generator, 40)  # two full blocks, then a partial one
+FIRST_CALL = [random_prompt(_generator, n) for n in (3, 17, 70, 33)] + [SHARED]
+SECOND_CALL = [SHARED + [5, 6, 7], random_prompt(_generator, 9)]
+
+
+def run(model: str, backend: str) -> tuple[list[list[int]], list[int]]:
+    """Greedy tokens of both calls' prompts, and the second call's cached prompt tokens."""
+    llm = LLM(
+        model=model,
+        dtype="float32",
+        attention_backend=backend,
+        device="cuda" if torch.cuda.is_available() else "cpu",
+        block_size=BLOCK_SIZE,
+        max_num_batched_tokens=32,
+        num_kv_blocks=64,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS)
+    first = llm.generate(FIRST_CALL, params, use_tqdm=False)
+    second = llm.generate(SECOND_CALL, params, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in first + second]
+    return tokens, [o.num_cached_tokens for o in second]
+
+
+@pytest.fixture(scope="module")
+def results(tiny_llama) -> dict[str, tuple[list[list[int]], list[int]]]:
+    return {backend: run(tiny_llama, backend) for backend in ("torch", "triton")}
+
+
+def test_triton_backend_gives_the_torch_backend_greedy_tokens(results):
+    torch_tokens, _ = results["torch"]
+    triton_tokens, _ = results["triton"]
+    assert all(len(t) == NUM_NEW_TOKENS for t in torch_tokens)
+    assert triton_tokens == torch_tokens
+
+
+def test_triton_backend_serves_a_prompt_from_the_prefix_cache(results):
+    _, cached = results["triton"]
+    assert cached == [2 * BLOCK_SIZE, 0]  # SHARED's two full blocks; the other prompt is new
