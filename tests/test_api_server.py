@@ -499,6 +499,30 @@ def test_clients_that_disconnect_have_their_requests_aborted(server, engine):
     assert aborted == aborted_before + 5
 
 
+def test_an_engine_failure_fails_only_the_live_requests(server, engine, client, monkeypatch):
+    assert_idle_with_all_blocks_free(server, engine)  # the loop thread waits: safe to patch
+    runner = engine.engine.runner
+    execute = runner.execute
+    failures = [RuntimeError("simulated kernel failure")] * 2
+
+    def fail_twice(scheduler_output):
+        if failures:
+            raise failures.pop()
+        return execute(scheduler_output)
+
+    monkeypatch.setattr(runner, "execute", fail_twice)
+    with pytest.raises(openai.InternalServerError, match="simulated kernel failure"):
+        client.completions.create(model=MODEL, prompt="Fail", max_tokens=4)
+    stream = client.completions.create(model=MODEL, prompt="Fail", max_tokens=4, stream=True)
+    with pytest.raises(openai.APIError, match="simulated kernel failure"):
+        list(stream)
+    response = client.completions.create(
+        model=MODEL, prompt="Fine", max_tokens=4, extra_body=IGNORE_EOS
+    )
+    assert response.usage.completion_tokens == 4
+    assert_idle_with_all_blocks_free(server, engine)
+
+
 # ---- bad input --------------------------------------------------------------------------------
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"

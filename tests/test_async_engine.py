@@ -4,6 +4,7 @@ share its steps, and a stream that is left early aborts its request and frees it
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 from collections.abc import Callable
@@ -13,6 +14,7 @@ import pytest
 from quire import LLM, SamplingParams
 from quire.config import EngineConfig
 from quire.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
+from quire.engine.metrics import EngineMetrics
 
 NUM_KV_BLOCKS = 512
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,", "Hello, my name is"]
@@ -231,3 +233,18 @@ def test_shutdown_ends_live_streams_and_refuses_new_requests(tiny_llama):
 
     run(shut_down_midway())
     assert not llm.is_running
+
+
+def test_each_request_and_the_periodic_stats_are_logged(tiny_llama, caplog):
+    metrics = EngineMetrics("logged", log_stats_interval_s=0.001)
+    llm = AsyncLLM.from_engine_config(engine_config(tiny_llama), metrics)
+    try:
+        with caplog.at_level(logging.INFO, logger="quire.engine.metrics"):
+            run(collect(llm, PROMPTS[0], greedy(64), request_id="req-1"))
+    finally:
+        llm.shutdown()
+    messages = [record.getMessage() for record in caplog.records]
+    finished = [m for m in messages if m.startswith("Finished request req-1 (length): ")]
+    assert len(finished) == 1 and "64 output tokens" in finished[0] and "TTFT" in finished[0]
+    stats = [m for m in messages if m.startswith("Engine: 1 running, 0 waiting; KV cache")]
+    assert stats and all("tokens/s" in m for m in stats)

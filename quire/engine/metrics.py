@@ -131,7 +131,7 @@ class EngineMetrics:
             self._last_log_time = now
             return
         elapsed = now - self._last_log_time
-        if elapsed < self.log_stats_interval_s:
+        if elapsed <= 0.0 or elapsed < self.log_stats_interval_s:
             return
         stats, self._interval = self._interval, _IntervalStats()
         self._last_log_time = now

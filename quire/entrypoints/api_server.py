@@ -17,8 +17,7 @@ import re
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 import jinja2
@@ -39,16 +38,16 @@ from quire.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    Prompt,
     TokenizeRequest,
 )
-from quire.outputs import CompletionOutput, RequestOutput
+from quire.outputs import RequestOutput
 from quire.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = DEFAULT_GGUF_NAME.split(".")[0]  # SmolLM2-135M-Instruct
 _PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version"})
-_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error"}
 _CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
 _SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
 _FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
@@ -69,7 +68,7 @@ class APIError(Exception):
         self.code = code
 
     def response(self) -> JSONResponse:
-        error_type = _ERROR_TYPES.get(self.status, "server_error")
+        error_type = "invalid_request_error" if self.status < 500 else "server_error"
         body = protocol.error_body(self.message, error_type, self.param, self.code)
         return JSONResponse(body, status_code=self.status)
 
@@ -84,16 +83,6 @@ def bad_request(
     first_word = message.split(" ", 1)[0]
     known = first_word in _SAMPLING_FIELDS or first_word in fields
     return APIError(400, message, first_word if known else param)
-
-
-@dataclass
-class _Prompt:
-    text: str | None
-    token_ids: list[int]
-
-    @property
-    def engine_input(self) -> dict[str, Any]:
-        return {"prompt": self.text, "prompt_token_ids": self.token_ids}
 
 
 class OpenAIServing:
@@ -114,7 +103,7 @@ class OpenAIServing:
                 "model_not_found",
             )
 
-    def completion_prompts(self, prompt: str | list) -> list[_Prompt]:
+    def completion_prompts(self, prompt: str | list) -> list[Prompt]:
         if isinstance(prompt, str):
             prompt = [prompt]
         elif prompt and isinstance(prompt[0], int):
@@ -122,13 +111,15 @@ class OpenAIServing:
         prompts = []
         for item in prompt:
             if isinstance(item, str):
-                prompts.append(_Prompt(item, self.tokenizer.encode(item)))
+                prompts.append(Prompt(item, self.tokenizer.encode(item)))
             else:
                 self.check_token_ids(item, "prompt")
-                prompts.append(_Prompt(None, list(item)))
+                prompts.append(Prompt(None, list(item)))
         return prompts
 
-    def chat_prompt(self, messages: list[protocol.ChatMessage], add_generation_prompt: bool):
+    def chat_prompt(
+        self, messages: list[protocol.ChatMessage], add_generation_prompt: bool
+    ) -> Prompt:
         if not self.tokenizer.chat_template:
             raise APIError(
                 400,
@@ -144,14 +135,14 @@ class OpenAIServing:
         except jinja2.TemplateError as error:
             message = f"The chat template rejected the messages: {error}"
             raise APIError(400, message, "messages") from error
-        return _Prompt(text, self.tokenizer.encode(text, add_special_tokens=False))
+        return Prompt(text, self.tokenizer.encode(text, add_special_tokens=False))
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         vocab_size = self.engine.engine.model_config.vocab_size
         if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
             raise APIError(400, f"Token ids must be in [0, {vocab_size}).", param)
 
-    def check_context(self, prompts: list[_Prompt], max_tokens: int | None, param: str) -> None:
+    def check_context(self, prompts: list[Prompt], max_tokens: int | None, param: str) -> None:
         """Prompt plus max_tokens must fit the context (the engine would cut max_tokens short)."""
         max_model_len = self.engine.max_model_len
         for prompt in prompts:
@@ -178,7 +169,7 @@ class OpenAIServing:
     async def add_requests(
         self,
         request_id: str,
-        prompts: list[_Prompt],
+        prompts: list[Prompt],
         params: SamplingParams,
         arrival_time: float,
         param: str,
@@ -214,15 +205,17 @@ class OpenAIServing:
         self.check_context(prompts, body.max_tokens, "prompt")
         response_id = f"cmpl-{uuid.uuid4().hex}"
         requests = await self.add_requests(response_id, prompts, params, arrival_time, "prompt")
-        completion = _Completion(self, body, params, prompts, response_id)
+        formatter = protocol.CompletionFormatter(
+            body, prompts, response_id, self.model_name, self.tokenizer.decode
+        )
         if body.stream:
-            events = completion.events(requests.outputs())
+            events = _sse_events(formatter.chunks(requests.outputs()))
             return EventStreamResponse(events, on_close=requests.abort_unfinished)
         try:
             finals = await _unless_disconnected(raw, requests.final_outputs())
         finally:
             requests.abort_unfinished()
-        return JSONResponse(completion.response(finals))
+        return JSONResponse(formatter.response(finals))
 
     # ---- /v1/chat/completions --------------------------------------------------------------
     async def create_chat_completion(self, body: ChatCompletionRequest, raw: Request) -> Response:
@@ -236,15 +229,15 @@ class OpenAIServing:
         self.check_context([prompt], body.max_output_tokens, "messages")
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         requests = await self.add_requests(response_id, [prompt], params, arrival_time, "messages")
-        chat = _ChatCompletion(self, body, params, prompt, response_id)
+        formatter = protocol.ChatCompletionFormatter(body, prompt, response_id, self.model_name)
         if body.stream:
-            events = chat.events(requests.outputs())
+            events = _sse_events(formatter.chunks(requests.outputs()))
             return EventStreamResponse(events, on_close=requests.abort_unfinished)
         try:
             finals = await _unless_disconnected(raw, requests.final_outputs())
         finally:
             requests.abort_unfinished()
-        return JSONResponse(chat.response(finals[0]))
+        return JSONResponse(formatter.response(finals[0]))
 
     # ---- /tokenize, /detokenize ------------------------------------------------------------
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
@@ -269,249 +262,10 @@ class OpenAIServing:
         return {"prompt": self.tokenizer.decode(body.tokens)}
 
 
-@dataclass
-class _ChoiceState:
-    """What a stream has sent of one choice."""
-
-    num_chars: int = 0
-    num_tokens: int = 0
-    text_offset: int = 0  # where the next token's logprobs entry starts in the streamed text
-    started: bool = False
-    finished: bool = False
-
-
-class _Completion:
-    """One /v1/completions request's choices: prompt p's sample j is choice p * n + j."""
-
-    def __init__(
-        self,
-        serving: OpenAIServing,
-        body: CompletionRequest,
-        params: SamplingParams,
-        prompts: list[_Prompt],
-        response_id: str,
-    ) -> None:
-        self.serving = serving
-        self.body = body
-        self.n = params.n
-        self.prompts = prompts
-        self.response_id = response_id
-        self.created = int(time.time())
-
-    def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
-        choices = []
-        for p, output in enumerate(finals):
-            for completion in output.outputs:
-                choice = self._choice(p, output, completion, _ChoiceState())
-                choice["finish_reason"] = completion.finish_reason
-                choice["stop_reason"] = completion.stop_reason
-                choices.append(choice)
-        body = self._object(choices)
-        body["usage"] = self._usage(finals)
-        return body
-
-    async def events(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
-        states = [_ChoiceState() for _ in range(len(self.prompts) * self.n)]
-        finals: list[RequestOutput | None] = [None] * len(self.prompts)
-        try:
-            async for p, output in outputs:
-                finals[p] = output
-                for completion in output.outputs:
-                    state = states[p * self.n + completion.index]
-                    if state.finished:
-                        continue
-                    state.finished = completion.finish_reason is not None
-                    new_text = len(completion.text) > state.num_chars
-                    new_tokens = len(completion.token_ids) > state.num_tokens
-                    if not (
-                        new_text
-                        or state.finished
-                        or (self.body.echo and not state.started)
-                        or (new_tokens and self.body.logprobs is not None)
-                    ):
-                        continue
-                    choice = self._choice(p, output, completion, state)
-                    choice["finish_reason"] = completion.finish_reason
-                    choice["stop_reason"] = completion.stop_reason
-                    yield _sse(self._object([choice], self.body.include_usage))
-            if self.body.include_usage:
-                chunk = self._object([])
-                chunk["usage"] = self._usage([f for f in finals if f is not None])
-                yield _sse(chunk)
-        except (RequestFailedError, EngineDeadError) as error:
-            yield _sse(protocol.error_body(str(error), "server_error"))
-        yield "data: [DONE]\n\n"
-
-    def _choice(
-        self, p: int, output: RequestOutput, completion: CompletionOutput, state: _ChoiceState
-    ) -> dict[str, Any]:
-        """The choice's text and logprobs after what `state` says was sent; advances `state`.
-        With echo, the first piece starts with the prompt (and its logprobs)."""
-        echo = self.body.echo and not state.started
-        state.started = True
-        text = completion.text[state.num_chars :]
-        token_ids = completion.token_ids[state.num_tokens :]
-        logprobs = None
-        if self.body.logprobs is not None:
-            positions = list(completion.logprobs[state.num_tokens : len(completion.token_ids)])
-            if echo:
-                token_ids = output.prompt_token_ids + token_ids
-                positions = list(output.prompt_logprobs or []) + positions
-            logprobs = protocol.completion_logprobs(
-                token_ids, positions, self.body.logprobs, state.text_offset, self._decode
-            )
-            if logprobs["tokens"]:
-                state.text_offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-        state.num_chars = len(completion.text)
-        state.num_tokens = len(completion.token_ids)
-        if echo:
-            text = self._prompt_text(p) + text
-        return {"index": p * self.n + completion.index, "text": text, "logprobs": logprobs}
-
-    def _prompt_text(self, index: int) -> str:
-        prompt = self.prompts[index]
-        if prompt.text is None:
-            prompt.text = self.serving.tokenizer.decode(prompt.token_ids)
-        return prompt.text
-
-    def _decode(self, token_id: int) -> str:
-        return self.serving.tokenizer.decode([token_id])
-
-    def _usage(self, finals: list[RequestOutput]) -> dict[str, int]:
-        num_completion_tokens = sum(len(c.token_ids) for f in finals for c in f.outputs)
-        num_prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
-        return protocol.usage(num_prompt_tokens, num_completion_tokens)
-
-    def _object(self, choices: list[dict], null_usage: bool = False) -> dict[str, Any]:
-        body = protocol.response_object(
-            "text_completion", self.response_id, self.created, self.serving.model_name, choices
-        )
-        if null_usage:
-            body["usage"] = None
-        return body
-
-
-class _ChatCompletion:
-    """One /v1/chat/completions request: n choices of one conversation."""
-
-    def __init__(
-        self,
-        serving: OpenAIServing,
-        body: ChatCompletionRequest,
-        params: SamplingParams,
-        prompt: _Prompt,
-        response_id: str,
-    ) -> None:
-        self.serving = serving
-        self.body = body
-        self.n = params.n
-        self.prompt = prompt
-        self.response_id = response_id
-        self.created = int(time.time())
-
-    def response(self, final: RequestOutput) -> dict[str, Any]:
-        choices = [
-            {
-                "index": completion.index,
-                "message": {"role": "assistant", "content": completion.text},
-                "logprobs": self._logprobs(completion, 0),
-                "finish_reason": completion.finish_reason,
-                "stop_reason": completion.stop_reason,
-            }
-            for completion in final.outputs
-        ]
-        body = self._object("chat.completion", choices)
-        body["usage"] = self._usage(final)
-        return body
-
-    async def events(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
-        """The role first, then content deltas; each choice's last chunk has its finish_reason."""
-        include_usage = self.body.include_usage
-        for index in range(self.n):
-            delta = {"role": "assistant", "content": ""}
-            yield _sse(self._chunk(index, delta, None, None, include_usage))
-        states = [_ChoiceState() for _ in range(self.n)]
-        final = None
-        try:
-            async for _, output in outputs:
-                final = output
-                for completion in output.outputs:
-                    state = states[completion.index]
-                    if state.finished:
-                        continue
-                    state.finished = completion.finish_reason is not None
-                    text = completion.text[state.num_chars :]
-                    logprobs = self._logprobs(completion, state.num_tokens)
-                    has_new_tokens = len(completion.token_ids) > state.num_tokens
-                    state.num_chars = len(completion.text)
-                    state.num_tokens = len(completion.token_ids)
-                    if not (text or state.finished or (logprobs and has_new_tokens)):
-                        continue
-                    delta = {"content": text} if text else {}
-                    yield _sse(
-                        self._chunk(
-                            completion.index,
-                            delta,
-                            logprobs,
-                            completion.finish_reason,
-                            include_usage,
-                            completion.stop_reason,
-                        )
-                    )
-            if include_usage and final is not None:
-                chunk = self._object("chat.completion.chunk", [])
-                chunk["usage"] = self._usage(final)
-                yield _sse(chunk)
-        except (RequestFailedError, EngineDeadError) as error:
-            yield _sse(protocol.error_body(str(error), "server_error"))
-        yield "data: [DONE]\n\n"
-
-    def _chunk(
-        self,
-        index: int,
-        delta: dict[str, str],
-        logprobs: dict | None,
-        finish_reason: str | None,
-        null_usage: bool,
-        stop_reason: int | str | None = None,
-    ) -> dict[str, Any]:
-        choice = {
-            "index": index,
-            "delta": delta,
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
-        if finish_reason is not None:
-            choice["stop_reason"] = stop_reason
-        chunk = self._object("chat.completion.chunk", [choice])
-        if null_usage:
-            chunk["usage"] = None
-        return chunk
-
-    def _logprobs(self, completion: CompletionOutput, start: int) -> dict[str, list] | None:
-        if not self.body.logprobs:
-            return None
-        end = len(completion.token_ids)
-        return protocol.chat_logprobs(
-            completion.token_ids[start:end],
-            completion.logprobs[start:end],
-            self.body.top_logprobs or 0,
-        )
-
-    def _usage(self, final: RequestOutput) -> dict[str, int]:
-        num_completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-        return protocol.usage(len(self.prompt.token_ids), num_completion_tokens)
-
-    def _object(self, object_type: str, choices: list[dict]) -> dict[str, Any]:
-        return protocol.response_object(
-            object_type, self.response_id, self.created, self.serving.model_name, choices
-        )
-
-
 # ---- streams and disconnects ------------------------------------------------------------------
 async def merge_streams(
-    streams: list[AsyncIterator[_T]],
-) -> AsyncIterator[tuple[int, _T]]:
+    streams: list[AsyncGenerator[_T, None]],
+) -> AsyncGenerator[tuple[int, _T], None]:
     """Items of several async generators as they come, tagged with the generator's index.
     Leaving early (or an error in one) closes them all."""
     if len(streams) == 1:
@@ -524,7 +278,7 @@ async def merge_streams(
     merged: asyncio.Queue = asyncio.Queue()
     done = object()
 
-    async def pump(index: int, stream: AsyncIterator[_T]) -> None:
+    async def pump(index: int, stream: AsyncGenerator[_T, None]) -> None:
         try:
             async for item in stream:
                 merged.put_nowait((index, item))
@@ -558,14 +312,14 @@ class _EngineRequests:
     stream was never read."""
 
     def __init__(
-        self, engine: AsyncLLM, ids: list[str], streams: list[AsyncIterator[RequestOutput]]
+        self, engine: AsyncLLM, ids: list[str], streams: list[AsyncGenerator[RequestOutput, None]]
     ) -> None:
         self.engine = engine
         self.ids = ids
         self.streams = streams
         self.unfinished = set(ids)
 
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def outputs(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """(prompt index, output) as they come."""
         merged = merge_streams(self.streams)
         try:
@@ -619,7 +373,7 @@ class EventStreamResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(self, events: AsyncGenerator[str, None], on_close: Callable[[], None]) -> None:
         super().__init__(events, headers={"Cache-Control": "no-cache"})
         self._events = events
         self._on_close = on_close
@@ -630,6 +384,21 @@ class EventStreamResponse(StreamingResponse):
         finally:
             self._on_close()
             await self._events.aclose()
+
+
+async def _sse_events(
+    chunks: AsyncGenerator[dict[str, Any], None],
+) -> AsyncGenerator[str, None]:
+    """Chunks as server-sent events, ending with `[DONE]`. An engine failure mid-stream becomes
+    an error event (the openai client raises it as an APIError)."""
+    try:
+        async for chunk in chunks:
+            yield _sse(chunk)
+    except (RequestFailedError, EngineDeadError) as error:
+        yield _sse(protocol.error_body(str(error), "server_error"))
+    finally:
+        await chunks.aclose()
+    yield "data: [DONE]\n\n"
 
 
 def _sse(body: dict[str, Any]) -> str:

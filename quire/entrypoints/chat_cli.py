@@ -68,11 +68,14 @@ class ChatSession:
 
 def run_chat(
     session: ChatSession,
-    read_line: Callable[[str], str] = input,
-    write: Callable[[str], object] = sys.stdout.write,
-    flush: Callable[[], object] = sys.stdout.flush,
+    read_line: Callable[[str], str] | None = None,
+    write: Callable[[str], object] | None = None,
+    flush: Callable[[], object] | None = None,
 ) -> None:
-    """The read-reply loop until /exit or end of input."""
+    """The read-reply loop until /exit or end of input (default: the terminal)."""
+    read_line = read_line or input
+    write = write or sys.stdout.write
+    flush = flush or sys.stdout.flush
     write("Type a message; /reset forgets the conversation, /exit quits.\n")
     while True:
         try:

@@ -9,12 +9,13 @@ passes silently. Responses are plain dicts: they are built once per chunk on the
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from quire.outputs import Logprob, PositionLogprobs
+from quire.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from quire.sampling_params import SamplingParams
 
 # OpenAI caps top_logprobs at 20; completions' `logprobs` follows (OpenAI's own cap there is 5).
@@ -196,6 +197,18 @@ class DetokenizeRequest(_Strict):
 
 
 # ---- responses --------------------------------------------------------------------------------
+@dataclass
+class Prompt:
+    """A prompt as the request gave it: its text (None for token ids until decoded) and ids."""
+
+    text: str | None
+    token_ids: list[int]
+
+    @property
+    def engine_input(self) -> dict[str, Any]:
+        return {"prompt": self.text, "prompt_token_ids": self.token_ids}
+
+
 def error_body(
     message: str, error_type: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
@@ -297,3 +310,238 @@ def _token_text(token_id: int, logprob: Logprob | None, decode: Callable[[int], 
     if logprob is not None and logprob.decoded_token is not None:
         return logprob.decoded_token
     return decode(token_id)
+
+
+# ---- responses of one request -----------------------------------------------------------------
+@dataclass
+class _ChoiceState:
+    """What a stream has sent of one choice."""
+
+    num_chars: int = 0
+    num_tokens: int = 0
+    text_offset: int = 0  # where the next token's logprobs entry starts in the streamed text
+    started: bool = False
+    finished: bool = False
+
+
+class CompletionFormatter:
+    """Engine outputs as one /v1/completions response or its stream chunks. Prompt p's sample j
+    is choice p * n + j."""
+
+    def __init__(
+        self,
+        body: CompletionRequest,
+        prompts: list[Prompt],
+        response_id: str,
+        model_name: str,
+        decode: Callable[[list[int]], str],
+    ) -> None:
+        self.body = body
+        self.n = body.n
+        self.prompts = prompts
+        self.response_id = response_id
+        self.model_name = model_name
+        self.decode = decode
+        self.created = int(time.time())
+
+    def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        choices = []
+        for p, output in enumerate(finals):
+            for completion in output.outputs:
+                choice = self._choice(p, output, completion, _ChoiceState())
+                choice["finish_reason"] = completion.finish_reason
+                choice["stop_reason"] = completion.stop_reason
+                choices.append(choice)
+        body = self._object(choices)
+        body["usage"] = self._usage(finals)
+        return body
+
+    async def chunks(
+        self, outputs: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        states = [_ChoiceState() for _ in range(len(self.prompts) * self.n)]
+        finals: list[RequestOutput | None] = [None] * len(self.prompts)
+        async for p, output in outputs:
+            finals[p] = output
+            for completion in output.outputs:
+                state = states[p * self.n + completion.index]
+                if state.finished:
+                    continue
+                state.finished = completion.finish_reason is not None
+                new_text = len(completion.text) > state.num_chars
+                new_tokens = len(completion.token_ids) > state.num_tokens
+                if not (
+                    new_text
+                    or state.finished
+                    or (self.body.echo and not state.started)
+                    or (new_tokens and self.body.logprobs is not None)
+                ):
+                    continue
+                choice = self._choice(p, output, completion, state)
+                choice["finish_reason"] = completion.finish_reason
+                choice["stop_reason"] = completion.stop_reason
+                yield self._object([choice], self.body.include_usage)
+        if self.body.include_usage:
+            chunk = self._object([])
+            chunk["usage"] = self._usage([f for f in finals if f is not None])
+            yield chunk
+
+    def _choice(
+        self, p: int, output: RequestOutput, completion: CompletionOutput, state: _ChoiceState
+    ) -> dict[str, Any]:
+        """The choice's text and logprobs after what `state` says was sent; advances `state`.
+        With echo, the first piece starts with the prompt (and its logprobs)."""
+        echo = self.body.echo and not state.started
+        state.started = True
+        text = completion.text[state.num_chars :]
+        token_ids = completion.token_ids[state.num_tokens :]
+        logprobs = None
+        if self.body.logprobs is not None:
+            positions = list(completion.logprobs[state.num_tokens : len(completion.token_ids)])
+            if echo:
+                token_ids = output.prompt_token_ids + token_ids
+                positions = list(output.prompt_logprobs or []) + positions
+            logprobs = completion_logprobs(
+                token_ids, positions, self.body.logprobs, state.text_offset, self._decode_token
+            )
+            if logprobs["tokens"]:
+                state.text_offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+        state.num_chars = len(completion.text)
+        state.num_tokens = len(completion.token_ids)
+        if echo:
+            text = self._prompt_text(p) + text
+        return {"index": p * self.n + completion.index, "text": text, "logprobs": logprobs}
+
+    def _prompt_text(self, index: int) -> str:
+        prompt = self.prompts[index]
+        if prompt.text is None:
+            prompt.text = self.decode(prompt.token_ids)
+        return prompt.text
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+    def _usage(self, finals: list[RequestOutput]) -> dict[str, int]:
+        num_completion_tokens = sum(len(c.token_ids) for f in finals for c in f.outputs)
+        num_prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
+        return usage(num_prompt_tokens, num_completion_tokens)
+
+    def _object(self, choices: list[dict], null_usage: bool = False) -> dict[str, Any]:
+        body = response_object(
+            "text_completion", self.response_id, self.created, self.model_name, choices
+        )
+        if null_usage:
+            body["usage"] = None
+        return body
+
+
+class ChatCompletionFormatter:
+    """Engine outputs as one /v1/chat/completions response or its stream chunks."""
+
+    def __init__(
+        self,
+        body: ChatCompletionRequest,
+        prompt: Prompt,
+        response_id: str,
+        model_name: str,
+    ) -> None:
+        self.body = body
+        self.n = body.n
+        self.prompt = prompt
+        self.response_id = response_id
+        self.model_name = model_name
+        self.created = int(time.time())
+
+    def response(self, final: RequestOutput) -> dict[str, Any]:
+        choices = [
+            {
+                "index": completion.index,
+                "message": {"role": "assistant", "content": completion.text},
+                "logprobs": self._logprobs(completion, 0),
+                "finish_reason": completion.finish_reason,
+                "stop_reason": completion.stop_reason,
+            }
+            for completion in final.outputs
+        ]
+        body = self._object("chat.completion", choices)
+        body["usage"] = self._usage(final)
+        return body
+
+    async def chunks(
+        self, outputs: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """The role first, then content deltas; each choice's last chunk has its finish_reason."""
+        include_usage = self.body.include_usage
+        for index in range(self.n):
+            delta = {"role": "assistant", "content": ""}
+            yield self._chunk(index, delta, None, None, include_usage)
+        states = [_ChoiceState() for _ in range(self.n)]
+        final = None
+        async for _, output in outputs:
+            final = output
+            for completion in output.outputs:
+                state = states[completion.index]
+                if state.finished:
+                    continue
+                state.finished = completion.finish_reason is not None
+                text = completion.text[state.num_chars :]
+                logprobs = self._logprobs(completion, state.num_tokens)
+                has_new_tokens = len(completion.token_ids) > state.num_tokens
+                state.num_chars = len(completion.text)
+                state.num_tokens = len(completion.token_ids)
+                if not (text or state.finished or (logprobs and has_new_tokens)):
+                    continue
+                delta = {"content": text} if text else {}
+                yield self._chunk(
+                    completion.index,
+                    delta,
+                    logprobs,
+                    completion.finish_reason,
+                    include_usage,
+                    completion.stop_reason,
+                )
+        if include_usage and final is not None:
+            chunk = self._object("chat.completion.chunk", [])
+            chunk["usage"] = self._usage(final)
+            yield chunk
+
+    def _chunk(
+        self,
+        index: int,
+        delta: dict[str, str],
+        logprobs: dict | None,
+        finish_reason: str | None,
+        null_usage: bool,
+        stop_reason: int | str | None = None,
+    ) -> dict[str, Any]:
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
+        chunk = self._object("chat.completion.chunk", [choice])
+        if null_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _logprobs(self, completion: CompletionOutput, start: int) -> dict[str, list] | None:
+        if not self.body.logprobs:
+            return None
+        end = len(completion.token_ids)
+        return chat_logprobs(
+            completion.token_ids[start:end],
+            completion.logprobs[start:end],
+            self.body.top_logprobs or 0,
+        )
+
+    def _usage(self, final: RequestOutput) -> dict[str, int]:
+        num_completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+        return usage(len(self.prompt.token_ids), num_completion_tokens)
+
+    def _object(self, object_type: str, choices: list[dict]) -> dict[str, Any]:
+        return response_object(
+            object_type, self.response_id, self.created, self.model_name, choices
+        )

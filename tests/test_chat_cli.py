@@ -1,0 +1,109 @@
+"""`quire chat`: replies stream in pieces, the conversation is kept, /exit and end of input quit."""
+
+from __future__ import annotations
+
+import builtins
+
+import pytest
+
+from quire import SamplingParams
+from quire.config import EngineConfig
+from quire.engine.llm_engine import LLMEngine
+from quire.entrypoints.chat_cli import ChatSession, run_chat
+from quire.entrypoints.cli import build_parser, main
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=tiny_llama, dtype="float32", num_kv_blocks=256))
+
+
+def scripted(lines: list[str]):
+    """A read_line that answers with `lines`, then signals end of input."""
+    remaining = iter(lines)
+
+    def read_line(prompt: str) -> str:
+        try:
+            return next(remaining)
+        except StopIteration:
+            raise EOFError from None
+
+    return read_line
+
+
+def test_reply_streams_pieces_that_join_to_the_reply(engine):
+    session = ChatSession(engine, GREEDY)
+    pieces: list[str] = []
+    reply = session.reply("Hello!", pieces.append)
+    assert len(pieces) > 1
+    assert "".join(pieces) == reply
+    assert not engine.has_unfinished_requests()
+
+
+def test_history_keeps_every_turn_and_feeds_the_next_prompt(engine, monkeypatch):
+    prompts: list[str] = []
+    add_request = engine.add_request
+
+    def recording_add_request(request_id, prompt, params):
+        prompts.append(prompt["prompt"])
+        add_request(request_id, prompt, params)
+
+    monkeypatch.setattr(engine, "add_request", recording_add_request)
+    session = ChatSession(engine, GREEDY, system_prompt="Be brief.")
+    first = session.reply("Hi")
+    second = session.reply("And then?")
+    assert session.history == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "And then?"},
+        {"role": "assistant", "content": second},
+    ]
+    template = engine.tokenizer.apply_chat_template
+    assert prompts[1] == template(session.history[:4], tokenize=False, add_generation_prompt=True)
+
+
+def test_reset_keeps_only_the_system_prompt(engine):
+    session = ChatSession(engine, GREEDY, system_prompt="Be brief.")
+    session.reply("Hi")
+    session.reset()
+    assert session.history == [{"role": "system", "content": "Be brief."}]
+
+
+def test_a_conversation_too_long_for_the_context_is_refused_and_history_kept(engine):
+    session = ChatSession(engine, GREEDY)
+    session.reply("Hi")
+    history = list(session.history)
+    with pytest.raises(ValueError, match="max_model_len"):
+        session.reply("word " * 2000)
+    assert session.history == history
+
+
+def test_run_chat_prints_replies_until_exit(engine):
+    session = ChatSession(engine, GREEDY)
+    written: list[str] = []
+    run_chat(session, scripted(["Hello", "", "/exit", "never read"]), written.append, lambda: None)
+    output = "".join(written)
+    assert len(session.history) == 2
+    assert session.history[1]["content"] + "\n" in output
+
+
+def test_run_chat_ends_at_end_of_input_and_reports_errors(engine):
+    session = ChatSession(engine, GREEDY)
+    written: list[str] = []
+    run_chat(session, scripted(["/reset", "word " * 2000]), written.append, lambda: None)
+    output = "".join(written)
+    assert "(conversation cleared)" in output
+    assert "error: " in output and "max_model_len" in output
+    assert session.history == []
+
+
+def test_quire_chat_command_chats_with_the_model(tiny_llama, monkeypatch, capsys):
+    args = build_parser().parse_args(["chat", "--model", tiny_llama])
+    assert (args.max_tokens, args.temperature, args.system) == (512, 0.7, None)
+    monkeypatch.setattr(builtins, "input", scripted(["Hi there", "/exit"]))
+    argv = ["chat", "--model", tiny_llama, "--max-tokens", "4", "--temperature", "0"]
+    assert main(argv + ["--dtype", "float32", "--num-kv-blocks", "64"]) == 0
+    assert "/exit quits" in capsys.readouterr().out
