@@ -571,8 +571,8 @@ class KVManagerMachine(RuleBasedStateMachine):
 
 
 KVManagerMachine.TestCase.settings = settings(
-    max_examples=150,
-    stateful_step_count=40,
+    max_examples=200,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

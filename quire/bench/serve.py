@@ -134,7 +134,7 @@ async def send_request(
         output_tokens=output_tokens,
         ttft=chunk_times[0] - start,
         e2el=end - start,
-        itl=list(np.diff(chunk_times)),
+        itl=[b - a for a, b in zip(chunk_times, chunk_times[1:])],
     )
 
 
@@ -190,10 +190,13 @@ async def served_model(base_url: str, api_key: str | None) -> str:
     """The first model the server lists at /v1/models."""
     url = base_url.rstrip("/").removesuffix("/v1") + "/v1/models"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(timeout=30, headers=headers) as client:
-        response = await client.get(url)
-        response.raise_for_status()
-        models = response.json().get("data") or []
+    try:
+        async with httpx.AsyncClient(timeout=30, headers=headers) as client:
+            response = await client.get(url)
+            response.raise_for_status()
+            models = response.json().get("data") or []
+    except httpx.HTTPError as e:
+        raise ValueError(f"Cannot list the models at {url} ({e}): is the server up?") from e
     if not models:
         raise ValueError(f"{url} lists no model: pass --model.")
     return models[0]["id"]

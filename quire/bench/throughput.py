@@ -98,7 +98,9 @@ def make_requests(
     return requests
 
 
-def _result(engine: str, requests: list[BenchRequest], output_tokens: int, elapsed: float):
+def _result(
+    engine: str, requests: list[BenchRequest], output_tokens: int, elapsed: float
+) -> ThroughputResult:
     prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
     return ThroughputResult(engine, len(requests), prompt_tokens, output_tokens, elapsed)
 
@@ -191,8 +193,11 @@ def run_hf_generate(model, requests: list[BenchRequest], batch_size: int) -> Thr
 
 def run_hf_continuous(model, requests: list[BenchRequest]) -> ThroughputResult:
     """transformers' continuous batching (ContinuousBatchingManager), one request per workload
-    request with its own max_new_tokens and EOS off (eos_token_id=-1), greedy."""
+    request with its own max_new_tokens and EOS off (eos_token_id=-1), greedy. Its paged cache
+    holds the whole workload at once (no preemption), and is not sized from free memory: a
+    cache of most of the RAM takes seconds to set up and is never used."""
     from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     max_new = max(r.output_len for r in requests)
@@ -202,9 +207,12 @@ def run_hf_continuous(model, requests: list[BenchRequest]) -> ThroughputResult:
         max_generated_length=max_new,
         num_requests=len(requests),
     )
+    page = ContinuousBatchingConfig.page_size
+    pages = sum(-(-(len(r.prompt_token_ids) + r.output_len) // page) for r in requests)
+    cb_config = ContinuousBatchingConfig(num_blocks=pages + 1)
     output_tokens = 0
     with model.continuous_batching_context_manager(
-        generation_config=config, workload_hints=hints
+        generation_config=config, continuous_batching_config=cb_config, workload_hints=hints
     ) as manager:
         start = time.perf_counter()
         for i, r in enumerate(requests):
@@ -322,10 +330,13 @@ def main(args: argparse.Namespace) -> int:
     requests = make_requests(
         num_requests, input_len, output_len, args.seed, engine.model_config.vocab_size
     )
-    scale = num_requests / workload.num_requests
+    # Scaling is against the preset; other length ranges make a custom workload.
+    preset = (input_len, output_len) == (workload.input_len, workload.output_len)
+    name = args.workload if preset else "custom"
+    scale = num_requests / workload.num_requests if preset else None
     print(
-        f"workload {args.workload}: {num_requests} requests"
-        + (f" (scaled x{scale:.3g} from {workload.num_requests})" if scale != 1 else "")
+        f"workload {name}: {num_requests} requests"
+        + (f" (scaled x{scale:.3g} from {workload.num_requests})" if scale not in (None, 1) else "")
         + f", prompts {input_len[0]}-{input_len[1]}, outputs {output_len[0]}-{output_len[1]}, "
         f"seed {args.seed}, {str(engine.dtype).removeprefix('torch.')}, {engine.config.device}, "
         f"{torch.get_num_threads()} threads\nmodel: {engine.config.model}",
@@ -356,7 +367,7 @@ def main(args: argparse.Namespace) -> int:
             "device": device,
         },
         "workload": {
-            "name": args.workload,
+            "name": name,
             "model": model_path,
             "dtype": str(dtype).removeprefix("torch."),
             "num_requests": num_requests,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -120,6 +121,11 @@ class LLMEngine:
         if request_id in self.groups:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         params = (params or SamplingParams()).clone()
+        if params.n > self.scheduler.max_num_seqs:
+            raise ValueError(
+                f"n ({params.n}) must be <= max_num_seqs ({self.scheduler.max_num_seqs}): the n "
+                "sequences of a request run together; lower n or raise max_num_seqs."
+            )
         prompt_text, token_ids = self.tokenize_prompt(prompt)
         self._validate_prompt(token_ids)
         params.all_stop_token_ids |= self.eos_token_ids
@@ -145,6 +151,8 @@ class LLMEngine:
     def _validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("The prompt is empty: give at least one token.")
+        if not all(isinstance(t, numbers.Integral) for t in token_ids):
+            raise ValueError("Prompt token ids must be integers.")
         vocab_size = self.model_config.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab_size:
             raise ValueError(f"Prompt token ids must be in [0, {vocab_size}).")
@@ -199,8 +207,11 @@ class LLMEngine:
             group = self.groups[parent.group_id]
             self._add_sequence(group, child)
         for request_id, top in out.prompt_logprobs.items():
-            group = self.groups[self.scheduler.requests[request_id].group_id]
-            group.prompt_logprobs.extend(self._logprob_dicts(top))
+            request = self.scheduler.requests[request_id]
+            group = self.groups[request.group_id]
+            # Preempted mid-prompt, a request recomputes from the start: skip positions returned.
+            num_returned = len(group.prompt_logprobs) - 1 - request.num_computed_tokens
+            group.prompt_logprobs.extend(self._logprob_dicts(top)[max(num_returned, 0) :])
 
         updated = self.scheduler.update(sched, out.sampled)
         for entry in sched.scheduled:

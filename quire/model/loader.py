@@ -16,16 +16,20 @@ from torch import nn
 from quire.config import EngineConfig
 from quire.layers.rotary import RotaryEmbedding
 from quire.model.gguf_loader import iter_gguf_weights, load_gguf_config
-from quire.model.model_config import ModelConfig
+from quire.model.model_config import ModelConfig, read_hf_config
 from quire.model.registry import get_model_class
 
 logger = logging.getLogger(__name__)
 
 
 def load_model_config(config: EngineConfig) -> ModelConfig:
-    if config.is_gguf:
-        return ModelConfig.from_dict(load_gguf_config(config.model))
-    return ModelConfig.from_pretrained(config.model)
+    cfg = load_gguf_config(config.model) if config.is_gguf else read_hf_config(config.model)
+    if not cfg.get("architectures"):
+        raise ValueError(
+            "The model config has no 'architectures' entry; cannot pick a model class."
+        )
+    get_model_class(cfg["architectures"][0])  # unsupported: fail before reading other fields
+    return ModelConfig.from_dict(cfg)
 
 
 def iter_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -62,23 +62,24 @@ class ModelConfig:
             eos_token_ids=eos_ids,
         )
 
-    @classmethod
-    def from_pretrained(cls, model_dir: str) -> ModelConfig:
-        path = os.path.join(model_dir, "config.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(
-                f"{model_dir!r} has no config.json: a Hugging Face model folder needs config.json, "
-                "*.safetensors and tokenizer files."
-            )
-        with open(path) as f:
-            cfg = json.load(f)
-        generation_config = os.path.join(model_dir, "generation_config.json")
-        if os.path.isfile(generation_config):
-            with open(generation_config) as f:
-                eos = json.load(f).get("eos_token_id")
-            if eos is not None:
-                cfg["eos_token_id"] = eos
-        return cls.from_dict(cfg)
+
+def read_hf_config(model_dir: str) -> dict[str, Any]:
+    """config.json of a Hugging Face folder, with generation_config.json's EOS ids merged in."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{model_dir!r} has no config.json: a Hugging Face model folder needs config.json, "
+            "*.safetensors and tokenizer files."
+        )
+    with open(path) as f:
+        cfg = json.load(f)
+    generation_config = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(generation_config):
+        with open(generation_config) as f:
+            eos = json.load(f).get("eos_token_id")
+        if eos is not None:
+            cfg["eos_token_id"] = eos
+    return cfg
 
 
 def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
