@@ -282,15 +282,25 @@ def test_serve_bench_streams_from_an_openai_compatible_server(tokenizer_dir, tmp
     report = _read_json(out)
     assert report["model"] == "stub-model"
     assert [run["request_rate"] for run in report["runs"]] == ["inf", 100.0]
-    output_lens = [p["max_tokens"] for p in stub.payloads[1:5]]  # [0] is the probe
-    for run in report["runs"]:
+    runs_payloads = [stub.payloads[1:5], stub.payloads[5:9]]  # [0] is the probe
+    for run, payloads in zip(report["runs"], runs_payloads):
         assert run["completed"] == 4 and run["failed"] == 0
-        assert run["total_output_tokens"] == sum(output_lens)
+        assert run["total_output_tokens"] == sum(p["max_tokens"] for p in payloads)
         assert run["total_input_tokens"] == 4 * 7  # from the usage report
         assert run["request_goodput"] == pytest.approx(run["request_throughput"])
         assert run["mean_ttft_ms"] > 0 and run["mean_itl_ms"] > 0 and run["p99_e2el_ms"] > 0
     assert all(p["stream"] is True and p["ignore_eos"] is True for p in stub.payloads)
     assert all(p["stream_options"] == {"include_usage": True} for p in stub.payloads)
+
+
+def test_serve_bench_sends_fresh_prompts_at_each_rate(tokenizer_dir, tmp_path):
+    stub = StubServer()
+    with stub as url:
+        argv = ["bench", "serve", "--base-url", url, "--tokenizer", tokenizer_dir, *SERVE_ARGS]
+        argv += ["--request-rate", "inf", "inf", "--output-json", str(tmp_path / "serve.json")]
+        assert main(argv) == 0
+    first, second = ({p["prompt"] for p in stub.payloads[i : i + 4]} for i in (1, 5))
+    assert first.isdisjoint(second)
 
 
 def test_serve_bench_counts_chunks_without_usage_and_plots(tokenizer_dir, tmp_path):
@@ -301,7 +311,7 @@ def test_serve_bench_counts_chunks_without_usage_and_plots(tokenizer_dir, tmp_pa
         argv = ["bench", "serve", "--base-url", url, "--tokenizer", tokenizer_dir, *SERVE_ARGS]
         argv += ["--model", "m", "--max-concurrency", "2", "--request-rate", "inf", "200"]
         assert main(argv + ["--output-json", str(out), "--plot", str(png)]) == 0
-    (run, _) = _read_json(out)["runs"]
+    run = _read_json(out)["runs"][0]
     assert run["total_output_tokens"] == sum(p["max_tokens"] for p in stub.payloads[1:5])
     assert run["max_concurrency"] == 2
     assert png.stat().st_size > 0

@@ -10,6 +10,8 @@ as a Poisson process at `--request-rate` requests/s (inf: all at once), capped a
         (`stream_options.include_usage`) when it sends one, else the number of text chunks
   E2E   time from sending to the end of the stream
 Goodput counts the requests that meet every SLO of `--goodput ttft:MS tpot:MS e2el:MS`.
+Each rate gets its own prompts (seed + i for the i-th rate), so no run is served from the prefix
+cache that an earlier one filled.
 """
 
 from __future__ import annotations
@@ -378,9 +380,6 @@ def main(args: argparse.Namespace) -> int:
     slos = parse_goodput(args.goodput)
     model = args.model or asyncio.run(served_model(args.base_url, args.api_key))
     tokenizer = load_tokenizer(args.tokenizer or default_model_path())
-    requests = make_requests(
-        tokenizer, args.num_prompts, tuple(args.input_len), tuple(args.output_len), args.seed
-    )
     probe = [ServeRequest("Hello", 1, 2)]
     (probe_result,), _ = asyncio.run(
         run_benchmark(
@@ -393,10 +392,15 @@ def main(args: argparse.Namespace) -> int:
         )
 
     runs = []
-    for rate in args.request_rate:
+    for i, rate in enumerate(args.request_rate):
+        # Fresh prompts per rate: a run must not hit the prefix cache an earlier run filled.
+        seed = args.seed + i
+        requests = make_requests(
+            tokenizer, args.num_prompts, tuple(args.input_len), tuple(args.output_len), seed
+        )
         results, duration = asyncio.run(
             run_benchmark(
-                args.base_url, model, requests, rate, args.max_concurrency, args.api_key, args.seed
+                args.base_url, model, requests, rate, args.max_concurrency, args.api_key, seed
             )
         )
         metrics = compute_metrics(results, duration, slos)
