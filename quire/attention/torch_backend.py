@@ -99,22 +99,25 @@ class TorchAttentionBackend(AttentionBackend):
             seq_len = metadata.seq_lens_cpu[i]
             num_blocks = -(-seq_len // block_size)
             block_table = metadata.block_tables[i, :num_blocks]
-            k = gather_kv(k_cache, block_table)[:seq_len].transpose(0, 1)  # [Hkv, L, D]
-            v = gather_kv(v_cache, block_table)[:seq_len].transpose(0, 1)
-            q = query[start:end].transpose(0, 1)  # [Hq, Q, D]
+            # 4-D inputs: SDPA's CPU flash kernel takes only those (3-D falls back to the math
+            # path, 6x slower on a 2048-token prompt).
+            k = gather_kv(k_cache, block_table)[:seq_len].transpose(0, 1)[None]  # [1, Hkv, L, D]
+            v = gather_kv(v_cache, block_table)[:seq_len].transpose(0, 1)[None]
+            q = query[start:end].transpose(0, 1)[None]  # [1, Hq, Q, D]
+            gqa = q.shape[1] != k.shape[1]
             prefix_len = seq_len - query_len
             if prefix_len == 0:
                 out = F.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[0] != k.shape[0]
+                    q, k, v, is_causal=True, scale=scale, enable_gqa=gqa
                 )
             else:
                 q_pos = torch.arange(prefix_len, seq_len, device=query.device)
                 k_pos = torch.arange(seq_len, device=query.device)
                 mask = k_pos[None, :] <= q_pos[:, None]  # [Q, L]
                 out = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[0] != k.shape[0]
+                    q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa
                 )
-            output[start:end] = out.transpose(0, 1)
+            output[start:end] = out[0].transpose(0, 1)
 
 
 def gathered_decode(
