@@ -143,6 +143,7 @@ class LLMEngine:
             max_tokens=max_tokens,
             group_id=request_id,
             arrival_time=group.arrival_time,
+            device=self.config.device,
         )
         self._add_sequence(group, request)
         self.groups[request_id] = group

@@ -53,6 +53,7 @@ class Request:
     group_id: str = ""  # the id of the caller's request; forks share it
     index: int = 0  # which of the group's n completions this is
     arrival_time: float = field(default_factory=time.monotonic)
+    device: str = "cpu"  # where a seeded request's generator draws its noise (the logits' device)
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id
@@ -71,7 +72,8 @@ class Request:
         self.prompt_logprobs_done = self.sampling_params.prompt_logprobs is None
         self.generator: torch.Generator | None = None
         if self.sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed + self.index)
+            self.generator = torch.Generator(device=self.device)
+            self.generator.manual_seed(self.sampling_params.seed + self.index)
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
 
@@ -104,6 +106,7 @@ class Request:
             group_id=self.group_id,
             index=index,
             arrival_time=self.arrival_time,
+            device=self.device,
         )
         child.token_ids = list(self.token_ids)
         child.status = self.status
