@@ -53,6 +53,8 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         store_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
+        if metadata.num_decodes == metadata.num_seqs:  # decode-only step: no copy into output
+            return self._decode(query, k_cache, v_cache, metadata, scale)
         output = torch.empty_like(query)
         if metadata.num_decodes > 0:
             n = metadata.num_decode_tokens
