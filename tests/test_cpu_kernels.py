@@ -38,7 +38,7 @@ def decode_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, 
     return query, k_cache, v_cache, metadata
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (9, 3), (12, 1)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (9, 3), (12, 1), (64, 8)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_paged_decode_matches_gathered_reference_in_float32(
@@ -63,9 +63,17 @@ def test_paged_decode_matches_gathered_reference_in_bfloat16():
 
 def test_unsupported_dtype_is_reported_so_the_backend_falls_back():
     assert not cpu_kernels.supports_paged_decode(torch.float16, 8, 2, 64)
-    assert not cpu_kernels.supports_paged_decode(torch.float32, 64, 1, 64)  # GQA group > 32
+    assert not cpu_kernels.supports_paged_decode(torch.float32, 128, 8, 64)  # > 64 heads
 
 
 def test_loading_the_kernels_keeps_subnormal_floats_for_the_whole_process():
     cpu_kernels.load_library()
     assert torch.tensor(1e-40, dtype=torch.float32).item() != 0.0
+
+
+@pytest.mark.parametrize("num_seqs", [1, 2, 3, 9])  # one KV head per task, then whole requests
+def test_paged_decode_is_the_same_whatever_the_task_split(num_seqs):
+    seq_lens = [5 + 11 * i for i in range(num_seqs)]
+    q, k, v, meta = decode_case(seq_lens, 8, 2, 64, 16, torch.float32, seed=num_seqs)
+    out = cpu_kernels.paged_decode(q, k, v, meta.block_tables, meta.seq_lens, 0.125)
+    torch.testing.assert_close(out, gathered_decode(q, k, v, meta, 0.125), atol=1e-5, rtol=1e-5)

@@ -78,7 +78,7 @@ def supports_paged_decode(
 ) -> bool:
     return (
         dtype in _DECODE_FUNCTIONS
-        and num_heads // num_kv_heads <= 32
+        and num_heads <= 64
         and head_dim <= 256
         and load_library() is not None
     )
@@ -116,6 +116,6 @@ def paged_decode(
     )
     if status != 0:
         raise ValueError(
-            "paged_decode: unsupported shape (GQA group > 32, head_dim > 256 or block > 128)"
+            "paged_decode: unsupported shape (more than 64 heads, head_dim > 256 or block > 128)"
         )
     return out
