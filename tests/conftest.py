@@ -58,12 +58,10 @@ def default_model() -> str:
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory, default_model) -> str:
     """The default model's tokenizer saved as tokenizer.json, reused by the tiny checkpoints."""
-    from transformers import AutoTokenizer
+    from quire.model.tokenizer import load_tokenizer
 
     path = tmp_path_factory.mktemp("tokenizer")
-    tok = AutoTokenizer.from_pretrained(
-        os.path.dirname(default_model), gguf_file=os.path.basename(default_model)
-    )
+    tok = load_tokenizer(default_model)
     tok.save_pretrained(path)
     return str(path)
 

@@ -44,17 +44,15 @@ def build_qwen3_random(model_dir: str = DEFAULT_MODEL_DIR, seed: int = 0) -> str
     model_dir = os.path.expanduser(model_dir)
     if os.path.isfile(os.path.join(model_dir, "config.json")):
         return model_dir
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+    from transformers import AutoModelForCausalLM, Qwen3Config
 
     from quire.config import default_model_path
+    from quire.model.tokenizer import load_tokenizer
 
     start = time.perf_counter()
     parent = os.path.dirname(os.path.abspath(model_dir))
     os.makedirs(parent, exist_ok=True)
-    gguf = default_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(
-        os.path.dirname(gguf), gguf_file=os.path.basename(gguf)
-    )
+    tokenizer = load_tokenizer(default_model_path())
     config = Qwen3Config(
         architectures=["Qwen3ForCausalLM"],
         bos_token_id=tokenizer.bos_token_id,

@@ -271,7 +271,7 @@ class LLMEngine:
                 CompletionOutput(
                     index=index,
                     text=seq.text,
-                    token_ids=list(request.output_token_ids),
+                    token_ids=request.output_token_ids,  # a fresh slice
                     cumulative_logprob=request.cumulative_logprob,
                     logprobs=request.logprobs,
                     finish_reason=request.status.finish_reason,

@@ -17,7 +17,7 @@ import re
 import secrets
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 import jinja2
@@ -193,14 +193,37 @@ class OpenAIServing:
             raise
         return _EngineRequests(self.engine, ids, streams)
 
+    def sampling_params(self, body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+        """Checks the model name, then builds SamplingParams (a 400 naming the field if invalid)."""
+        self.check_model(body.model)
+        try:
+            return body.to_sampling_params()
+        except ValueError as error:
+            raise bad_request(error, fields=type(body).model_fields) from error
+
+    async def respond(
+        self,
+        stream: bool,
+        requests: _EngineRequests,
+        raw: Request,
+        chunks: Callable[[AsyncIterator[tuple[int, RequestOutput]]], AsyncIterator[dict[str, Any]]],
+        response: Callable[[list[RequestOutput]], dict[str, Any]],
+    ) -> Response:
+        """SSE of `chunks(outputs)` when streaming, else the JSON `response(final outputs)`.
+        A client that leaves aborts whatever is unfinished."""
+        if stream:
+            events = _sse_events(chunks(requests.outputs()))
+            return EventStreamResponse(events, on_close=requests.abort_unfinished)
+        try:
+            finals = await _unless_disconnected(raw, requests.final_outputs())
+        finally:
+            requests.abort_unfinished()
+        return JSONResponse(response(finals))
+
     # ---- /v1/completions -------------------------------------------------------------------
     async def create_completion(self, body: CompletionRequest, raw: Request) -> Response:
         arrival_time = time.monotonic()
-        self.check_model(body.model)
-        try:
-            params = body.to_sampling_params()
-        except ValueError as error:
-            raise bad_request(error, fields=type(body).model_fields) from error
+        params = self.sampling_params(body)
         prompts = self.completion_prompts(body.prompt)
         self.check_context(prompts, body.max_tokens, "prompt")
         response_id = f"cmpl-{uuid.uuid4().hex}"
@@ -208,36 +231,24 @@ class OpenAIServing:
         formatter = protocol.CompletionFormatter(
             body, prompts, response_id, self.model_name, self.tokenizer.decode
         )
-        if body.stream:
-            events = _sse_events(formatter.chunks(requests.outputs()))
-            return EventStreamResponse(events, on_close=requests.abort_unfinished)
-        try:
-            finals = await _unless_disconnected(raw, requests.final_outputs())
-        finally:
-            requests.abort_unfinished()
-        return JSONResponse(formatter.response(finals))
+        return await self.respond(body.stream, requests, raw, formatter.chunks, formatter.response)
 
     # ---- /v1/chat/completions --------------------------------------------------------------
     async def create_chat_completion(self, body: ChatCompletionRequest, raw: Request) -> Response:
         arrival_time = time.monotonic()
-        self.check_model(body.model)
-        try:
-            params = body.to_sampling_params()
-        except ValueError as error:
-            raise bad_request(error, fields=type(body).model_fields) from error
+        params = self.sampling_params(body)
         prompt = self.chat_prompt(body.messages, body.add_generation_prompt)
         self.check_context([prompt], body.max_output_tokens, "messages")
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         requests = await self.add_requests(response_id, [prompt], params, arrival_time, "messages")
         formatter = protocol.ChatCompletionFormatter(body, prompt, response_id, self.model_name)
-        if body.stream:
-            events = _sse_events(formatter.chunks(requests.outputs()))
-            return EventStreamResponse(events, on_close=requests.abort_unfinished)
-        try:
-            finals = await _unless_disconnected(raw, requests.final_outputs())
-        finally:
-            requests.abort_unfinished()
-        return JSONResponse(formatter.response(finals[0]))
+        return await self.respond(
+            body.stream,
+            requests,
+            raw,
+            formatter.chunks,
+            lambda finals: formatter.response(finals[0]),
+        )
 
     # ---- /tokenize, /detokenize ------------------------------------------------------------
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:

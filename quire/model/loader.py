@@ -16,7 +16,7 @@ from torch import nn
 from quire.config import EngineConfig
 from quire.layers.rotary import RotaryEmbedding
 from quire.model.gguf_loader import iter_gguf_weights, load_gguf_config
-from quire.model.model_config import ModelConfig, read_hf_config
+from quire.model.model_config import ModelConfig, architecture_of, read_hf_config
 from quire.model.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -24,11 +24,7 @@ logger = logging.getLogger(__name__)
 
 def load_model_config(config: EngineConfig) -> ModelConfig:
     cfg = load_gguf_config(config.model) if config.is_gguf else read_hf_config(config.model)
-    if not cfg.get("architectures"):
-        raise ValueError(
-            "The model config has no 'architectures' entry; cannot pick a model class."
-        )
-    get_model_class(cfg["architectures"][0])  # unsupported: fail before reading other fields
+    get_model_class(architecture_of(cfg))  # unsupported: fail before reading other fields
     return ModelConfig.from_dict(cfg)
 
 

@@ -38,14 +38,11 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
-        architectures = cfg.get("architectures") or []
-        if not architectures:
-            raise ValueError("config.json has no 'architectures' entry; cannot pick a model class.")
         num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
-            architecture=architectures[0],
+            architecture=architecture_of(cfg),
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -61,6 +58,16 @@ class ModelConfig:
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             eos_token_ids=eos_ids,
         )
+
+
+def architecture_of(cfg: dict[str, Any]) -> str:
+    """The model class name a config asks for (its first `architectures` entry)."""
+    architectures = cfg.get("architectures") or []
+    if not architectures:
+        raise ValueError(
+            "The model config has no 'architectures' entry; cannot pick a model class."
+        )
+    return architectures[0]
 
 
 def read_hf_config(model_dir: str) -> dict[str, Any]:
