@@ -21,7 +21,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "paged_decode.c")
+_SOURCE_DIR = os.path.dirname(__file__)
 # -ffast-math at compile time only (vectorized expf from libmvec, reassociated dot products; the
 # inputs are finite). Linking is a separate step without it: gcc would otherwise link
 # crtfastmath.o, which turns on flush-to-zero for the whole process when the library loads.
@@ -43,19 +43,27 @@ def load_library() -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("No C compiler found: using the PyTorch attention path on CPU")
         return None
-    with open(_SOURCE, "rb") as f:
-        source = f.read()
-    flags = " ".join(_COMPILE_FLAGS + _LINK_FLAGS).encode()
-    key = hashlib.sha256(source + flags + platform.node().encode()).hexdigest()
+    sources = sorted(
+        os.path.join(_SOURCE_DIR, name) for name in os.listdir(_SOURCE_DIR) if name.endswith(".c")
+    )
+    digest = hashlib.sha256(" ".join(_COMPILE_FLAGS + _LINK_FLAGS).encode())
+    for source in sources:
+        with open(source, "rb") as f:
+            digest.update(f.read())
+    digest.update(platform.node().encode())
+    key = digest.hexdigest()
     path = os.path.join(_cache_dir(), f"quire_cpu_{key[:16]}.so")
     if not os.path.exists(path):
         os.makedirs(_cache_dir(), exist_ok=True)
         with tempfile.TemporaryDirectory(dir=_cache_dir()) as build:
-            obj, lib = os.path.join(build, "kernels.o"), os.path.join(build, "kernels.so")
-            for command in (
-                [compiler, *_COMPILE_FLAGS, _SOURCE, "-o", obj],
-                [compiler, *_LINK_FLAGS, obj, "-o", lib, "-lm"],
-            ):
+            objects = [os.path.join(build, f"{i}.o") for i in range(len(sources))]
+            lib = os.path.join(build, "kernels.so")
+            commands = [
+                [compiler, *_COMPILE_FLAGS, source, "-o", obj]
+                for source, obj in zip(sources, objects, strict=True)
+            ]
+            commands.append([compiler, *_LINK_FLAGS, *objects, "-o", lib, "-lm"])
+            for command in commands:
                 result = subprocess.run(command, capture_output=True, text=True)
                 if result.returncode != 0:
                     logger.warning("Building CPU kernels failed; using PyTorch:\n%s", result.stderr)
