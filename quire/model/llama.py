@@ -14,6 +14,7 @@ from torch import nn
 from quire.attention.backend import AttentionMetadata
 from quire.layers.activation import silu_and_mul
 from quire.layers.attention import Attention
+from quire.layers.linear import PackedLinear, pack_linear_layers
 from quire.layers.norm import RMSNorm
 from quire.layers.rotary import RotaryEmbedding
 from quire.model.model_config import ModelConfig
@@ -90,8 +91,16 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # -> [n, vocab] float32
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        if self.lm_head is None:  # tied to the embedding table
+            return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def pack_weights(self) -> None:
+        """Packs every matmul weight for oneDNN (see quire/layers/linear.py). A tied LM head gets
+        its own packed copy: the embedding lookup keeps the plain table."""
+        pack_linear_layers(self)
+        if self.lm_head is None:
+            self.lm_head = PackedLinear(self.embed_tokens.weight, None)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies checkpoint tensors (Hugging Face names) into the fused parameters. Raises

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from torch import nn
 
 from quire.config import EngineConfig
+from quire.layers.linear import packed_linear_supported
 from quire.layers.rotary import RotaryEmbedding
 from quire.model.gguf_loader import iter_gguf_weights, load_gguf_config
 from quire.model.model_config import ModelConfig, architecture_of, read_hf_config
@@ -69,6 +70,8 @@ def load_model(
         model.load_weights(weights)
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
+    if packed_linear_supported(config.device, dtype):
+        model.pack_weights()
     logger.info(
         "Loaded %s (%.1fM params, %s) in %.1f s",
         model_config.architecture,
