@@ -21,7 +21,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: float | None
+    cumulative_logprob: float | None  # None unless the request asked for logprobs (as vLLM)
     logprobs: list[PositionLogprobs] | None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it

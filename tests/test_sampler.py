@@ -274,8 +274,8 @@ def test_sampler_leaves_the_logits_unmodified() -> None:
 # Logprobs
 
 
-@pytest.mark.parametrize("logprobs", [None, 2])
-def test_sampled_logprob_is_under_the_raw_logits(logprobs: int | None) -> None:
+@pytest.mark.parametrize("logprobs", [0, 2])
+def test_sampled_logprob_is_under_the_raw_logits(logprobs: int) -> None:
     logits = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
     params = [
         SamplingParams(temperature=0.0, frequency_penalty=1.0),
@@ -315,6 +315,12 @@ def test_rank_counts_the_strictly_more_likely_tokens_plus_one() -> None:
 def test_no_row_asking_for_logprobs_leaves_them_out() -> None:
     out = Sampler()(torch.zeros(2, 4), make_batch([SamplingParams()] * 2))
     assert (out.logprob_token_ids, out.logprobs, out.sampled_ranks) == (None, None, None)
+    assert out.sampled_logprobs is None
+
+
+def test_zero_logprobs_gives_just_the_sampled_tokens_logprob() -> None:
+    params = [SamplingParams(logprobs=0)] * 2
+    out = Sampler()(torch.zeros(2, 4), make_batch(params))
     torch.testing.assert_close(out.sampled_logprobs, torch.full((2,), -math.log(4)))
 
 
@@ -387,4 +393,5 @@ def test_sampled_token_is_allowed_and_has_a_finite_logprob(
             assert processed[row, token] >= processed[row].topk(k).values[-1]
         if batch.temperature[row] == 0:
             assert token == processed[row].argmax().item()
-    assert torch.isfinite(out.sampled_logprobs).all()
+    if out.sampled_logprobs is not None:
+        assert torch.isfinite(out.sampled_logprobs).all()

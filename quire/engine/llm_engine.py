@@ -227,8 +227,8 @@ class LLMEngine:
                 group.first_token_time = now
                 group.num_cached_tokens = max(request.num_cached_tokens, 0)
             request_id = request.request_id
-            request.cumulative_logprob += out.sampled_logprobs[request_id]
             if request.logprobs is not None:
+                request.cumulative_logprob += out.sampled_logprobs[request_id]
                 request.logprobs.extend(self._logprob_dicts(out.logprobs[request_id]))
             if request.status == RequestStatus.FINISHED_STOPPED:
                 continue  # ended by a stop token (EOS, stop_token_ids): not part of the text
@@ -272,7 +272,9 @@ class LLMEngine:
                     index=index,
                     text=seq.text,
                     token_ids=request.output_token_ids,  # a fresh slice
-                    cumulative_logprob=request.cumulative_logprob,
+                    cumulative_logprob=(
+                        request.cumulative_logprob if request.logprobs is not None else None
+                    ),
                     logprobs=request.logprobs,
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,

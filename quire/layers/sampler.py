@@ -98,7 +98,9 @@ class SamplingBatch:
 @dataclass
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [S] int64
-    sampled_logprobs: torch.Tensor  # [S] float32, under log_softmax of the raw logits
+    # [S] float32 under log_softmax of the raw logits; None when no row asked for logprobs (the
+    # normalizer over a [S, vocab] float32 tensor costs ~20 ms per step at S = 256 on a CPU).
+    sampled_logprobs: torch.Tensor | None
     # When some row asked for logprobs (k = max_num_logprobs): column 0 is the sampled token,
     # then the k most likely tokens, best first.
     logprob_token_ids: torch.Tensor | None  # [S, 1 + k] int64
@@ -120,9 +122,7 @@ class Sampler(torch.nn.Module):
         sampled = sample(processed, batch)  # [S]
 
         if raw_logprobs is None:
-            sampled_logits = logits.gather(-1, sampled[:, None]).squeeze(-1)
-            sampled_logprobs = sampled_logits - logits.logsumexp(dim=-1)
-            return SamplerOutput(sampled, sampled_logprobs, None, None, None)
+            return SamplerOutput(sampled, None, None, None, None)
         ids, lps, ranks = compute_topk_logprobs(raw_logprobs, sampled, batch.max_num_logprobs)
         return SamplerOutput(sampled, lps[:, 0], ids, lps, ranks)
 

@@ -38,7 +38,8 @@ class TopLogprobs:
 @dataclass
 class ModelRunnerOutput:
     sampled: dict[str, int]  # request id -> new token
-    sampled_logprobs: dict[str, float]  # request id -> its logprob (raw distribution)
+    # request id -> its logprob (raw distribution), for requests that asked for logprobs
+    sampled_logprobs: dict[str, float]
     logprobs: dict[str, TopLogprobs]  # for requests that asked for logprobs
     prompt_logprobs: dict[str, TopLogprobs]  # prompt positions computed this step
 
@@ -171,10 +172,13 @@ class ModelRunner:
         )
         sampled = self.sampler(logits, batch)
         token_ids = sampled.sampled_token_ids.tolist()
-        token_logprobs = sampled.sampled_logprobs.tolist()
         for i, r in enumerate(requests):
             result.sampled[r.request_id] = token_ids[i]
-            result.sampled_logprobs[r.request_id] = token_logprobs[i]
+        if sampled.sampled_logprobs is not None:
+            token_logprobs = sampled.sampled_logprobs.tolist()
+            for i, r in enumerate(requests):
+                if r.sampling_params.logprobs is not None:
+                    result.sampled_logprobs[r.request_id] = token_logprobs[i]
         if sampled.logprob_token_ids is not None:
             all_ids = sampled.logprob_token_ids.tolist()
             all_lps = sampled.logprobs.tolist()
