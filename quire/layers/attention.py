@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from quire.attention.backend import AttentionBackend, AttentionMetadata
+from quire.kernels.cpu import pointwise
 from quire.layers.norm import RMSNorm
 from quire.layers.rotary import apply_rotary
 
@@ -49,7 +50,10 @@ class Attention(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         cos, sin = rotary
-        qk = apply_rotary(qk, cos, sin)  # queries and keys in one pass
+        if pointwise.rotary_supported(qk):  # in place, in the qkv buffer
+            pointwise.rotary_(qk, cos, sin)
+        else:
+            qk = apply_rotary(qk, cos, sin)  # queries and keys in one pass
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))

@@ -1,10 +1,17 @@
-"""RMSNorm (torch's fused kernel; it accumulates in float32)."""
+"""RMSNorm, optionally fused with the residual add that precedes it (the residual stream is carried
+beside the hidden states, as in vLLM, so each layer's add and norm are one pass).
+
+bf16 on CPU runs the C kernel (quire/kernels/cpu/pointwise.c); elsewhere torch's fused kernel.
+Both accumulate in float32.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from quire.kernels.cpu import pointwise
 
 
 class RMSNorm(nn.Module):
@@ -13,5 +20,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., hidden_size]
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x) for x [..., hidden]; with a residual, (norm(x + residual), x + residual), the
+        sum written into `residual` in place when the C kernel runs."""
+        if (
+            x.dim() == 2
+            and pointwise.supported(x)
+            and self.weight.dtype == x.dtype
+            and (residual is None or residual.is_contiguous())
+        ):
+            out = pointwise.add_rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, residual)
+        if residual is None:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        residual = x + residual
+        return F.rms_norm(residual, self.weight.shape, self.weight, self.eps), residual

@@ -49,10 +49,17 @@ class DecoderLayer(nn.Module):
         self,
         rotary: tuple[torch.Tensor, torch.Tensor],
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,  # None before the first layer: hidden is the embedding
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rotary, self.input_layernorm(hidden), metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # this layer's output and the residual stream
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rotary, hidden, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -86,9 +93,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         hidden = self.embed_tokens(input_ids)
         rotary = self.rotary(positions, hidden.dtype)
+        residual = None
         for layer in self.layers:
-            hidden = layer(rotary, hidden, metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(rotary, hidden, residual, metadata)
+        return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # -> [n, vocab] float32
         if self.lm_head is None:  # tied to the embedding table

@@ -1,0 +1,84 @@
+"""The C add + RMSNorm and rotary kernels give the same bits as Hugging Face's bf16 modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quire.kernels.cpu import pointwise
+from quire.layers.norm import RMSNorm
+from quire.layers.rotary import apply_rotary
+
+pytestmark = pytest.mark.skipif(
+    not pointwise.supported(torch.empty(0, dtype=torch.bfloat16)), reason="no C compiler"
+)
+
+
+def assert_within_one_ulp(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal but for float32 summation order in the mean square (a last-bit difference at most)."""
+    torch.testing.assert_close(actual, expected, rtol=2**-7, atol=1e-6)
+    assert (actual != expected).float().mean().item() < 0.01
+
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 31, 32, 200])  # 32+ rows run on all threads
+@pytest.mark.parametrize("dim", [64, 576, 1000])
+def test_add_rms_norm_matches_hugging_face(rows: int, dim: int) -> None:
+    gen = torch.Generator().manual_seed(rows * dim)
+    x = torch.randn(rows, dim, generator=gen).bfloat16()
+    residual = torch.randn(rows, dim, generator=gen).bfloat16()
+    weight = torch.randn(dim, generator=gen).bfloat16()
+    expected_sum = residual + x
+    updated = residual.clone()
+    out = pointwise.add_rms_norm(x, updated, weight, 1e-6)
+    assert torch.equal(updated, expected_sum)
+    assert_within_one_ulp(out, hf_rms_norm(expected_sum, weight, 1e-6))
+    assert_within_one_ulp(
+        pointwise.add_rms_norm(x, None, weight, 1e-6), hf_rms_norm(x, weight, 1e-6)
+    )
+
+
+def test_norm_reads_strided_rows() -> None:
+    x = torch.randn(7, 2, 64).bfloat16()[:, 1]  # row stride 128
+    weight = torch.ones(64, dtype=torch.bfloat16)
+    assert torch.equal(pointwise.add_rms_norm(x, None, weight, 1e-5), hf_rms_norm(x, weight, 1e-5))
+
+
+def test_rms_norm_module_gives_the_same_result_in_both_paths() -> None:
+    norm = RMSNorm(96, 1e-5).bfloat16()
+    norm.weight.data.normal_()
+    x, residual = torch.randn(2, 9, 96).bfloat16().unbind(0)
+    out, summed = norm(x, residual.clone())  # the C kernel (2-D, contiguous residual)
+    with torch.no_grad():
+        ref_out, ref_sum = norm(x[None], residual[None])  # 3-D: the torch path
+    assert torch.equal(summed, ref_sum[0])
+    # torch's kernel rounds once where Hugging Face (and the C kernel) round before the weight.
+    torch.testing.assert_close(out, ref_out[0], rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_rotary_in_place_on_a_qkv_view_matches_the_torch_path(tokens: int, head_dim: int) -> None:
+    gen = torch.Generator().manual_seed(tokens + head_dim)
+    qkv = torch.randn(tokens, 9 + 2 * 3, head_dim, generator=gen).bfloat16()
+    angles = torch.rand(tokens, 1, head_dim // 2, generator=gen) * 100
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    qk = qkv[:, :12]  # queries and keys, V untouched
+    expected = apply_rotary(qk, cos, sin)
+    v_before = qkv[:, 12:].clone()
+    assert pointwise.rotary_supported(qk)
+    pointwise.rotary_(qk, cos, sin)
+    assert torch.equal(qk, expected)
+    assert torch.equal(qkv[:, 12:], v_before)
+
+
+def test_only_packed_heads_are_rotated_in_place() -> None:
+    x = torch.randn(4, 6, 32).bfloat16()
+    assert not pointwise.rotary_supported(x[:, ::2])
+    assert not pointwise.rotary_supported(x.float())
