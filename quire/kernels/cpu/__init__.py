@@ -75,6 +75,13 @@ def load_library() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes = args
         fn.restype = ctypes.c_int
+    # q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out; q and out token strides;
+    # num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks; scale, num_threads.
+    pointers, strides, sizes = [ctypes.c_void_p] * 7, [ctypes.c_int64] * 2, [ctypes.c_int] * 6
+    prefill = lib.prefill_attention_bf16
+    prefill.argtypes = pointers + strides + sizes + [ctypes.c_float, ctypes.c_int]
+    prefill.restype = ctypes.c_int
+    lib.prefill_attention_bf16_available.restype = ctypes.c_int
     return lib
 
 
@@ -127,3 +134,73 @@ def paged_decode(
             "paged_decode: unsupported shape (more than 64 heads, head_dim > 256 or block > 128)"
         )
     return out
+
+
+@functools.cache
+def _has_prefill_kernel() -> bool:
+    lib = load_library()
+    return lib is not None and lib.prefill_attention_bf16_available() == 1
+
+
+def supports_prefill_attention(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> bool:
+    """Whether `prefill_attention` runs this shape here: bf16, on a CPU with AVX-512 BF16 (the
+    library is built with -march=native), GQA groups up to 32 heads, head_dim 32/64/128/256."""
+    return (
+        dtype == torch.bfloat16
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= 32
+        and head_dim in (32, 64, 128, 256)
+        and _has_prefill_kernel()
+    )
+
+
+def prefill_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim] bf16; heads and dims contiguous
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] bf16, contiguous
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, offsets into query's tokens
+    seq_lens: torch.Tensor,  # [num_seqs] int32: cached prefix + chunk
+    scale: float,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim] bf16; heads and dims contiguous
+) -> None:
+    """Causal attention of every request's chunk over its whole context, read from the paged
+    cache (the chunks' own K/V must already be stored there); writes into `out`. Chunk token j
+    of request i sits at position seq_lens[i] - query_len + j."""
+    _, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    for x in (query, out):
+        if x.stride(2) != 1 or x.stride(1) != head_dim:
+            raise ValueError("prefill_attention: heads and dims of query / out must be contiguous")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("prefill_attention: the KV cache must be contiguous")
+    if {query.dtype, out.dtype, k_cache.dtype, v_cache.dtype} != {torch.bfloat16}:
+        raise ValueError("prefill_attention: bf16 only")
+    # Held in locals: the C code reads them through raw pointers.
+    block_tables = block_tables.to(torch.int32).contiguous()
+    query_start_loc = query_start_loc.to(torch.int32).contiguous()
+    seq_lens = seq_lens.to(torch.int32).contiguous()
+    status = load_library().prefill_attention_bf16(
+        query.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        query_start_loc.data_ptr(),
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        query.stride(0),
+        out.stride(0),
+        seq_lens.shape[0],
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        block_tables.shape[1],
+        scale,
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        reason = {-1: "unsupported shape or inconsistent lengths", -3: "out of memory"}
+        raise ValueError(f"prefill_attention: {reason.get(status, 'no AVX-512 BF16 build')}")

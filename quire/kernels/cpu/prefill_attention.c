@@ -1,0 +1,426 @@
+// Paged prefill attention for CPUs with AVX-512 BF16: flash attention (online softmax, float32
+// accumulation, P rounded to bf16 for P V) over every prefill chunk of a step in one call, K/V
+// read through the block table.
+//
+// Layouts (row-major, bf16 stored as uint16_t):
+//   q            [num_tokens, num_heads, head_dim], token stride q_stride (elements)
+//   out          [num_tokens, num_heads, head_dim], token stride out_stride (elements)
+//   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim]
+//   block_tables [num_seqs, max_blocks] int32
+//   query_start_loc [num_seqs + 1] int32: request s owns tokens [qsl[s], qsl[s + 1]) of q / out
+//   seq_lens     [num_seqs] int32: context length including the chunk. Chunk token j of request s
+//                sits at position seq_lens[s] - query_len + j and sees keys 0..that position.
+//
+// Query rows sit in the 16 lanes of a zmm throughout, so the softmax is lane-wise (no horizontal
+// max or sum): vdpbf16ps multiplies a zmm of 16 rows' (x[2i], x[2i + 1]) bf16 pairs by one
+// broadcast pair and adds both products into the row's float32 lane.
+//
+// The call runs in two parallel phases:
+//  1. Pack: the context of every (request, KV head) is copied out of the paged cache once into
+//     contiguous scratch, padded with zeros to a multiple of KEY_TILE keys:
+//       K: [key][head_dim], plain rows (the QK^T kernel broadcasts (k[2i], k[2i + 1]) pairs).
+//       V: key pairs interleaved, [key / 2][head_dim][2] (the PV kernel broadcasts (v[key][d],
+//          v[key + 1][d]) pairs).
+//     Either way keys from key k on (k even) start at element k * head_dim.
+//  2. Attend: a task is (request, KV head, tile of up to 64 query tokens). Its rows are the
+//     (query head of the GQA group, token) pairs, row r = g * num_tile_tokens + t, so the whole
+//     group shares each K/V tile; rows are padded to blocks of BLOCK_ROWS = 32 (two zmm of
+//     lanes). Per task, with row r in lane r % 16 of lane group r / 16:
+//       Q^T  [lane group][head_dim / 2][16][2]  bf16 pairs (packed from q)
+//       O^T  [lane group][head_dim][16]         float32 accumulator
+//     The task walks its keys KEY_TILE at a time (the K/V tile stays in cache) and, for every row
+//     block that sees any of them:
+//       S^T = K Q^T  kernel 8 keys x 32 rows: per dimension pair, two Q zmm times 8 broadcast
+//                    K pairs, 16 accumulators; stored scaled by scale * log2(e) as [key][32];
+//       softmax      online, base 2, lane-wise; causal mask per lane; P^T stored as bf16 pairs
+//                    of consecutive keys, [key / 2][32 rows][2];
+//       O^T += V^T P^T  kernel 8 dims x 32 rows: per key pair, two P zmm times 8 broadcast V
+//                    pairs, O^T rescaled as it is loaded.
+//     Tasks are sorted by work (causal tiles differ) and scheduled dynamically.
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <omp.h>
+
+#define BLOCK_ROWS 32  // query rows per kernel block: two zmm of lanes
+#define KEY_TILE 64    // keys per online-softmax step; a multiple of 8
+#define MAX_ROWS 256   // rows (group heads x tokens) per task; a multiple of BLOCK_ROWS
+#define MAX_TILE_TOKENS 64
+
+typedef struct {
+    int seq, kv_head, token0, num_tokens;  // query tokens [token0, token0 + num_tokens) of seq
+    int64_t work;                          // rows x keys, for ordering
+} Task;
+
+typedef struct {
+    const uint16_t *q, *k_cache, *v_cache;
+    const int32_t *block_tables, *query_start_loc, *seq_lens;
+    uint16_t* out;
+    int64_t q_stride, out_stride;
+    int num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+    float scale_log2;  // softmax scale * log2(e): scores are exponentiated base 2
+    uint16_t *k_pack, *v_pack;
+    const int64_t* pack_offset;  // [num_seqs]: first element of request s's packs (KV head 0)
+    const int* padded_len;       // [num_seqs]: context length rounded up to KEY_TILE
+} Problem;
+
+typedef struct {  // per-thread scratch, one task at a time
+    uint32_t* q;  // Q^T bf16 pairs [MAX_ROWS / 16][head_dim / 2][16]
+    float* o;     // O^T [MAX_ROWS / 16][head_dim][16]
+    float m[MAX_ROWS], l[MAX_ROWS];  // running max (base-2 units) and sum per row
+    int32_t last[MAX_ROWS];          // last key position row r sees; -1 for padding rows
+    float s[KEY_TILE * BLOCK_ROWS];       // S^T of a row block [key][32]
+    uint32_t p[KEY_TILE / 2 * BLOCK_ROWS];  // P^T bf16 pairs [key / 2][32]
+} Scratch;
+
+static inline __m512bh pair_broadcast(const uint16_t* x) {
+    int32_t v;
+    memcpy(&v, x, sizeof v);
+    return (__m512bh)_mm512_set1_epi32(v);
+}
+
+// 2^x for x <= 0: 2^round(x) * 2^f with f in [-0.5, 0.5], 2^f by its degree-5 Taylor polynomial
+// (relative error < 3e-6, far below the bf16 rounding of P). Inputs below -127 give ~0.
+static inline __m512 exp2_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.3333558146428443e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+// S^T[8 keys][32 rows] = K[8 keys][D] . Q^T, times scale_log2. q: the block's two lane groups.
+static inline __attribute__((always_inline)) void qk_kernel(const uint32_t* q, const uint16_t* k,
+                                                            float* s, float scale_log2,
+                                                            const int D) {
+    __m512 acc[8][2];
+    for (int j = 0; j < 8; j++) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
+    for (int i = 0; i < D / 2; i++) {
+        const __m512bh q0 = (__m512bh)_mm512_loadu_si512(q + i * 16);
+        const __m512bh q1 = (__m512bh)_mm512_loadu_si512(q + (D / 2 + i) * 16);
+        for (int j = 0; j < 8; j++) {
+            const __m512bh kp = pair_broadcast(k + j * D + 2 * i);
+            acc[j][0] = _mm512_dpbf16_ps(acc[j][0], q0, kp);
+            acc[j][1] = _mm512_dpbf16_ps(acc[j][1], q1, kp);
+        }
+    }
+    const __m512 c = _mm512_set1_ps(scale_log2);
+    for (int j = 0; j < 8; j++) {
+        _mm512_storeu_ps(s + j * BLOCK_ROWS, _mm512_mul_ps(acc[j][0], c));
+        _mm512_storeu_ps(s + j * BLOCK_ROWS + 16, _mm512_mul_ps(acc[j][1], c));
+    }
+}
+
+// O^T[D][32 rows] = O^T * alpha (per lane) + V^T . P^T over n keys (n even); o: the block's two
+// lane groups, v: packed key pairs.
+static inline __attribute__((always_inline)) void pv_kernel(const uint32_t* p, const uint16_t* v,
+                                                            float* o, const __m512 alpha[2],
+                                                            int n, const int D) {
+    for (int d0 = 0; d0 < D; d0 += 8) {
+        __m512 acc[8][2];
+        for (int i = 0; i < 8; i++) {
+            acc[i][0] = _mm512_mul_ps(_mm512_loadu_ps(o + (d0 + i) * 16), alpha[0]);
+            acc[i][1] = _mm512_mul_ps(_mm512_loadu_ps(o + (D + d0 + i) * 16), alpha[1]);
+        }
+        for (int k = 0; k < n; k += 2) {
+            const __m512bh p0 = (__m512bh)_mm512_loadu_si512(p + k / 2 * BLOCK_ROWS);
+            const __m512bh p1 = (__m512bh)_mm512_loadu_si512(p + k / 2 * BLOCK_ROWS + 16);
+            for (int i = 0; i < 8; i++) {
+                const __m512bh vp = pair_broadcast(v + k * D + (d0 + i) * 2);
+                acc[i][0] = _mm512_dpbf16_ps(acc[i][0], p0, vp);
+                acc[i][1] = _mm512_dpbf16_ps(acc[i][1], p1, vp);
+            }
+        }
+        for (int i = 0; i < 8; i++) {
+            _mm512_storeu_ps(o + (d0 + i) * 16, acc[i][0]);
+            _mm512_storeu_ps(o + (D + d0 + i) * 16, acc[i][1]);
+        }
+    }
+}
+
+// Masks of the lanes (rows) that see key position `key`.
+static inline __mmask16 sees(__m512i last, int key) {
+    return _mm512_cmpge_epi32_mask(last, _mm512_set1_epi32(key));
+}
+
+// P^T pairs for n tile keys of one lane group: 2^(s - m), 0 where a row does not see the key
+// (only checked when `masked`). Returns the lane-wise sum.
+static inline __attribute__((always_inline)) __m512 exp_pairs(const float* s, uint32_t* p, int n,
+                                                              int k0, __m512 m, __m512i last,
+                                                              const int masked) {
+    // bf16 of keys k, k + 1 interleaved: lanes 0..15 of cvtne2ps hold key k, 16..31 key k + 1.
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10,
+                                                25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
+                                                18, 2, 17, 1, 16, 0);
+    __m512 sum = _mm512_setzero_ps();
+    for (int k = 0; k < n; k += 2) {
+        __m512 e0 = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(s + k * BLOCK_ROWS), m));
+        __m512 e1 = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(s + (k + 1) * BLOCK_ROWS), m));
+        if (masked) {
+            e0 = _mm512_maskz_mov_ps(sees(last, k0 + k), e0);
+            e1 = _mm512_maskz_mov_ps(sees(last, k0 + k + 1), e1);
+        }
+        sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+        const __m512i pair = _mm512_permutexvar_epi16(interleave,
+                                                      (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+        _mm512_storeu_si512(p + k / 2 * BLOCK_ROWS, pair);
+    }
+    return sum;
+}
+
+// Online softmax of one lane group over n tile keys starting at position k0: updates the running
+// max m and sum l, writes P^T pairs and returns the rescale factor for O^T.
+static inline __m512 softmax_lanes(const float* s, uint32_t* p, int n, int k0, float* m_row,
+                                   float* l_row, const int32_t* last_row) {
+    const __m512i last = _mm512_loadu_si512(last_row);
+    const int masked = sees(last, k0 + n - 1) != 0xFFFF;  // the causal diagonal crosses the tile
+    const __m512 m_old = _mm512_loadu_ps(m_row);
+    __m512 m0 = m_old, m1 = m_old;  // two chains: vmaxps latency
+    for (int k = 0; k < n; k += 2) {
+        const __m512 s0 = _mm512_loadu_ps(s + k * BLOCK_ROWS);
+        const __m512 s1 = _mm512_loadu_ps(s + (k + 1) * BLOCK_ROWS);
+        m0 = masked ? _mm512_mask_max_ps(m0, sees(last, k0 + k), m0, s0) : _mm512_max_ps(m0, s0);
+        m1 = masked ? _mm512_mask_max_ps(m1, sees(last, k0 + k + 1), m1, s1)
+                    : _mm512_max_ps(m1, s1);
+    }
+    const __m512 m = _mm512_max_ps(m0, m1);
+    const __m512 sum = masked ? exp_pairs(s, p, n, k0, m, last, 1)
+                              : exp_pairs(s, p, n, k0, m, last, 0);
+    const __m512 alpha = exp2_ps(_mm512_sub_ps(m_old, m));
+    _mm512_storeu_ps(m_row, m);
+    _mm512_storeu_ps(l_row, _mm512_fmadd_ps(_mm512_loadu_ps(l_row), alpha, sum));
+    return alpha;
+}
+
+static inline __attribute__((always_inline)) void attend(const Problem* pb, const Task* task,
+                                                         Scratch* w, const int D) {
+    const int s = task->seq, nt = task->num_tokens, group = pb->num_heads / pb->num_kv_heads;
+    const int q0 = pb->query_start_loc[s] + task->token0;  // first token of the tile in q / out
+    const int query_len = pb->query_start_loc[s + 1] - pb->query_start_loc[s];
+    const int pos0 = pb->seq_lens[s] - query_len + task->token0;  // position of the first token
+    const int rows = group * nt;
+    const int padded_rows = (rows + BLOCK_ROWS - 1) / BLOCK_ROWS * BLOCK_ROWS;
+    const int h0 = task->kv_head * group;
+    memset(w->o, 0, (size_t)padded_rows * D * sizeof(float));
+    for (int r = 0; r < padded_rows; r++) {
+        uint32_t* qt = w->q + (r / 16) * (D / 2) * 16 + r % 16;  // + i * 16 for pair i
+        if (r < rows) {
+            const int g = r / nt, t = r % nt;
+            uint32_t pairs[128];
+            memcpy(pairs, pb->q + (q0 + t) * pb->q_stride + (h0 + g) * D, D * 2);
+            for (int i = 0; i < D / 2; i++) qt[i * 16] = pairs[i];
+            w->last[r] = pos0 + t;
+        } else {
+            for (int i = 0; i < D / 2; i++) qt[i * 16] = 0;
+            w->last[r] = -1;
+        }
+        w->m[r] = -1e30f;
+        w->l[r] = 0.0f;
+    }
+    const int64_t pack = pb->pack_offset[s] + (int64_t)task->kv_head * pb->padded_len[s] * D;
+    const uint16_t* k_pack = pb->k_pack + pack;
+    const uint16_t* v_pack = pb->v_pack + pack;
+    const int num_keys = pos0 + nt;  // the tile's last token sees keys 0..num_keys - 1
+    for (int k0 = 0; k0 < num_keys; k0 += KEY_TILE) {
+        for (int r0 = 0; r0 < padded_rows; r0 += BLOCK_ROWS) {
+            int last = -1;  // last key any row of the block sees
+            for (int r = r0; r < r0 + BLOCK_ROWS; r++) last = w->last[r] > last ? w->last[r] : last;
+            if (last < k0) continue;
+            int n = last - k0 + 1;
+            n = n > KEY_TILE ? KEY_TILE : (n + 7) / 8 * 8;
+            const uint32_t* q = w->q + r0 / 16 * (D / 2) * 16;
+            for (int c = 0; c < n; c += 8)
+                qk_kernel(q, k_pack + (int64_t)(k0 + c) * D, w->s + c * BLOCK_ROWS,
+                          pb->scale_log2, D);
+            __m512 alpha[2];
+            for (int g = 0; g < 2; g++)
+                alpha[g] = softmax_lanes(w->s + g * 16, w->p + g * 16, n, k0, w->m + r0 + g * 16,
+                                         w->l + r0 + g * 16, w->last + r0 + g * 16);
+            pv_kernel(w->p, v_pack + (int64_t)k0 * D, w->o + r0 / 16 * D * 16, alpha, n, D);
+        }
+    }
+    // out = O / l, transposed back to rows through a [head_dim][16] bf16 buffer per lane group.
+    for (int r0 = 0; r0 < rows; r0 += 16) {
+        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_loadu_ps(w->l + r0));
+        uint16_t lanes[256][16];
+        for (int d = 0; d < D; d++) {
+            const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(w->o + (r0 / 16 * D + d) * 16), inv);
+            _mm256_storeu_si256((__m256i*)lanes[d], (__m256i)_mm512_cvtneps_pbh(x));
+        }
+        for (int r = r0; r < r0 + 16 && r < rows; r++) {
+            const int g = r / nt, t = r % nt;
+            uint16_t* dst = pb->out + (q0 + t) * pb->out_stride + (h0 + g) * D;
+            for (int d = 0; d < D; d++) dst[d] = lanes[d][r - r0];
+        }
+    }
+}
+
+// Packs keys [k0, k0 + KEY_TILE) of one (request, KV head) into the layouts described above;
+// positions at or past seq_len are zeros.
+static void pack_tile(const Problem* pb, int s, int kv_head, int k0) {
+    const int D = pb->head_dim, len = pb->seq_lens[s];
+    const int64_t token_stride = (int64_t)pb->num_kv_heads * D;
+    const int32_t* table = pb->block_tables + (int64_t)s * pb->max_blocks;
+    const int64_t pack = pb->pack_offset[s] + (int64_t)kv_head * pb->padded_len[s] * D;
+    uint16_t* kp = pb->k_pack + pack + (int64_t)k0 * D;
+    uint16_t* vp = pb->v_pack + pack + (int64_t)k0 * D;
+    // Interleave 32 dims of two V rows a, b: (a[i], b[i]) for i < 16, then for 16 <= i < 32.
+    const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                         40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
+                                         32, 0);
+    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+    for (int j = 0; j < KEY_TILE; j += 2) {  // a pair of keys
+        const uint16_t* v_rows[2] = {NULL, NULL};
+        for (int e = 0; e < 2; e++) {
+            const int key = k0 + j + e;
+            if (key >= len) {
+                memset(kp + (j + e) * D, 0, D * 2);
+                continue;
+            }
+            const int64_t at =
+                (int64_t)table[key / pb->block_size] * pb->block_size * token_stride +
+                (int64_t)(key % pb->block_size) * token_stride + (int64_t)kv_head * D;
+            memcpy(kp + (j + e) * D, pb->k_cache + at, D * 2);
+            v_rows[e] = pb->v_cache + at;
+        }
+        const __m512i zero = _mm512_setzero_si512();
+        for (int d = 0; d < D; d += 32) {
+            const __m512i a = v_rows[0] ? _mm512_loadu_si512(v_rows[0] + d) : zero;
+            const __m512i b = v_rows[1] ? _mm512_loadu_si512(v_rows[1] + d) : zero;
+            _mm512_storeu_si512(vp + j * D + 2 * d, _mm512_permutex2var_epi16(a, low, b));
+            _mm512_storeu_si512(vp + j * D + 2 * d + 32, _mm512_permutex2var_epi16(a, high, b));
+        }
+    }
+}
+
+static void run_task(const Problem* pb, const Task* task, Scratch* w) {
+    switch (pb->head_dim) {  // compile-time head_dim for the kernels
+        case 32: attend(pb, task, w, 32); break;
+        case 64: attend(pb, task, w, 64); break;
+        case 128: attend(pb, task, w, 128); break;
+        default: attend(pb, task, w, 256); break;
+    }
+}
+
+static int by_work_descending(const void* a, const void* b) {
+    const int64_t x = ((const Task*)a)->work, y = ((const Task*)b)->work;
+    return (x < y) - (x > y);
+}
+
+static void* alloc64(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
+#endif
+
+int prefill_attention_bf16_available(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// Returns 0; -1 for an unsupported shape or inconsistent lengths; -2 when built without AVX-512
+// BF16; -3 when out of memory.
+int prefill_attention_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                           const int32_t* block_tables, const int32_t* query_start_loc,
+                           const int32_t* seq_lens, uint16_t* out, int64_t q_stride,
+                           int64_t out_stride, int num_seqs, int num_heads, int num_kv_heads,
+                           int head_dim, int block_size, int max_blocks, float scale,
+                           int num_threads) {
+#if defined(__AVX512BF16__)
+    // At least 8 tokens of the GQA group per task.
+    if (num_heads % num_kv_heads != 0 || num_heads / num_kv_heads * 8 > MAX_ROWS ||
+        (head_dim != 32 && head_dim != 64 && head_dim != 128 && head_dim != 256))
+        return -1;
+    for (int s = 0; s < num_seqs; s++) {
+        const int query_len = query_start_loc[s + 1] - query_start_loc[s];
+        if (query_len < 0 || seq_lens[s] < query_len ||
+            seq_lens[s] > (int64_t)max_blocks * block_size)
+            return -1;
+    }
+    const int group = num_heads / num_kv_heads;
+    // Query tokens per task: fill up to MAX_ROWS rows, fewer when that leaves threads idle.
+    int tile_tokens = MAX_ROWS / group < MAX_TILE_TOKENS ? MAX_ROWS / group : MAX_TILE_TOKENS;
+    int64_t num_tasks = 0, num_pack_items = 0, pack_elems = 0;
+    for (;;) {
+        num_tasks = 0;
+        for (int s = 0; s < num_seqs; s++) {
+            const int query_len = query_start_loc[s + 1] - query_start_loc[s];
+            num_tasks += (int64_t)(query_len + tile_tokens - 1) / tile_tokens * num_kv_heads;
+        }
+        if (num_tasks >= 4 * num_threads || tile_tokens <= 8) break;
+        tile_tokens /= 2;
+    }
+    if (num_tasks == 0) return 0;  // no query tokens
+    int64_t* pack_offset = malloc(num_seqs * sizeof *pack_offset);
+    int* padded_len = malloc(num_seqs * sizeof *padded_len);
+    Task* tasks = malloc(num_tasks * sizeof *tasks);
+    if (!pack_offset || !padded_len || !tasks) {
+        free(pack_offset), free(padded_len), free(tasks);
+        return -3;
+    }
+    num_tasks = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        const int query_len = query_start_loc[s + 1] - query_start_loc[s];
+        padded_len[s] = (seq_lens[s] + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
+        pack_offset[s] = pack_elems;
+        pack_elems += (int64_t)padded_len[s] * num_kv_heads * head_dim;
+        num_pack_items += (int64_t)padded_len[s] / KEY_TILE * num_kv_heads;
+        for (int t0 = 0; t0 < query_len; t0 += tile_tokens) {
+            const int nt = query_len - t0 < tile_tokens ? query_len - t0 : tile_tokens;
+            const int64_t keys = seq_lens[s] - query_len + t0 + nt;
+            for (int h = 0; h < num_kv_heads; h++)
+                tasks[num_tasks++] = (Task){s, h, t0, nt, keys * nt};
+        }
+    }
+    qsort(tasks, num_tasks, sizeof *tasks, by_work_descending);
+    Problem pb = {q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, q_stride,
+                  out_stride, num_heads, num_kv_heads, head_dim, block_size, max_blocks,
+                  scale * 1.4426950408889634f, alloc64(pack_elems * 2), alloc64(pack_elems * 2),
+                  pack_offset, padded_len};
+    Scratch* scratch = calloc(num_threads, sizeof *scratch);
+    int status = pb.k_pack && pb.v_pack && scratch ? 0 : -3;
+    for (int i = 0; status == 0 && i < num_threads; i++) {
+        scratch[i].q = alloc64((size_t)MAX_ROWS * head_dim * 2);
+        scratch[i].o = alloc64((size_t)MAX_ROWS * head_dim * sizeof(float));
+        if (!scratch[i].q || !scratch[i].o) status = -3;
+    }
+    if (status == 0) {
+#pragma omp parallel num_threads(num_threads)
+        {
+            // Pack items are (request, KV head, KEY_TILE keys), numbered request by request; a
+            // thread's items come in increasing order, so it walks the requests forward.
+            int s = 0;
+            int64_t first = 0;  // first item of request s
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < num_pack_items; i++) {
+                while (i >= first + (int64_t)padded_len[s] / KEY_TILE * num_kv_heads)
+                    first += (int64_t)padded_len[s++] / KEY_TILE * num_kv_heads;
+                const int tiles = padded_len[s] / KEY_TILE, item = (int)(i - first);
+                pack_tile(&pb, s, item / tiles, item % tiles * KEY_TILE);
+            }
+            Scratch* w = &scratch[omp_get_thread_num()];
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < num_tasks; i++) run_task(&pb, &tasks[i], w);
+        }
+    }
+    for (int i = 0; scratch && i < num_threads; i++) free(scratch[i].q), free(scratch[i].o);
+    free(scratch);
+    free(pb.k_pack), free(pb.v_pack), free(pack_offset), free(padded_len), free(tasks);
+    return status;
+#else
+    (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)query_start_loc;
+    (void)seq_lens, (void)out, (void)q_stride, (void)out_stride, (void)num_seqs, (void)num_heads;
+    (void)num_kv_heads, (void)head_dim, (void)block_size, (void)max_blocks, (void)scale;
+    (void)num_threads;
+    return -2;
+#endif
+}
