@@ -77,3 +77,91 @@ def test_paged_decode_is_the_same_whatever_the_task_split(num_seqs):
     q, k, v, meta = decode_case(seq_lens, 8, 2, 64, 16, torch.float32, seed=num_seqs)
     out = cpu_kernels.paged_decode(q, k, v, meta.block_tables, meta.seq_lens, 0.125)
     torch.testing.assert_close(out, gathered_decode(q, k, v, meta, 0.125), atol=1e-5, rtol=1e-5)
+
+
+def bf16_reference(q, k, v, meta, scale):
+    """The float32 reference over the same bfloat16 inputs, rounded to bfloat16 like the kernel."""
+    return gathered_decode(q.float(), k.float(), v.float(), meta, scale).to(torch.bfloat16)
+
+
+# bfloat16 with head_dim a multiple of 32 runs the AVX-512 path where the CPU has it (16 tokens
+# per step, register tiles of up to 4 heads x 64 dims); 80 and 48 take the portable code.
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 2), (16, 8), (32, 4), (64, 8)]
+)  # groups 1, 3, 4, 2, 8, 8
+@pytest.mark.parametrize("head_dim", [64, 128, 96, 256, 80, 48])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_paged_decode_matches_gathered_reference_in_bfloat16_for_many_shapes(
+    num_heads, num_kv_heads, head_dim, block_size
+):
+    seq_lens = [1, 15, 17, 1000, 33]  # partial chunks and blocks, one token, a long context
+    q, k, v, meta = decode_case(
+        seq_lens, num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16, seed=head_dim
+    )
+    scale = head_dim**-0.5
+    out = cpu_kernels.paged_decode(q, k, v, meta.block_tables, meta.seq_lens, scale)
+    torch.testing.assert_close(out, bf16_reference(q, k, v, meta, scale), atol=1e-4, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 16, 32, 128])  # chunks spanning several blocks
+def test_paged_decode_bfloat16_with_any_block_size(block_size):
+    q, k, v, meta = decode_case([3, 40, 129, 257], 8, 2, 64, block_size, torch.bfloat16, seed=7)
+    out = cpu_kernels.paged_decode(q, k, v, meta.block_tables, meta.seq_lens, 0.125)
+    torch.testing.assert_close(out, bf16_reference(q, k, v, meta, 0.125), atol=1e-4, rtol=1.6e-2)
+
+
+def test_paged_decode_bfloat16_batch_mixing_short_and_long_contexts():
+    seq_lens = [1, 2000, 2, 16, 1500, 31, 1, 999, 64, 3, 700, 17]
+    q, k, v, meta = decode_case(seq_lens, 9, 3, 64, 16, torch.bfloat16, seed=3)
+    out = cpu_kernels.paged_decode(q, k, v, meta.block_tables, meta.seq_lens, 0.125)
+    torch.testing.assert_close(out, bf16_reference(q, k, v, meta, 0.125), atol=1e-4, rtol=1.6e-2)
+
+
+def test_paged_decode_bfloat16_with_scores_growing_along_the_context():
+    # Keys scaled up with their position (to 32x at the end): the running max moves in almost
+    # every chunk, the rescaling of the accumulator and of the sum must keep up, and early
+    # numerators underflow to 0.
+    block_size = 16
+    q, k, v, meta = decode_case([300, 37], 8, 2, 64, block_size, torch.bfloat16, seed=11)
+    growth = torch.zeros(k.shape[:2])
+    for i, n in enumerate(meta.seq_lens_cpu):
+        positions = torch.arange(meta.block_tables.shape[1] * block_size).view(-1, block_size)
+        growth[meta.block_tables[i].long()] = 32.0 * positions / n
+    k = (k.float() * growth[:, :, None, None]).to(torch.bfloat16)
+    out = cpu_kernels.paged_decode(q, k, v, meta.block_tables, meta.seq_lens, 0.125)
+    torch.testing.assert_close(out, bf16_reference(q, k, v, meta, 0.125), atol=1e-4, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
+def test_paged_decode_gives_zeros_for_empty_contexts(dtype, head_dim):
+    q, k, v, meta = decode_case([0, 20, 0, 5], 9, 3, head_dim, 16, dtype, seed=5)
+    out = cpu_kernels.paged_decode(q, k, v, meta.block_tables, meta.seq_lens, 0.125)
+    assert torch.equal(out[[0, 2]], torch.zeros_like(out[[0, 2]]))
+    assert out[[1, 3]].abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (16, 8)])
+def test_paged_decode_results_are_bitwise_the_same_whatever_the_task_split(
+    dtype, head_dim, num_heads, num_kv_heads
+):
+    # A batch of 9 runs one task per request (with up to 4 threads); fewer requests run tasks
+    # over narrower ranges of KV heads (one head, or 2 or 4 of 8). All must give the same bits.
+    seq_lens = [1, 15, 17, 100, 333, 16, 64, 2, 1000]
+    q, k, v, meta = decode_case(
+        seq_lens, num_heads, num_kv_heads, head_dim, 16, dtype, seed=head_dim
+    )
+    batch = cpu_kernels.paged_decode(q, k, v, meta.block_tables, meta.seq_lens, 0.125)
+    for size in (1, 2):
+        for i in range(0, len(seq_lens) - size + 1, size):
+            part = cpu_kernels.paged_decode(
+                q[i : i + size],
+                k,
+                v,
+                meta.block_tables[i : i + size],
+                meta.seq_lens[i : i + size],
+                0.125,
+            )
+            assert torch.equal(part, batch[i : i + size])

@@ -1,12 +1,16 @@
 // Paged decode attention for CPUs: one query token per request, K/V read once through the block
 // table (no gathered copy), all query heads of a KV head (the GQA group) served by one read,
-// online softmax one KV block at a time, float32 accumulation. OpenMP over requests (or over
-// (request, KV head) when there are too few requests for the threads).
+// online softmax, float32 accumulation. OpenMP over requests (or over (request, range of KV
+// heads) when there are too few requests for the threads).
 //
 // Layouts (row-major):
 //   q, out       [num_seqs, num_heads, head_dim]
 //   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim]
 //   block_tables [num_seqs, max_blocks] int32;  seq_lens [num_seqs] int32
+//
+// Two implementations with the same task split and semantics: portable C (float32 always, and
+// bfloat16 where the AVX-512 path is not compiled in or does not take the shape), and an
+// AVX-512 BF16 path for bfloat16 with head_dim a multiple of 32 (see below).
 #include <math.h>
 #include <stdint.h>
 
@@ -26,7 +30,21 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);  // round to nearest even
 }
 
-#define DEFINE_PAGED_DECODE(NAME, T, LOAD, STORE)                                                  \
+// A task is one request and a range of its KV heads: all of them when there are enough requests
+// to keep the threads busy (each block is then read once, contiguously), otherwise the widest
+// range (dividing num_kv_heads) that still gives at least 2 tasks per thread. Every KV head is
+// computed the same way whichever range it falls in, so the results do not depend on the split.
+static inline int kv_heads_per_task(int num_seqs, int num_kv_heads, int num_threads) {
+    int heads = num_kv_heads;
+    while (heads > 1 &&
+           (num_kv_heads % heads || num_seqs * (num_kv_heads / heads) < 2 * num_threads))
+        heads--;
+    return heads;
+}
+
+// Portable C, instantiated for bfloat16 and float32 below.
+#define DEFINE_PAGED_DECODE(LINKAGE, NAME, T, LOAD, STORE)                                         \
+LINKAGE                                                                                            \
 int NAME(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,             \
          const int32_t* seq_lens, T* out, int num_seqs, int num_heads, int num_kv_heads,          \
          int head_dim, int block_size, int max_blocks, float scale, int num_threads) {             \
@@ -34,10 +52,7 @@ int NAME(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_ta
     if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK_SIZE) return -1; \
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;                                 \
     const int64_t block_stride = token_stride * block_size;                                        \
-    /* A task is one request and a range of its KV heads: all of them when there are enough      \
-       requests to keep the threads busy (each block is then read once, contiguously), one KV     \
-       head per task otherwise. */                                                                 \
-    const int heads_per_task = num_seqs >= 2 * num_threads ? num_kv_heads : 1;                    \
+    const int heads_per_task = kv_heads_per_task(num_seqs, num_kv_heads, num_threads);             \
     const int tasks_per_seq = num_kv_heads / heads_per_task;                                       \
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                      \
     for (int task = 0; task < num_seqs * tasks_per_seq; task++) {                                  \
@@ -111,7 +126,322 @@ int NAME(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_ta
     return 0;                                                                                      \
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+// ---------------------------------------------------------------------------------------------
+// AVX-512 BF16 path (bfloat16, head_dim a multiple of 32).
+//
+// A task walks its request's context in chunks of CHUNK = 16 positions (one score per lane of a
+// zmm register). The element offsets of a chunk's 16 token rows are found through the block
+// table once (RowLocator; a chunk may span blocks, so any block_size works). Then, for each KV
+// head of the task (a unit of work: one chunk x one KV head):
+//   QK   for each query head of the group: vdpbf16ps multiplies the bf16 query by each bf16 key
+//        row directly, pairwise into 16 float32 lanes, one partial-sum vector per token; a
+//        transpose-add tree turns the 16 vectors into one vector of 16 scores, then scaled;
+//   softmax  online, per query head: the chunk's max; when it exceeds the running max, the
+//        correction exp(old max - new max) for the running sum and the accumulator; the 16
+//        numerators exp(score - max) at once (exp512). The running sum is kept per lane (a
+//        vector) and reduced at the end;
+//   PV   each V row (32 bf16 per zmm) is widened to float32 once per register tile and FMA'd
+//        into the float32 accumulators of up to 4 query heads x 64 dims held in registers
+//        (the tile), loaded from and stored back to the task's accumulator array once per unit.
+// Lanes past the end of the context read the chunk's first row again; their scores are masked
+// to -1e30 and their numerators to 0, and PV stops at the last token.
+// Prefetch: the rows of chunk c + PREFETCH_CHUNKS are prefetched while chunk c runs, in address
+// order (per token, the task's KV heads are one contiguous range), a few tokens in each QK call
+// so that the requests are spread evenly over the computation.
+//
+// bf16 -> f32 without a shuffle: a 32-bit lane holds the bf16 pair (2i, 2i+1); shifting it left
+// by 16 gives element 2i as a float, masking off the low half gives element 2i+1. So for each
+// 32-dim slice of head_dim the accumulator holds the 16 even dims, then the 16 odd dims; the
+// output is written back in natural order at the end.
+#include <immintrin.h>
+
+#define CHUNK 16           // context positions per step: one score per lane of a zmm register
+#define PREFETCH_CHUNKS 2  // how far ahead K/V rows are prefetched
+#define OFFSET_RING 4      // chunks whose row offsets are kept
+_Static_assert(OFFSET_RING > PREFETCH_CHUNKS, "chunks c and c + PREFETCH_CHUNKS are both in use");
+#define PV_TILE_HEADS 4    // query heads per PV register tile
+#define PV_TILE_SLICES 2   // 32-dim slices per PV tile (4 x 2 x 2 = 16 zmm accumulators)
+
+static inline int min_int(int a, int b) { return a < b ? a : b; }
+
+// exp(x) for each lane, to about 1 ulp (Cephes expf): x = n ln2 + r with |r| <= ln2 / 2, a
+// degree-7 polynomial for exp(r), then scaling by 2^n. x is clamped to [-104, 88]: the low end
+// underflows to 0 (or the least subnormal), like expf far below -87.
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r);
+    y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
+}
+
+// Lane t of the result = sum of the 16 lanes of v[t]: pairs of vectors are interleaved and
+// added (unpack ps, unpack pd, then 128-bit lane shuffles twice), halving the count each level.
+static inline __m512 transpose_sum16(const __m512 v[CHUNK]) {
+    __m512 w[8], x[4], y[2];
+    for (int i = 0; i < 8; i++)  // 128-bit lane: [v2i, v2i+1, v2i, v2i+1]
+        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {  // 128-bit lane: [v4i, ..., v4i+3]
+        const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+        x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; i++)  // 128-bit lanes: [v8i..8i+3, v8i..8i+3, v8i+4..8i+7, ditto]
+        y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88),
+                         _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+}
+
+// Prefetches `lines` 64-byte lines from each of pk + pf_off[t] and pv + pf_off[t], t < n.
+static inline __attribute__((always_inline)) void prefetch_rows(const uint16_t* pk,
+                                                                const uint16_t* pv,
+                                                                const int64_t* pf_off, int n,
+                                                                int lines) {
+    for (int t = 0; t < n; t++)
+        for (int i = 0; i < lines; i++) {
+            _mm_prefetch((const char*)(pk + pf_off[t] + 32 * i), _MM_HINT_T0);
+            _mm_prefetch((const char*)(pv + pf_off[t] + 32 * i), _MM_HINT_T0);
+        }
+}
+
+// The 16 unscaled scores q . k_t of one query head, for the key rows at element offsets
+// off[0..16) from k, with prefetch_rows(pk, pv, pf_off, npf, pf_lines) issued halfway. ND =
+// head_dim / 32 (a constant where inlined, so the query and the 16 partial sums stay in
+// registers and every loop unrolls).
+static inline __attribute__((always_inline)) __m512 qk16(const int ND, const uint16_t* q_row,
+                                                         const uint16_t* k, const int64_t* off,
+                                                         const uint16_t* pk, const uint16_t* pv,
+                                                         const int64_t* pf_off, int npf,
+                                                         int pf_lines) {
+    __m512bh qv[MAX_HEAD_DIM / 32];
+    for (int i = 0; i < ND; i++) qv[i] = (__m512bh)_mm512_loadu_si512(q_row + 32 * i);
+    __m512 part[CHUNK];
+#pragma GCC unroll 16
+    for (int t = 0; t < CHUNK; t++) {
+        __m512 a = _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int i = 0; i < ND; i++)
+            a = _mm512_dpbf16_ps(a, qv[i], (__m512bh)_mm512_loadu_si512(k + off[t] + 32 * i));
+        part[t] = a;
+        if (t == CHUNK / 2 - 1) prefetch_rows(pk, pv, pf_off, npf, pf_lines);
+    }
+    return transpose_sum16(part);
+}
+
+// qk16 for any ND. Not inlined: inside the task loop gcc would keep the partial sums in memory.
+static __attribute__((noinline)) __m512 qk_scores(int nd, const uint16_t* q_row,
+                                                  const uint16_t* k, const int64_t* off,
+                                                  const uint16_t* pk, const uint16_t* pv,
+                                                  const int64_t* pf_off, int npf, int pf_lines) {
+#define QK_CASE(ND) \
+    case ND: return qk16(ND, q_row, k, off, pk, pv, pf_off, npf, pf_lines);
+    switch (nd) {
+        QK_CASE(1) QK_CASE(2) QK_CASE(3) QK_CASE(4) QK_CASE(5) QK_CASE(6) QK_CASE(7)
+        default: return qk16(8, q_row, k, off, pk, pv, pf_off, npf, pf_lines);
+    }
+#undef QK_CASE
+}
+
+// One PV register tile: NH query heads x NS 32-dim slices starting at dim d0. The accumulator
+// rows (one per head, acc_stride floats apart) are rescaled by corr[j], then accumulate
+// p[j][t] * v_t (p rows CHUNK floats apart) over the value rows at element offsets off[0..n)
+// from v.
+static inline __attribute__((always_inline)) void pv_tile(const int NS, const int NH, float* acc,
+                                                          int acc_stride, const float* p,
+                                                          const float* corr, const uint16_t* v,
+                                                          const int64_t* off, int n, int d0) {
+    __m512 a[PV_TILE_HEADS][2 * PV_TILE_SLICES];
+    for (int j = 0; j < NH; j++) {
+        const __m512 c = _mm512_set1_ps(corr[j]);
+        for (int i = 0; i < 2 * NS; i++)
+            a[j][i] = _mm512_mul_ps(_mm512_load_ps(acc + j * acc_stride + d0 + 16 * i), c);
+    }
+    const __m512i high_half = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int t = 0; t < n; t++) {
+        __m512 pt[PV_TILE_HEADS];
+        for (int j = 0; j < NH; j++) pt[j] = _mm512_set1_ps(p[j * CHUNK + t]);
+        for (int s = 0; s < NS; s++) {
+            const __m512i w = _mm512_loadu_si512(v + off[t] + d0 + 32 * s);
+            const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+            const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(w, high_half));
+            for (int j = 0; j < NH; j++) {
+                a[j][2 * s] = _mm512_fmadd_ps(pt[j], even, a[j][2 * s]);
+                a[j][2 * s + 1] = _mm512_fmadd_ps(pt[j], odd, a[j][2 * s + 1]);
+            }
+        }
+    }
+    for (int j = 0; j < NH; j++)
+        for (int i = 0; i < 2 * NS; i++)
+            _mm512_store_ps(acc + j * acc_stride + d0 + 16 * i, a[j][i]);
+}
+
+static void pv_update(int ns, int nh, float* acc, int acc_stride, const float* p,
+                      const float* corr, const uint16_t* v, const int64_t* off, int n, int d0) {
+#define PV_CASE(NS, NH) \
+    case NS * 8 + NH: pv_tile(NS, NH, acc, acc_stride, p, corr, v, off, n, d0); break;
+    switch (ns * 8 + nh) {
+        PV_CASE(1, 1) PV_CASE(1, 2) PV_CASE(1, 3) PV_CASE(1, 4)
+        PV_CASE(2, 1) PV_CASE(2, 2) PV_CASE(2, 3) PV_CASE(2, 4)
+    }
+#undef PV_CASE
+}
+
+// The element offsets of a request's token rows (from the cache start, KV head 0), chunk by
+// chunk, found through the block table in order and kept for the last OFFSET_RING chunks.
+// Positions past the end of the context get the offset of the chunk's first row, so that the
+// 16 rows QK reads are all inside the cache.
+typedef struct {
+    const int32_t* table;
+    int block_size, len;
+    int64_t block_stride, token_stride;
+    int located;          // chunks located so far
+    int block, in_block;  // where chunk `located` starts
+    int64_t off[OFFSET_RING][CHUNK];
+} RowLocator;
+
+static inline const int64_t* chunk_rows(RowLocator* r, int c) {
+    for (; r->located <= c; r->located++) {
+        int64_t* off = r->off[r->located % OFFSET_RING];
+        const int n = min_int(r->len - r->located * CHUNK, CHUNK);
+        for (int t = 0; t < n; t++) {
+            off[t] = (int64_t)r->table[r->block] * r->block_stride + r->in_block * r->token_stride;
+            if (++r->in_block == r->block_size) r->in_block = 0, r->block++;
+        }
+        for (int t = n; t < CHUNK; t++) off[t] = off[0];
+    }
+    return r->off[c % OFFSET_RING];
+}
+
+static int paged_decode_bf16_avx512(const uint16_t* q, const uint16_t* k_cache,
+                                    const uint16_t* v_cache, const int32_t* block_tables,
+                                    const int32_t* seq_lens, uint16_t* out, int num_seqs,
+                                    int num_heads, int num_kv_heads, int head_dim, int block_size,
+                                    int max_blocks, float scale, int num_threads) {
+    const int group = num_heads / num_kv_heads;
+    const int nd = head_dim / 32;  // 32-dim slices (64-byte lines of a row)
+    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+    const int64_t block_stride = token_stride * block_size;
+    const int heads_per_task = kv_heads_per_task(num_seqs, num_kv_heads, num_threads);
+    const int tasks_per_seq = num_kv_heads / heads_per_task;
+    // Prefetching a chunk: per token, heads_per_task * nd lines of K and of V; the unit of KV
+    // head i takes tokens [i * pf_per_unit, (i + 1) * pf_per_unit), its QK call for query head
+    // j of the group pf_per_call of those.
+    const int pf_lines = heads_per_task * nd;
+    const int pf_per_unit = (CHUNK + heads_per_task - 1) / heads_per_task;
+    const int pf_per_call = (pf_per_unit + group - 1) / group;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int task = 0; task < num_seqs * tasks_per_seq; task++) {
+        const int s = task / tasks_per_seq;
+        const int kvh0 = (task % tasks_per_seq) * heads_per_task;
+        const int h0 = kvh0 * group, nh = heads_per_task * group;
+        // acc[h] holds head h0 + h: per 32-dim slice, its 16 even dims then its 16 odd dims.
+        float acc[MAX_HEADS * MAX_HEAD_DIM] __attribute__((aligned(64)));
+        float p[MAX_HEADS * CHUNK] __attribute__((aligned(64)));  // softmax numerators
+        __m512 sum[MAX_HEADS];  // running softmax denominators, per lane
+        float running_max[MAX_HEADS], corr[MAX_HEADS];
+        for (int i = 0; i < nh * head_dim; i++) acc[i] = 0.0f;
+        for (int h = 0; h < nh; h++) running_max[h] = -1e30f, sum[h] = _mm512_setzero_ps();
+        const uint16_t* q_row = q + ((int64_t)s * num_heads + h0) * head_dim;
+        const int len = seq_lens[s];
+        const int num_chunks = (len + CHUNK - 1) / CHUNK;
+        RowLocator rows = {.table = block_tables + (int64_t)s * max_blocks,
+                           .block_size = block_size, .len = len,
+                           .block_stride = block_stride, .token_stride = token_stride};
+        const uint16_t* pk = k_cache + (int64_t)kvh0 * head_dim;  // the task's rows to prefetch
+        const uint16_t* pv = v_cache + (int64_t)kvh0 * head_dim;
+        for (int c = 0; c < PREFETCH_CHUNKS && c < num_chunks; c++)
+            prefetch_rows(pk, pv, chunk_rows(&rows, c), min_int(len - c * CHUNK, CHUNK), pf_lines);
+        for (int c = 0; c < num_chunks; c++) {
+            const int n = min_int(len - c * CHUNK, CHUNK);
+            const __mmask16 valid = (__mmask16)((1u << n) - 1);
+            const int64_t* off = chunk_rows(&rows, c);
+            const int pf_chunk = c + PREFETCH_CHUNKS;
+            const int pf_len = pf_chunk < num_chunks ? min_int(len - pf_chunk * CHUNK, CHUNK) : 0;
+            const int64_t* pf_off = pf_len ? chunk_rows(&rows, pf_chunk) : off;
+            for (int kvh = kvh0; kvh < kvh0 + heads_per_task; kvh++) {
+                const int hb = (kvh - kvh0) * group;  // the group's first head in this task
+                const uint16_t* k = k_cache + (int64_t)kvh * head_dim;
+                const uint16_t* v = v_cache + (int64_t)kvh * head_dim;
+                // This unit's tokens of chunk pf_chunk to prefetch: [pf_begin, pf_end).
+                int pf_begin = min_int((kvh - kvh0) * pf_per_unit, pf_len);
+                const int pf_end = min_int(pf_begin + pf_per_unit, pf_len);
+                for (int h = hb; h < hb + group; h++) {
+                    const int npf = min_int(pf_end - pf_begin, pf_per_call);
+                    const __m512 sc = _mm512_mask_mul_ps(
+                        _mm512_set1_ps(-1e30f), valid,
+                        qk_scores(nd, q_row + h * head_dim, k, off, pk, pv, pf_off + pf_begin, npf,
+                                  pf_lines),
+                        _mm512_set1_ps(scale));
+                    pf_begin += npf;
+                    const float m = _mm512_reduce_max_ps(sc);
+                    corr[h] = 1.0f;
+                    if (m > running_max[h]) {
+                        corr[h] = _mm512_cvtss_f32(exp512(_mm512_set1_ps(running_max[h] - m)));
+                        sum[h] = _mm512_mul_ps(sum[h], _mm512_set1_ps(corr[h]));
+                        running_max[h] = m;
+                    }
+                    const __m512 e = _mm512_maskz_mov_ps(
+                        valid, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(running_max[h]))));
+                    sum[h] = _mm512_add_ps(sum[h], e);
+                    _mm512_store_ps(p + h * CHUNK, e);
+                }
+                for (int j = 0; j < group; j += PV_TILE_HEADS) {
+                    const int th = min_int(group - j, PV_TILE_HEADS);
+                    for (int sl = 0; sl < nd; sl += PV_TILE_SLICES) {
+                        const int ts = min_int(nd - sl, PV_TILE_SLICES);
+                        pv_update(ts, th, acc + (hb + j) * head_dim, head_dim, p + (hb + j) * CHUNK,
+                                  corr + hb + j, v, off, n, 32 * sl);
+                    }
+                }
+            }
+        }
+        uint16_t* out_row = out + ((int64_t)s * num_heads + h0) * head_dim;
+        for (int h = 0; h < nh; h++) {
+            const float total = _mm512_reduce_add_ps(sum[h]);
+            const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+            const float* a = acc + h * head_dim;
+            uint16_t* o = out_row + h * head_dim;
+            for (int d = 0; d < head_dim; d += 32)
+                for (int i = 0; i < 16; i++) {
+                    o[d + 2 * i] = f32_to_bf16(a[d + i] * inv);
+                    o[d + 2 * i + 1] = f32_to_bf16(a[d + 16 + i] * inv);
+                }
+        }
+    }
+    return 0;
+}
+#endif
+
 #define LOAD_F32(x) (x)
 #define STORE_F32(x) (x)
-DEFINE_PAGED_DECODE(paged_decode_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-DEFINE_PAGED_DECODE(paged_decode_f32, float, LOAD_F32, STORE_F32)
+DEFINE_PAGED_DECODE(static, paged_decode_bf16_portable, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_PAGED_DECODE(, paged_decode_f32, float, LOAD_F32, STORE_F32)
+
+int paged_decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                      const int32_t* block_tables, const int32_t* seq_lens, uint16_t* out,
+                      int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                      int max_blocks, float scale, int num_threads) {
+    if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK_SIZE) return -1;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+    if (head_dim % 32 == 0)
+        return paged_decode_bf16_avx512(q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs,
+                                        num_heads, num_kv_heads, head_dim, block_size, max_blocks,
+                                        scale, num_threads);
+#endif
+    return paged_decode_bf16_portable(q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs,
+                                      num_heads, num_kv_heads, head_dim, block_size, max_blocks,
+                                      scale, num_threads);
+}
