@@ -43,8 +43,10 @@ def test_throughput_writes_json_with_positive_numbers(tiny_llama, tmp_path):
     out = tmp_path / "throughput.json"
     argv = ["bench", "throughput", "--model", tiny_llama, "--num-requests", "4"]
     argv += ["--input-len", "8", "16", "--output-len", "2", "4", "--output-json", str(out)]
-    assert main(argv + TINY_RUN) == 0
+    assert main(argv + TINY_RUN + ["--roofline"]) == 0
     report = _read_json(out)
+    assert report["roofline"]["floor_prefill_s"] > 0 and report["roofline"]["floor_decode_s"] > 0
+    assert 0 < report["roofline"]["fraction"]["quire"]
     assert report["workload"]["num_requests"] == 4
     (quire,) = report["results"]
     assert quire["engine"] == "quire"
@@ -144,6 +146,26 @@ def test_decode_step_flops_attend_over_each_context():
     per_token = 2 * (1152 + 80)
     attention = 4 * 2 * 2 * 4 * (3 + 5)
     assert roofline.decode_step_flops(mc, [3, 5]) == 2 * per_token + attention
+
+
+def test_workload_floor_is_prefill_at_peak_plus_each_decode_steps_bound():
+    mc = _hand_model()
+    hw = roofline.Hardware("cpu", read_gbps=1e-6, copy_gbps=1e-6, matmul_tflops=1e-9)
+    # Request A: prompt 3, 3 outputs (2 decode steps at contexts 4, 5); B: prompt 5, 2 outputs
+    # (1 decode step at context 6).
+    prefill, decode = roofline.workload_floor_seconds(mc, torch.bfloat16, [3, 5], [3, 2], hw)
+    flops_s, bytes_s = 1e-3, 1e3  # seconds per FLOP at the matmul peak, per byte at bandwidth
+    assert prefill == pytest.approx(
+        (roofline.prefill_flops(mc, 3) + roofline.prefill_flops(mc, 5)) * flops_s
+    )
+
+    def step(contexts: list[int]) -> float:
+        return max(
+            roofline.decode_step_bytes(mc, torch.bfloat16, contexts) / bytes_s,
+            roofline.decode_step_flops(mc, contexts) * flops_s,
+        )
+
+    assert decode == pytest.approx(step([4, 6]) + step([5]))
 
 
 def test_roofline_fraction_is_floor_over_measured():

@@ -151,3 +151,29 @@ def decode_step_flops(mc: ModelConfig, context_lens: Sequence[int]) -> int:
 def roofline_fraction(ideal_seconds: float, measured_seconds: float) -> float:
     """How close a measurement is to its floor: 1.0 = at the roofline."""
     return ideal_seconds / measured_seconds
+
+
+def workload_floor_seconds(
+    mc: ModelConfig,
+    dtype: torch.dtype,
+    prompt_lens: Sequence[int],
+    output_lens: Sequence[int],
+    hardware: Hardware,
+) -> tuple[float, float]:
+    """(prefill, decode) seconds no engine can beat on this hardware for an offline workload.
+
+    Prefill: every prompt's FLOPs at the matmul peak (its first output token comes with it).
+    Decode: every request decodes from the first step on, all at once (no batch-size limit), and
+    each step costs max(bytes / bandwidth, FLOPs / matmul peak): weights once per step, each
+    active request's K/V and its share of the FLOPs."""
+    peak_flops = hardware.matmul_tflops * 1e12
+    bandwidth = hardware.bandwidth_gbps * 1e9
+    prefill = sum(prefill_flops(mc, n) for n in prompt_lens) / peak_flops
+    decode = 0.0
+    for step in range(max(output_lens, default=1) - 1):
+        contexts = [
+            p + step + 1 for p, o in zip(prompt_lens, output_lens, strict=True) if o > step + 1
+        ]
+        step_bytes = decode_step_bytes(mc, dtype, contexts)
+        decode += max(step_bytes / bandwidth, decode_step_flops(mc, contexts) / peak_flops)
+    return prefill, decode

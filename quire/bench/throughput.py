@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
+from quire.bench import roofline
 from quire.bench.models import QWEN3_RANDOM, add_model_dir_arg, resolve_model
 
 logger = logging.getLogger(__name__)
@@ -284,6 +285,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "faster is the one compared)",
     )
     p.add_argument("--hf-batch-size", type=int, default=16, help="batch size of generate")
+    p.add_argument(
+        "--roofline",
+        action="store_true",
+        help="also measure this machine's bandwidth and matmul peak and print the workload's "
+        "floor: the time no engine can beat here, and the fraction of it each engine reached",
+    )
     p.add_argument("--output-json", default="quire-bench-throughput.json")
     add_model_dir_arg(p)
     add_engine_args(p)
@@ -312,6 +319,32 @@ def _print_table(results: list[ThroughputResult]) -> None:
             f"{r.engine:<36}{r.requests:>9}{r.prompt_tokens:>12}{r.output_tokens:>12}"
             f"{r.elapsed_s:>10.1f}{r.output_tokens_per_s:>11.1f}{r.total_tokens_per_s:>12.1f}"
         )
+
+
+def _print_floor(
+    model_config, dtype: torch.dtype, device: str, requests, results: list[ThroughputResult]
+) -> dict[str, object]:
+    hardware = roofline.measure_hardware(device, dtype)
+    prefill_s, decode_s = roofline.workload_floor_seconds(
+        model_config,
+        dtype,
+        [len(r.prompt_token_ids) for r in requests],
+        [r.output_len for r in requests],
+        hardware,
+    )
+    floor = prefill_s + decode_s
+    print(
+        f"roofline floor {floor:.1f} s (prefill {prefill_s:.1f} s + decode {decode_s:.1f} s) at "
+        f"read {hardware.read_gbps:.1f} GB/s, matmul {hardware.matmul_tflops:.3f} TFLOP/s; "
+        + ", ".join(f"{r.engine} {floor / r.elapsed_s:.1%} of it" for r in results)
+    )
+    return {
+        "read_gbps": hardware.read_gbps,
+        "matmul_tflops": hardware.matmul_tflops,
+        "floor_prefill_s": prefill_s,
+        "floor_decode_s": decode_s,
+        "fraction": {r.engine: floor / r.elapsed_s for r in results},
+    }
 
 
 def main(args: argparse.Namespace) -> int:
@@ -344,6 +377,7 @@ def main(args: argparse.Namespace) -> int:
     )
     results = [run_quire(llm, requests)]
     model_path, dtype, device = engine.config.model, engine.dtype, engine.config.device
+    model_config = engine.model_config
     del llm, engine
     gc.collect()
 
@@ -378,6 +412,8 @@ def main(args: argparse.Namespace) -> int:
         },
         "results": [r.to_dict() for r in results],
     }
+    if args.roofline:
+        report["roofline"] = _print_floor(model_config, dtype, device, requests, results)
     if hf_results:
         best = max(hf_results, key=lambda r: r.output_tokens_per_s)
         ratio = results[0].output_tokens_per_s / best.output_tokens_per_s
