@@ -82,3 +82,15 @@ def test_only_packed_heads_are_rotated_in_place() -> None:
     x = torch.randn(4, 6, 32).bfloat16()
     assert not pointwise.rotary_supported(x[:, ::2])
     assert not pointwise.rotary_supported(x.float())
+
+
+def test_per_head_norm_of_a_strided_qkv_view_matches_hugging_face() -> None:
+    """Qwen3's q/k norm: RMSNorm over head_dim of a [tokens, heads, head_dim] view into qkv."""
+    norm = RMSNorm(32, 1e-6).bfloat16()
+    norm.weight.data.normal_()
+    qkv = torch.randn(5, 10, 32).bfloat16()
+    q = qkv[:, :6]
+    with torch.no_grad():
+        out = norm(q)
+    assert out.shape == q.shape
+    assert_within_one_ulp(out, hf_rms_norm(q, norm.weight.detach(), 1e-6))

@@ -25,14 +25,12 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x) for x [..., hidden]; with a residual, (norm(x + residual), x + residual), the
         sum written into `residual` in place when the C kernel runs."""
-        if (
-            x.dim() == 2
-            and pointwise.supported(x)
-            and self.weight.dtype == x.dtype
-            and (residual is None or residual.is_contiguous())
-        ):
-            out = pointwise.add_rms_norm(x, residual, self.weight, self.eps)
-            return out if residual is None else (out, residual)
+        if pointwise.supported(x) and self.weight.dtype == x.dtype:
+            if residual is None:  # any leading shape, e.g. Qwen3's per-head q/k norm [T, H, D]
+                rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+                return pointwise.add_rms_norm(rows, None, self.weight, self.eps).view(x.shape)
+            if x.dim() == 2 and residual.is_contiguous():
+                return pointwise.add_rms_norm(x, residual, self.weight, self.eps), residual
         if residual is None:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         residual = x + residual
