@@ -95,6 +95,15 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether sampling reads the tokens seen so far (repetition, presence, frequency)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
     def clone(self) -> SamplingParams:
         copy = SamplingParams.__new__(SamplingParams)
         copy.__dict__.update(self.__dict__)

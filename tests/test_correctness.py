@@ -139,3 +139,36 @@ def test_bfloat16_logprobs_are_as_close_to_float32_as_transformers_bfloat16(tiny
     # Measured: quire's mean error is within 2% of transformers' for all three (0.005-0.008).
     assert our_error <= 1.25 * hf_error + 1e-3, (our_error, hf_error)
     assert (ours - exact).abs().max().item() <= 2 * (hf_bf16 - exact).abs().max().item() + 5e-3
+
+
+def test_penalized_greedy_matches_a_reference_loop_whatever_the_batch(tiny_llama):
+    """Repetition, frequency and presence penalties against a step-by-step transformers loop that
+    applies vLLM's formulas; the penalized request shares its batch with unpenalized ones."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = [5, 9, 5, 200, 31, 9, 9, 77]
+    penalties = dict(repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.3)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    tokens = list(prompt)
+    for _ in range(12):
+        with torch.no_grad():
+            logits = model(torch.tensor([tokens])).logits[0, -1]
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[tokens] = True
+        logits = torch.where(seen, torch.where(logits > 0, logits / 1.5, logits * 1.5), logits)
+        counts = torch.bincount(
+            torch.tensor(tokens[len(prompt) :], dtype=torch.long), minlength=logits.shape[0]
+        ).float()
+        logits = logits - 0.5 * counts - 0.3 * (counts > 0).float()
+        tokens.append(int(logits.argmax()))
+    expected = tokens[len(prompt) :]
+
+    llm = LLM(model=tiny_llama, dtype="float32")
+    others = [[11, 12, 13], [40, 41, 42, 43, 44]]
+    params = [greedy(12, **penalties), greedy(12), greedy(12)]
+    outputs = llm.generate(
+        [{"prompt_token_ids": ids} for ids in [prompt, *others]], params, use_tqdm=False
+    )
+    assert outputs[0].outputs[0].token_ids == expected
+    (alone,) = llm.generate([{"prompt_token_ids": prompt}], params[0], use_tqdm=False)
+    assert alone.outputs[0].token_ids == expected

@@ -164,7 +164,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows])  # [num_sampled, vocab] float32
         batch = SamplingBatch.from_params(
             [r.sampling_params for r in requests],
-            [r.output_token_ids for r in requests],
+            # Only penalized rows read their history: no per-step copy of every output.
+            [r.output_token_ids if r.sampling_params.uses_penalties else [] for r in requests],
             [r.prompt_token_ids for r in requests],
             [r.generator for r in requests],
             [_banned_tokens(r) for r in requests],
