@@ -43,13 +43,13 @@ def load_library() -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("No C compiler found: using the PyTorch attention path on CPU")
         return None
-    sources = sorted(
-        os.path.join(_SOURCE_DIR, name) for name in os.listdir(_SOURCE_DIR) if name.endswith(".c")
-    )
+    names = sorted(os.listdir(_SOURCE_DIR))
+    sources = [os.path.join(_SOURCE_DIR, name) for name in names if name.endswith(".c")]
     digest = hashlib.sha256(" ".join(_COMPILE_FLAGS + _LINK_FLAGS).encode())
-    for source in sources:
-        with open(source, "rb") as f:
-            digest.update(f.read())
+    for name in names:
+        if name.endswith((".c", ".h")):  # a header change must rebuild too
+            with open(os.path.join(_SOURCE_DIR, name), "rb") as f:
+                digest.update(f.read())
     digest.update(platform.node().encode())
     key = digest.hexdigest()
     path = os.path.join(_cache_dir(), f"quire_cpu_{key[:16]}.so")

@@ -14,21 +14,11 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "bf16.h"
+
 #define MAX_HEADS 64
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK_SIZE 128
-
-static inline float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);  // round to nearest even
-}
 
 // A task is one request and a range of its KV heads: all of them when there are enough requests
 // to keep the threads busy (each block is then read once, contiguously), otherwise the widest

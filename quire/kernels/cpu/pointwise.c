@@ -8,21 +8,11 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "bf16.h"
+
 #define MIN_ROWS_PER_THREAD 16
 #define MAX_DIM 16384
 #define MAX_HEAD_DIM 512
-
-static inline float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);  // round to nearest even
-}
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
