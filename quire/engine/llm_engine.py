@@ -228,8 +228,9 @@ class LLMEngine:
                 group.num_cached_tokens = max(request.num_cached_tokens, 0)
             request_id = request.request_id
             if request.logprobs is not None:
-                request.cumulative_logprob += out.sampled_logprobs[request_id]
-                request.logprobs.extend(self._logprob_dicts(out.logprobs[request_id]))
+                top = out.logprobs[request_id]
+                request.cumulative_logprob += top.logprobs[0][0]  # column 0: the new token
+                request.logprobs.extend(self._logprob_dicts(top))
             if request.status == RequestStatus.FINISHED_STOPPED:
                 continue  # ended by a stop token (EOS, stop_token_ids): not part of the text
             seq = group.sequences[request.index]

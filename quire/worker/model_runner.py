@@ -38,9 +38,8 @@ class TopLogprobs:
 @dataclass
 class ModelRunnerOutput:
     sampled: dict[str, int]  # request id -> new token
-    # request id -> its logprob (raw distribution), for requests that asked for logprobs
-    sampled_logprobs: dict[str, float]
-    logprobs: dict[str, TopLogprobs]  # for requests that asked for logprobs
+    # For requests that asked for logprobs (raw distribution); column 0 is the new token.
+    logprobs: dict[str, TopLogprobs]
     prompt_logprobs: dict[str, TopLogprobs]  # prompt positions computed this step
 
 
@@ -157,7 +156,7 @@ class ModelRunner:
             row_of[child.request_id] = row_of[parent.request_id]
             requests.append(child)
 
-        result = ModelRunnerOutput({}, {}, {}, self._prompt_logprobs(scheduled, hidden, metadata))
+        result = ModelRunnerOutput({}, {}, self._prompt_logprobs(scheduled, hidden, metadata))
         if not requests:
             return result
         rows = torch.tensor([row_of[r.request_id] for r in requests], device=self.device)
@@ -175,11 +174,6 @@ class ModelRunner:
         token_ids = sampled.sampled_token_ids.tolist()
         for i, r in enumerate(requests):
             result.sampled[r.request_id] = token_ids[i]
-        if sampled.sampled_logprobs is not None:
-            token_logprobs = sampled.sampled_logprobs.tolist()
-            for i, r in enumerate(requests):
-                if r.sampling_params.logprobs is not None:
-                    result.sampled_logprobs[r.request_id] = token_logprobs[i]
         if sampled.logprob_token_ids is not None:
             all_ids = sampled.logprob_token_ids.tolist()
             all_lps = sampled.logprobs.tolist()
