@@ -82,6 +82,15 @@ def load_library() -> ctypes.CDLL | None:
     prefill.argtypes = pointers + strides + sizes + [ctypes.c_float, ctypes.c_int]
     prefill.restype = ctypes.c_int
     lib.prefill_attention_bf16_available.restype = ctypes.c_int
+    i64, i32, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    # x, x row stride, residual, weight, out; rows, dim, eps, num_threads.
+    lib.add_rms_norm_bf16.argtypes = (
+        [ctypes.c_void_p, i64] + [ctypes.c_void_p] * 3 + [i32, i32, f32, i32]
+    )
+    # x, x row stride, cos, sin; tokens, heads, head_dim, num_threads.
+    lib.rotary_bf16.argtypes = [ctypes.c_void_p, i64, ctypes.c_void_p, ctypes.c_void_p] + [i32] * 4
+    for fn in (lib.add_rms_norm_bf16, lib.rotary_bf16):
+        fn.restype = ctypes.c_int
     return lib
 
 

@@ -1,36 +1,18 @@
 """ctypes wrappers of pointwise.c: fused residual add + RMSNorm and in-place rotary, bf16 on CPU.
 
 Callers check `supported(tensor)` and keep their PyTorch code as the fallback (float32, other
-devices, no C compiler); both give the same bits as Hugging Face's bf16 modules.
+devices, no C compiler). The kernels round step by step as Hugging Face's bf16 modules do.
 """
 
 from __future__ import annotations
-
-import ctypes
-import functools
 
 import torch
 
 from quire.kernels.cpu import load_library
 
 
-@functools.cache
-def _functions() -> tuple | None:
-    lib = load_library()
-    if lib is None:
-        return None
-    ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    norm = lib.add_rms_norm_bf16
-    norm.argtypes = [ptr, i64, ptr, ptr, ptr, i32, i32, f32, i32]
-    rotary = lib.rotary_bf16
-    rotary.argtypes = [ptr, i64, ptr, ptr, i32, i32, i32, i32]
-    for fn in (norm, rotary):
-        fn.restype = ctypes.c_int
-    return norm, rotary
-
-
 def supported(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and _functions() is not None
+    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and load_library() is not None
 
 
 def rotary_supported(x: torch.Tensor) -> bool:
@@ -48,7 +30,7 @@ def add_rms_norm(
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty((rows, dim), dtype=x.dtype)
-    status = _functions()[0](
+    status = load_library().add_rms_norm_bf16(
         x.data_ptr(),
         x.stride(0),
         None if residual is None else residual.data_ptr(),
@@ -71,7 +53,7 @@ def rotary_(
 ) -> None:
     tokens, num_heads, head_dim = x.shape
     cos, sin = cos.contiguous(), sin.contiguous()
-    status = _functions()[1](
+    status = load_library().rotary_bf16(
         x.data_ptr(),
         x.stride(0),
         cos.data_ptr(),
