@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from quire.bench import roofline
+from quire.bench.models import QWEN3_0_6B_SHAPE
 from quire.bench.serve import (
     RequestResult,
     compute_metrics,
@@ -105,20 +106,8 @@ def test_num_params_counts_the_embedding_once_when_tied():
 
 
 def test_qwen3_0_6b_has_0_44b_non_embedding_params():
-    mc = ModelConfig(
-        architecture="Qwen3ForCausalLM",
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=40960,
-        tie_word_embeddings=True,
-        rope=RopeConfig(),
-    )
+    # The W2 model's shape, as quire.bench.models builds it.
+    mc = ModelConfig.from_dict({"architectures": ["Qwen3ForCausalLM"], **QWEN3_0_6B_SHAPE})
     assert mc.num_hidden_layers * roofline.layer_matmul_params(mc) == 440_401_920
     assert roofline.num_params(mc) == 440_401_920 + 155_582_464
 

@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from quire.bench import roofline
 from quire.bench.models import QWEN3_RANDOM, add_model_dir_arg, resolve_model
+from quire.model.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -322,8 +323,13 @@ def _print_table(results: list[ThroughputResult]) -> None:
 
 
 def _print_floor(
-    model_config, dtype: torch.dtype, device: str, requests, results: list[ThroughputResult]
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: str,
+    requests: list[BenchRequest],
+    results: list[ThroughputResult],
 ) -> dict[str, object]:
+    """Prints the workload's roofline floor and each engine's fraction of it; returns them."""
     hardware = roofline.measure_hardware(device, dtype)
     prefill_s, decode_s = roofline.workload_floor_seconds(
         model_config,
