@@ -1,5 +1,6 @@
-"""Pre-packed oneDNN linear layers give the same bits as nn.Linear, and the engine's bf16 outputs do
-not change when its weights are packed."""
+"""Pre-packed oneDNN linear layers (and the GEMV kernel PackedLinear runs for a few rows) give the
+same bits as nn.Linear, and the engine's bf16 outputs do not change when its weights are packed,
+the decode steps then running one C call per layer."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from torch import nn
 
 from quire import LLM, SamplingParams
+from quire.kernels.cpu import gemv
 from quire.layers.linear import PackedLinear, pack_linear_layers, packed_linear_supported
 
 pytestmark = pytest.mark.skipif(
@@ -45,8 +47,10 @@ def test_packed_engine_outputs_equal_unpacked(tiny_models, arch, monkeypatch) ->
     for pack in ("1", "0"):
         monkeypatch.setenv("QUIRE_PACK_WEIGHTS", pack)
         llm = LLM(tiny_models[arch], dtype="bfloat16", num_kv_blocks=64)
-        packed = any(isinstance(m, PackedLinear) for m in llm.engine.runner.model.modules())
+        model = llm.engine.runner.model
+        packed = any(isinstance(m, PackedLinear) for m in model.modules())
         assert packed == (pack == "1")
+        assert (model.cpu_decode is not None) == (pack == "1" and gemv.available())
         results[pack] = [
             (out.outputs[0].token_ids, out.outputs[0].cumulative_logprob)
             for out in llm.generate(

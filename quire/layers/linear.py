@@ -6,6 +6,11 @@ about half the memory bandwidth. Packing once at load time (what torch.compile's
 does) gives the same results bit for bit and 1.8-2x faster GEMVs, 1.1-1.3x faster small-batch
 GEMMs. The packed tensor is opaque (layout `torch._mkldnn`), so packing happens after the
 checkpoint is loaded and replaces the `nn.Linear` modules in place.
+
+For a decode step's few rows (up to GEMV_MAX_ROWS) a second copy of the weight, packed for the
+GEMV kernel of quire/kernels/cpu/gemv.c, is read instead: oneDNN's GEMV streams its blocked
+weight at 15-45 GB/s, the kernel at 35-60 GB/s on this kind of machine. The copy costs the
+weight's memory once more; QUIRE_GEMV=0 leaves it out.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import os
 
 import torch
 from torch import nn
+
+from quire.kernels.cpu import gemv
 
 
 def packed_linear_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -28,25 +35,52 @@ def packed_linear_supported(device: torch.device | str, dtype: torch.dtype) -> b
     )
 
 
+def gemv_k_block(weight: torch.Tensor, has_bias: bool) -> int | None:
+    """The GEMV kernel's block size for `weight` (see gemv.c), or None where PackedLinear keeps
+    no GEMV copy: QUIRE_GEMV=0, no kernel here, or no block size that gives oneDNN's bits."""
+    if os.environ.get("QUIRE_GEMV", "1") == "0" or not gemv.supported(weight):
+        return None
+    return gemv.k_block_for(weight.shape[0], weight.shape[1], has_bias)
+
+
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W held in oneDNN's blocked layout."""
+    """y = x W^T + b with W held in oneDNN's blocked layout, and for up to GEMV_MAX_ROWS rows of
+    x in the GEMV kernel's layout (`gemv_weight`, None where the kernel does not run)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        weight = weight.detach()
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        self.gemv_k_block = gemv_k_block(weight, bias is not None)
+        self.gemv_weight = None if self.gemv_k_block is None else gemv.pack(weight)
         self.bias = None if bias is None else bias.detach()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> PackedLinear:
         return cls(linear.weight, linear.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+    def forward(
+        self, x: torch.Tensor, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:  # [..., in] -> [..., out], in x's dtype or `out_dtype` (float32: widened)
         lead = x.shape[:-1]
+        rows = x.reshape(-1, self.in_features)
+        if self.gemv_weight is not None and rows.shape[0] <= gemv.GEMV_MAX_ROWS:
+            out = gemv.gemv(
+                rows,
+                self.gemv_weight,
+                self.bias,
+                self.out_features,
+                self.gemv_k_block,
+                out_dtype or x.dtype,
+            )
+            return out.view(*lead, self.out_features)
         out = torch.ops.mkldnn._linear_pointwise(
-            x.reshape(-1, self.in_features), self.packed_weight, self.bias, "none", [], ""
+            rows, self.packed_weight, self.bias, "none", [], ""
         )
+        if out_dtype is not None:
+            out = out.to(out_dtype)
         return out.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:

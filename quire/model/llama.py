@@ -17,6 +17,7 @@ from quire.layers.attention import Attention
 from quire.layers.linear import PackedLinear, pack_linear_layers
 from quire.layers.norm import RMSNorm
 from quire.layers.rotary import RotaryEmbedding
+from quire.model.cpu_decode import CpuDecodePath
 from quire.model.model_config import ModelConfig
 
 
@@ -80,6 +81,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.cpu_decode: CpuDecodePath | None = None  # set by pack_weights where it runs
 
     @property
     def attention_layers(self) -> list[Attention]:
@@ -91,6 +93,8 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        if self.cpu_decode is not None and self.cpu_decode.takes(metadata, input_ids.shape[0]):
+            return self.cpu_decode.forward(input_ids, positions, metadata)
         hidden = self.embed_tokens(input_ids)
         rotary = self.rotary(positions, hidden.dtype)
         residual = None
@@ -101,14 +105,19 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # -> [n, vocab] float32
         if self.lm_head is None:  # tied to the embedding table
             return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
+        if isinstance(self.lm_head, PackedLinear):
+            return self.lm_head(hidden, out_dtype=torch.float32)
         return self.lm_head(hidden).float()
 
     def pack_weights(self) -> None:
-        """Packs every matmul weight for oneDNN (see quire/layers/linear.py). A tied LM head gets
-        its own packed copy: the embedding lookup keeps the plain table."""
+        """Packs every matmul weight for oneDNN and the GEMV kernel (see quire/layers/linear.py)
+        and turns on the one-call-per-layer decode path where it runs. A tied LM head gets its
+        own packed copy: the embedding lookup keeps the plain table."""
         pack_linear_layers(self)
         if self.lm_head is None:
             self.lm_head = PackedLinear(self.embed_tokens.weight, None)
+        if CpuDecodePath.supported(self):
+            self.cpu_decode = CpuDecodePath(self)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies checkpoint tensors (Hugging Face names) into the fused parameters. Raises

@@ -91,6 +91,14 @@ def load_library() -> ctypes.CDLL | None:
     lib.rotary_bf16.argtypes = [ctypes.c_void_p, i64, ctypes.c_void_p, ctypes.c_void_p] + [i32] * 4
     for fn in (lib.add_rms_norm_bf16, lib.rotary_bf16):
         fn.restype = ctypes.c_int
+    # x, x row stride, packed weight, bias, y (bf16) or y (float32), y row stride; M, N, K,
+    # k_block, threads.
+    lib.gemv_bf16.argtypes = [ctypes.c_void_p, i64] + [ctypes.c_void_p] * 4 + [i64] + [i32] * 5
+    lib.gemv_bf16.restype = ctypes.c_int
+    lib.gemv_bf16_available.restype = ctypes.c_int
+    # DecodeLayer*, DecodeStep*, hidden, residual, first layer.
+    lib.decode_layer_bf16.argtypes = [ctypes.c_void_p] * 4 + [i32]
+    lib.decode_layer_bf16.restype = ctypes.c_int
     return lib
 
 
@@ -138,6 +146,8 @@ def paged_decode(
         scale,
         torch.get_num_threads(),
     )
+    if status == -3:
+        raise MemoryError("paged_decode: out of memory for the partial results")
     if status != 0:
         raise ValueError(
             "paged_decode: unsupported shape (more than 64 heads, head_dim > 256 or block > 128)"

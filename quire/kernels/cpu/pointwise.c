@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "kernels.h"
 
 #define MIN_ROWS_PER_THREAD 16
 #define MAX_DIM 16384

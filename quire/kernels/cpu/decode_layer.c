@@ -1,0 +1,108 @@
+// One decoder layer of the Llama family (Llama, Qwen2's qkv bias, Qwen3's q/k norm) for a
+// decode-only step of up to GEMV_MAX_ROWS requests, in one call: a batch-1 step otherwise spends
+// more time in Python and torch dispatch (~20 ops per layer) than in reading the weights.
+//
+// The stages are the kernels the module path runs, in the same order with the same rounding:
+//   residual += hidden; x = RMSNorm(residual)        add_rms_norm_bf16
+//   qkv = x Wqkv^T (+ b)                              gemv_bf16
+//   q, k = RMSNorm per head (Qwen3); rotary           add_rms_norm_bf16, rotary_bf16
+//   K/V stored at the step's slots; paged attention   paged_decode_bf16
+//   hidden = attn Wo^T; residual += hidden; x = RMSNorm(residual)
+//   hidden = (silu(x Wg^T) * x Wu^T) Wd^T
+// so a request's tokens are the module path's with the GEMV kernel for the projections.
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "kernels.h"
+
+// A layer's weights (GEMV-packed projections) and KV cache; built once, in Python.
+typedef struct {
+    const uint16_t* input_norm;
+    const uint16_t* post_norm;
+    const uint16_t* q_norm;  // NULL unless the model normalizes q/k per head (Qwen3)
+    const uint16_t* k_norm;
+    const uint16_t* qkv;
+    const uint16_t* qkv_bias;  // NULL unless the model has one (Qwen2)
+    const uint16_t* o;
+    const uint16_t* gate_up;
+    const uint16_t* down;
+    uint16_t* k_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]
+    uint16_t* v_cache;
+    int32_t hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, block_size;
+    int32_t qkv_k_block, o_k_block, gate_up_k_block, down_k_block;  // see gemv.c
+    float eps, qk_eps, scale;
+} DecodeLayer;
+
+// What every layer of one step shares.
+typedef struct {
+    const uint16_t* cos;  // [num_seqs, head_dim]
+    const uint16_t* sin;
+    const int64_t* slots;  // [num_seqs] cache slot of each request's new token
+    const int32_t* block_tables;  // [num_seqs, max_blocks]
+    const int32_t* seq_lens;  // [num_seqs], the new token included
+    const uint16_t* silu;  // [65536]: silu of every bf16 bit pattern, as torch rounds it
+    uint16_t* x;  // scratch: [num_seqs, hidden_size]
+    uint16_t* qkv;  // [num_seqs, (num_heads + 2 * num_kv_heads) * head_dim]
+    uint16_t* q;  // [num_seqs, num_heads * head_dim]
+    uint16_t* attn;  // [num_seqs, num_heads * head_dim]
+    uint16_t* gate_up;  // [num_seqs, 2 * intermediate_size]
+    uint16_t* act;  // [num_seqs, intermediate_size]
+    int32_t num_seqs, max_blocks, num_threads;
+} DecodeStep;
+
+// hidden [num_seqs, hidden_size]: in, the previous layer's output (the embeddings when first);
+// out, this layer's. residual [num_seqs, hidden_size]: the residual stream, updated in place
+// (written from hidden when first). Returns 0, or the failing stage's negative status.
+int decode_layer_bf16(const DecodeLayer* L, const DecodeStep* S, uint16_t* hidden,
+                      uint16_t* residual, int first) {
+    const int B = S->num_seqs, H = L->hidden_size, D = L->head_dim, I = L->intermediate_size;
+    const int Q = L->num_heads * D, KV = L->num_kv_heads * D, W = Q + 2 * KV;
+    const int threads = S->num_threads;
+    int status;
+    if (first) memcpy(residual, hidden, (size_t)B * H * sizeof(uint16_t));
+    status = add_rms_norm_bf16(hidden, H, first ? NULL : residual, L->input_norm, S->x, B, H,
+                               L->eps, threads);
+    if (status) return status;
+    status = gemv_bf16(S->x, H, L->qkv, L->qkv_bias, S->qkv, NULL, W, B, W, H, L->qkv_k_block,
+                       threads);
+    if (status) return status;
+    for (int b = 0; b < B; b++) {
+        uint16_t* row = S->qkv + (int64_t)b * W;
+        if (L->q_norm) {  // in place: the kernel reads a row whole before writing it
+            add_rms_norm_bf16(row, D, NULL, L->q_norm, row, L->num_heads, D, L->qk_eps, 1);
+            add_rms_norm_bf16(row + Q, D, NULL, L->k_norm, row + Q, L->num_kv_heads, D,
+                              L->qk_eps, 1);
+        }
+    }
+    status = rotary_bf16(S->qkv, W, S->cos, S->sin, B, L->num_heads + L->num_kv_heads, D, threads);
+    if (status) return status;
+    for (int b = 0; b < B; b++) {
+        const uint16_t* row = S->qkv + (int64_t)b * W;
+        memcpy(S->q + (int64_t)b * Q, row, (size_t)Q * sizeof(uint16_t));
+        memcpy(L->k_cache + S->slots[b] * KV, row + Q, (size_t)KV * sizeof(uint16_t));
+        memcpy(L->v_cache + S->slots[b] * KV, row + Q + KV, (size_t)KV * sizeof(uint16_t));
+    }
+    status = paged_decode_bf16(S->q, L->k_cache, L->v_cache, S->block_tables, S->seq_lens,
+                               S->attn, B, L->num_heads, L->num_kv_heads, D, L->block_size,
+                               S->max_blocks, L->scale, threads);
+    if (status) return status;
+    status = gemv_bf16(S->attn, Q, L->o, NULL, hidden, NULL, H, B, H, Q, L->o_k_block, threads);
+    if (status) return status;
+    status = add_rms_norm_bf16(hidden, H, residual, L->post_norm, S->x, B, H, L->eps, threads);
+    if (status) return status;
+    status = gemv_bf16(S->x, H, L->gate_up, NULL, S->gate_up, NULL, 2 * I, B, 2 * I, H,
+                       L->gate_up_k_block, threads);
+    if (status) return status;
+    // silu(gate) * up, each rounded to bf16 as torch's ops round: silu from the table (torch's
+    // own values: a float32 formula here would differ from torch's vectorized one on some
+    // inputs), the product of two bf16 values is exact in float32 and rounded once.
+    for (int b = 0; b < B; b++) {
+        const uint16_t* gate = S->gate_up + (int64_t)b * 2 * I;
+        const uint16_t* up = gate + I;
+        uint16_t* act = S->act + (int64_t)b * I;
+        for (int i = 0; i < I; i++)
+            act[i] = f32_to_bf16(bf16_to_f32(S->silu[gate[i]]) * bf16_to_f32(up[i]));
+    }
+    return gemv_bf16(S->act, I, L->down, NULL, hidden, NULL, H, B, H, I, L->down_k_block, threads);
+}

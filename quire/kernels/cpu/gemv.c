@@ -1,0 +1,136 @@
+// Small-batch bf16 matmul for CPUs (a decode step's projections): y = x W^T (+ bias) for up to
+// GEMV_MAX_ROWS rows of x, memory-bound on reading W, and bit for bit what oneDNN's packed bf16
+// matmul gives (so a request's tokens do not depend on whether its step ran here or in oneDNN).
+//
+// W is packed once at load time in oneDNN's own VNNI order, panels of GEMV_PANEL output columns:
+//   packed[N_pad / 32][K / 2][32][2]   (N padded to a multiple of 32 with zero rows)
+// i.e. for each panel, for each pair of input columns (k, k + 1), the 32 outputs' two weights.
+// The kernel reads it front to back: per pair, two 64-byte lines, each one AVX-512 BF16 dot
+// product per row of x against the broadcast pair (x[k], x[k + 1]); a lane of the accumulator is
+// one output column, so no horizontal sums. Measured here: 40-70 GB/s at one row, about what a
+// plain read reaches; oneDNN's GEMV on its packed weight: 15-45 GB/s.
+//
+// Summation order, which decides the bits: each output is a float32 sum over k in order, two
+// products per step (vdpbf16ps), restarted from zero every k_block columns, the blocks' sums
+// added in order, then the bias, then one rounding to bf16. oneDNN (v3, AVX-512 BF16) sums the
+// same way with k_block = K up to 512, 512 up to 1024 and 1024 beyond; the Python side checks
+// the block size against oneDNN for each weight shape when it packs (gemv.py, `k_block_for`).
+// Rows of x and threads do not change any of this, so the result of a row does not depend on the
+// other rows or on the thread count.
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "kernels.h"
+
+#define GEMV_PANEL 32
+#define GEMV_MAX_ROWS 8
+
+int gemv_bf16_available(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <omp.h>
+
+#define PREFETCH_BYTES 2048
+
+static inline __m512 dot_pair(__m512 acc, __m512i w, __m512i x) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x);
+}
+
+// One panel (32 output columns) against MB (1..8) rows of x; out [MB][32] float32 sums.
+static inline __attribute__((always_inline)) void gemv_panel(const int MB, const uint16_t* x,
+                                                             int64_t x_stride, const uint16_t* p,
+                                                             int K, int k_block, float* out) {
+    __m512 total[GEMV_MAX_ROWS][2], acc[GEMV_MAX_ROWS][2];
+    for (int k0 = 0; k0 < K; k0 += k_block) {
+        const int k1 = k0 + k_block < K ? k0 + k_block : K;
+        for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+        const uint16_t* q = p + (int64_t)k0 * GEMV_PANEL;
+        for (int k = k0; k < k1; k += 2, q += 2 * GEMV_PANEL) {
+            _mm_prefetch((const char*)q + PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char*)q + PREFETCH_BYTES + 64, _MM_HINT_T0);
+            const __m512i w0 = _mm512_loadu_si512(q), w1 = _mm512_loadu_si512(q + 32);
+            for (int m = 0; m < MB; m++) {
+                int32_t pair;
+                memcpy(&pair, x + m * x_stride + k, sizeof(pair));
+                const __m512i xv = _mm512_set1_epi32(pair);
+                acc[m][0] = dot_pair(acc[m][0], w0, xv);
+                acc[m][1] = dot_pair(acc[m][1], w1, xv);
+            }
+        }
+        for (int m = 0; m < MB; m++) {
+            if (k0 == 0) {
+                total[m][0] = acc[m][0], total[m][1] = acc[m][1];
+            } else {
+                total[m][0] = _mm512_add_ps(total[m][0], acc[m][0]);
+                total[m][1] = _mm512_add_ps(total[m][1], acc[m][1]);
+            }
+        }
+    }
+    for (int m = 0; m < MB; m++) {
+        _mm512_storeu_ps(out + m * GEMV_PANEL, total[m][0]);
+        _mm512_storeu_ps(out + m * GEMV_PANEL + 16, total[m][1]);
+    }
+}
+
+// x [M, x_stride] bf16 (first K columns used, K even); packed as above; bias [N] or NULL.
+// Output row m: y_bf16 + m * y_stride (bf16), or when y_bf16 is NULL, y_f32 + m * y_stride
+// (float32 holding the bf16-rounded value, as `linear(...).float()` gives).
+int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const uint16_t* bias,
+              uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M, int N, int K, int k_block,
+              int num_threads) {
+    if (M < 1 || M > GEMV_MAX_ROWS || K < 2 || K % 2 || N < 1 || k_block < 2 || k_block % 2)
+        return -1;
+    const int panels = (N + GEMV_PANEL - 1) / GEMV_PANEL;
+    const int threads = panels < 2 * num_threads ? 1 : num_threads;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int p0 = (int)((int64_t)panels * t / nt);
+        const int p1 = (int)((int64_t)panels * (t + 1) / nt);
+        float out[GEMV_MAX_ROWS * GEMV_PANEL];
+        for (int pi = p0; pi < p1; pi++) {
+            const uint16_t* p = packed + (int64_t)pi * GEMV_PANEL * K;
+            switch (M) {  // constant trip counts: the accumulators stay in registers
+                case 1: gemv_panel(1, x, x_stride, p, K, k_block, out); break;
+                case 2: gemv_panel(2, x, x_stride, p, K, k_block, out); break;
+                case 3: gemv_panel(3, x, x_stride, p, K, k_block, out); break;
+                case 4: gemv_panel(4, x, x_stride, p, K, k_block, out); break;
+                case 5: gemv_panel(5, x, x_stride, p, K, k_block, out); break;
+                case 6: gemv_panel(6, x, x_stride, p, K, k_block, out); break;
+                case 7: gemv_panel(7, x, x_stride, p, K, k_block, out); break;
+                default: gemv_panel(8, x, x_stride, p, K, k_block, out); break;
+            }
+            const int n0 = pi * GEMV_PANEL;
+            const int cols = N - n0 < GEMV_PANEL ? N - n0 : GEMV_PANEL;
+            for (int m = 0; m < M; m++) {
+                for (int i = 0; i < cols; i++) {
+                    float v = out[m * GEMV_PANEL + i];
+                    if (bias) v += bf16_to_f32(bias[n0 + i]);
+                    const int64_t at = (int64_t)m * y_stride + n0 + i;
+                    if (y_bf16)
+                        y_bf16[at] = f32_to_bf16(v);
+                    else
+                        y_f32[at] = bf16_to_f32(f32_to_bf16(v));
+                }
+            }
+        }
+    }
+    return 0;
+}
+#else
+int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const uint16_t* bias,
+              uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M, int N, int K, int k_block,
+              int num_threads) {
+    (void)x, (void)x_stride, (void)packed, (void)bias, (void)y_bf16, (void)y_f32;
+    (void)y_stride, (void)M, (void)N, (void)K, (void)k_block, (void)num_threads;
+    return -2;  // built without AVX-512 BF16
+}
+#endif

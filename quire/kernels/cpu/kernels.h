@@ -1,0 +1,20 @@
+// The entry points of the CPU kernels that other kernels call (decode_layer.c composes them).
+// Each .c file that defines one includes this header, so the compiler checks the signatures.
+#ifndef QUIRE_KERNELS_H
+#define QUIRE_KERNELS_H
+#include <stdint.h>
+
+int add_rms_norm_bf16(const uint16_t* x, int64_t x_stride, uint16_t* residual,
+                      const uint16_t* weight, uint16_t* out, int rows, int dim, float eps,
+                      int num_threads);
+int rotary_bf16(uint16_t* x, int64_t row_stride, const uint16_t* cos, const uint16_t* sin,
+                int tokens, int num_heads, int head_dim, int num_threads);
+int paged_decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                      const int32_t* block_tables, const int32_t* seq_lens, uint16_t* out,
+                      int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                      int max_blocks, float scale, int num_threads);
+int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const uint16_t* bias,
+              uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M, int N, int K, int k_block,
+              int num_threads);
+
+#endif

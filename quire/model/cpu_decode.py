@@ -1,0 +1,201 @@
+"""Decode-only steps of a few requests on CPU, one C call per decoder layer.
+
+A batch-1 decode step of SmolLM2-135M reads ~270 MB of weights: ~6 ms at this machine's bandwidth.
+Run as modules, the same step issues ~20 torch ops and C calls per layer, and their dispatch
+costs ~5 ms on its own. `CpuDecodePath` runs each layer as one call of
+quire/kernels/cpu/decode_layer.c instead, over the GEMV-packed weights the layers' PackedLinear
+modules already hold (see quire/layers/linear.py), and leaves the embedding lookup, the rotary
+tables and the final norm to the module path.
+
+It takes a step when the model is bf16 on a CPU with AVX-512 BF16, every projection has a GEMV
+copy, and the step is decode only with at most GEMV_MAX_ROWS requests. Results: the module
+path's, computed in the same order with the same rounding (the projections with the GEMV kernel).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from quire.attention.backend import AttentionMetadata
+from quire.kernels import cpu as cpu_kernels
+from quire.kernels.cpu import gemv
+from quire.layers.linear import PackedLinear
+
+if TYPE_CHECKING:
+    from quire.model.llama import DecoderLayer, LlamaForCausalLM
+
+_ptr = ctypes.c_void_p
+
+
+_LAYER_POINTERS = "input_norm post_norm q_norm k_norm qkv qkv_bias o gate_up down k_cache v_cache"
+_LAYER_INTS = (
+    "hidden_size num_heads num_kv_heads head_dim intermediate_size block_size "
+    "qkv_k_block o_k_block gate_up_k_block down_k_block"
+)
+_STEP_POINTERS = "cos sin slots block_tables seq_lens silu x qkv q attn gate_up act"
+
+
+class _DecodeLayer(ctypes.Structure):  # DecodeLayer in decode_layer.c, field for field
+    _fields_ = (
+        [(name, _ptr) for name in _LAYER_POINTERS.split()]
+        + [(name, ctypes.c_int32) for name in _LAYER_INTS.split()]
+        + [(name, ctypes.c_float) for name in ("eps", "qk_eps", "scale")]
+    )
+
+
+class _DecodeStep(ctypes.Structure):  # DecodeStep in decode_layer.c, field for field
+    _fields_ = [(name, _ptr) for name in _STEP_POINTERS.split()] + [
+        (name, ctypes.c_int32) for name in ("num_seqs", "max_blocks", "num_threads")
+    ]
+
+
+def _data(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _fits(metadata: AttentionMetadata, num_tokens: int) -> bool:
+    return metadata.num_decodes == metadata.num_seqs == num_tokens <= gemv.GEMV_MAX_ROWS
+
+
+def _projections(layer: DecoderLayer) -> list[PackedLinear]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+
+
+class CpuDecodePath:
+    """Runs `LlamaForCausalLM.forward` for small decode-only steps; see the module docstring."""
+
+    def __init__(self, model: LlamaForCausalLM):
+        self.model = model
+        self._layers: list[_DecodeLayer] = []
+        self._cache_ptr = 0  # the first layer's K cache the structs were built over
+        cfg = model.config
+        q_size = cfg.num_attention_heads * cfg.head_dim
+        kv_size = cfg.num_key_value_heads * cfg.head_dim
+        rows = gemv.GEMV_MAX_ROWS
+        # Scratch for the widest step, shared by every layer of a step.
+        self._scratch = {
+            "x": torch.empty(rows, cfg.hidden_size, dtype=torch.bfloat16),
+            "qkv": torch.empty(rows, q_size + 2 * kv_size, dtype=torch.bfloat16),
+            "q": torch.empty(rows, q_size, dtype=torch.bfloat16),
+            "attn": torch.empty(rows, q_size, dtype=torch.bfloat16),
+            "gate_up": torch.empty(rows, 2 * cfg.intermediate_size, dtype=torch.bfloat16),
+            "act": torch.empty(rows, cfg.intermediate_size, dtype=torch.bfloat16),
+        }
+        # torch's bf16 SiLU of every bf16 bit pattern (NaNs and infinities included), so the C
+        # layer's activation is the module path's bit for bit.
+        every_bf16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+        silu = F.silu(every_bf16.view(torch.bfloat16))
+        self._silu_table = torch.roll(silu, 2**15)  # indexed by the unsigned bit pattern
+
+    @staticmethod
+    def supported(model: LlamaForCausalLM) -> bool:
+        """Whether the model can run this path: bf16 on CPU, every projection GEMV-packed, and
+        an attention shape the paged-decode kernel takes."""
+        cfg = model.config
+        return (
+            model.embed_tokens.weight.device.type == "cpu"
+            and model.embed_tokens.weight.dtype == torch.bfloat16
+            and all(
+                isinstance(p, PackedLinear) and p.gemv_weight is not None
+                for layer in model.layers
+                for p in _projections(layer)
+            )
+            and cpu_kernels.supports_paged_decode(
+                torch.bfloat16, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+            )
+        )
+
+    def takes(self, metadata: AttentionMetadata, num_tokens: int) -> bool:
+        """Whether this step runs here: decode only (one token per request), few requests."""
+        return _fits(metadata, num_tokens)
+
+    def _build_layers(self) -> None:
+        cfg = self.model.config
+        self._layers = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            k_cache, v_cache = attn.k_cache, attn.v_cache
+            if k_cache.dtype != torch.bfloat16 or not (
+                k_cache.is_contiguous() and v_cache.is_contiguous()
+            ):
+                raise ValueError("CpuDecodePath: the KV cache must be contiguous bf16")
+            self._layers.append(
+                _DecodeLayer(
+                    input_norm=_data(layer.input_layernorm.weight),
+                    post_norm=_data(layer.post_attention_layernorm.weight),
+                    q_norm=_data(None if attn.q_norm is None else attn.q_norm.weight),
+                    k_norm=_data(None if attn.k_norm is None else attn.k_norm.weight),
+                    qkv=_data(attn.qkv_proj.gemv_weight),
+                    qkv_bias=_data(attn.qkv_proj.bias),
+                    o=_data(attn.o_proj.gemv_weight),
+                    gate_up=_data(mlp.gate_up_proj.gemv_weight),
+                    down=_data(mlp.down_proj.gemv_weight),
+                    k_cache=_data(k_cache),
+                    v_cache=_data(v_cache),
+                    hidden_size=cfg.hidden_size,
+                    num_heads=attn.num_heads,
+                    num_kv_heads=attn.num_kv_heads,
+                    head_dim=attn.head_dim,
+                    intermediate_size=cfg.intermediate_size,
+                    block_size=k_cache.shape[1],
+                    qkv_k_block=attn.qkv_proj.gemv_k_block,
+                    o_k_block=attn.o_proj.gemv_k_block,
+                    gate_up_k_block=mlp.gate_up_proj.gemv_k_block,
+                    down_k_block=mlp.down_proj.gemv_k_block,
+                    eps=layer.input_layernorm.eps,
+                    qk_eps=0.0 if attn.q_norm is None else attn.q_norm.eps,
+                    scale=attn.scale,
+                )
+            )
+        self._cache_ptr = self.model.layers[0].self_attn.k_cache.data_ptr()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_seqs]
+        positions: torch.Tensor,  # [num_seqs]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_seqs, hidden_size], after the final norm
+        model = self.model
+        num_seqs = input_ids.shape[0]
+        if not _fits(metadata, num_seqs):
+            raise ValueError(
+                f"CpuDecodePath runs decode-only steps of 1..{gemv.GEMV_MAX_ROWS} requests, "
+                f"got {num_seqs} tokens for {metadata.num_seqs} requests"
+            )
+        if self._cache_ptr != model.layers[0].self_attn.k_cache.data_ptr():
+            self._build_layers()  # first step, or the KV cache was reallocated
+        hidden = model.embed_tokens(input_ids)
+        residual = torch.empty_like(hidden)
+        cos, sin = (t.contiguous() for t in model.rotary(positions, hidden.dtype))
+        slots = metadata.slot_mapping.to(torch.int64).contiguous()
+        block_tables = metadata.block_tables.to(torch.int32).contiguous()
+        seq_lens = metadata.seq_lens.to(torch.int32).contiguous()
+        scratch = self._scratch
+        step = _DecodeStep(
+            cos=_data(cos),
+            sin=_data(sin),
+            slots=_data(slots),
+            block_tables=_data(block_tables),
+            seq_lens=_data(seq_lens),
+            silu=_data(self._silu_table),
+            **{name: _data(t) for name, t in scratch.items()},
+            num_seqs=num_seqs,
+            max_blocks=block_tables.shape[1],
+            num_threads=torch.get_num_threads(),
+        )
+        run = cpu_kernels.load_library().decode_layer_bf16
+        step_ref, hidden_ptr, residual_ptr = (
+            ctypes.byref(step),
+            hidden.data_ptr(),
+            residual.data_ptr(),
+        )
+        for i, layer in enumerate(self._layers):
+            status = run(ctypes.byref(layer), step_ref, hidden_ptr, residual_ptr, int(i == 0))
+            if status != 0:
+                raise RuntimeError(f"decode_layer_bf16 failed in layer {i} (status {status})")
+        return model.norm(hidden, residual)[0]

@@ -1,0 +1,283 @@
+"""The one-call-per-layer CPU decode path gives the module path's bits (hidden states and stored
+K/V), takes only decode-only steps of up to 8 requests, and its bf16 logprobs stay as close to
+float32 as transformers' own bf16."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from quire import LLM, SamplingParams
+from quire.kernels.cpu import gemv
+from quire.layers.linear import packed_linear_supported
+from quire.model.llama import LlamaForCausalLM
+
+pytestmark = pytest.mark.skipif(
+    not (gemv.available() and packed_linear_supported("cpu", torch.bfloat16)),
+    reason="the CPU decode path needs AVX-512 BF16 and torch with oneDNN",
+)
+
+ARCHS = ["llama", "qwen2", "qwen3"]
+
+
+def make_llm(model_dir: str, **kwargs) -> LLM:
+    kwargs.setdefault("dtype", "bfloat16")
+    return LLM(model_dir, num_kv_blocks=64, **kwargs)
+
+
+def model_of(llm: LLM) -> LlamaForCausalLM:
+    return llm.engine.runner.model
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def token_prompts(lengths: list[int]) -> list[dict]:
+    """Distinct prompts of the given lengths (no shared prefix)."""
+    return [
+        {"prompt_token_ids": [(97 * i + 13 * j) % 40000 + 10 for j in range(n)]}
+        for i, n in enumerate(lengths)
+    ]
+
+
+def stored_kv(model: LlamaForCausalLM, slots: torch.Tensor) -> list[torch.Tensor]:
+    """Every layer's K and V at `slots`, copied."""
+    kv = []
+    for layer in model.attention_layers:
+        for cache in (layer.k_cache, layer.v_cache):
+            kv.append(cache.flatten(0, 1)[slots].clone())  # [num_slots, num_kv_heads, head_dim]
+    return kv
+
+
+def check_each_fused_step(model: LlamaForCausalLM, monkeypatch) -> list[int]:
+    """Wraps `model.cpu_decode.forward` so that each step it runs is run again through the module
+    path on the same inputs: the hidden states, and the K/V the fused step stored, must be equal
+    bit for bit. Returns the list each checked step's request count is appended to."""
+    path = model.cpu_decode
+    fused_forward = path.forward
+    steps: list[int] = []
+
+    def forward(input_ids, positions, metadata):
+        num_seqs = input_ids.shape[0]  # a decode-only step of at most 8 requests
+        assert metadata.num_decodes == metadata.num_seqs == num_seqs <= gemv.GEMV_MAX_ROWS
+        hidden = fused_forward(input_ids, positions, metadata).clone()
+        fused_kv = stored_kv(model, metadata.slot_mapping)
+        model.cpu_decode = None
+        try:
+            expected = model(input_ids, positions, metadata)
+        finally:
+            model.cpu_decode = path
+        assert torch.equal(hidden, expected), (hidden - expected).abs().max()
+        for fused, module in zip(fused_kv, stored_kv(model, metadata.slot_mapping), strict=True):
+            assert torch.equal(fused, module)
+        steps.append(num_seqs)
+        return hidden
+
+    monkeypatch.setattr(path, "forward", forward)
+    return steps
+
+
+def record_takes(model: LlamaForCausalLM, monkeypatch) -> list[tuple[int, int, int, bool]]:
+    """Wraps `model.cpu_decode.takes`: (num_tokens, num_decodes, num_seqs, taken) of every step.
+    A step is taken exactly when it is decode only with at most 8 requests (asserted before the
+    fused path would run a step it cannot)."""
+    path = model.cpu_decode
+    takes = path.takes
+    seen: list[tuple[int, int, int, bool]] = []
+
+    def spy(metadata, num_tokens):
+        taken = takes(metadata, num_tokens)
+        decode_only = metadata.num_decodes == metadata.num_seqs == num_tokens
+        assert taken == (decode_only and num_tokens <= gemv.GEMV_MAX_ROWS), (
+            metadata.num_decodes,
+            metadata.num_seqs,
+            num_tokens,
+        )
+        seen.append((num_tokens, metadata.num_decodes, metadata.num_seqs, taken))
+        return taken
+
+    monkeypatch.setattr(path, "takes", spy)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def bf16_llms(tiny_models) -> dict[str, LLM]:
+    return {arch: make_llm(tiny_models[arch]) for arch in ARCHS}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_models_get_the_decode_path(bf16_llms, arch) -> None:
+    assert model_of(bf16_llms[arch]).cpu_decode is not None
+
+
+# Prompt lengths: within one block, across block boundaries (block_size 16), a 1-token prompt.
+BATCHES = {
+    "one request": ([20], 20),
+    "three requests": ([3, 17, 40], 14),
+    "eight requests": ([1, 2, 5, 9, 16, 17, 31, 48], 10),
+}
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_steps_equal_the_module_path_bit_for_bit(
+    bf16_llms, arch, batch, monkeypatch
+) -> None:
+    llm = bf16_llms[arch]
+    lengths, max_tokens = BATCHES[batch]
+    steps = check_each_fused_step(model_of(llm), monkeypatch)
+    outputs = llm.generate(token_prompts(lengths), greedy(max_tokens), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [max_tokens] * len(lengths)
+    # The prefill step samples the first token; every later step is a decode of all requests.
+    assert steps == [len(lengths)] * (max_tokens - 1)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_requests_finishing_at_different_steps_shrink_the_fused_batch(
+    bf16_llms, arch, monkeypatch
+) -> None:
+    steps = check_each_fused_step(model_of(bf16_llms[arch]), monkeypatch)
+    params = [greedy(4), greedy(9), greedy(14)]
+    bf16_llms[arch].generate(token_prompts([6, 18, 33]), params, use_tqdm=False)
+    assert steps == [3] * 3 + [2] * 5 + [1] * 5
+
+
+def test_nine_decoding_requests_take_the_module_path(bf16_llms, monkeypatch) -> None:
+    model = model_of(bf16_llms["llama"])
+    steps = check_each_fused_step(model, monkeypatch)
+    seen = record_takes(model, monkeypatch)
+    params = [greedy(2)] + [greedy(4)] * 8  # the first request finishes after one decode step
+    bf16_llms["llama"].generate(token_prompts([3] * 9), params, use_tqdm=False)
+    assert seen == [(27, 0, 9, False), (9, 9, 9, False), (8, 8, 8, True), (8, 8, 8, True)]
+    assert steps == [8, 8]
+
+
+def test_mixed_prefill_and_decode_steps_take_the_module_path(tiny_llama, monkeypatch) -> None:
+    llm = make_llm(tiny_llama, max_num_batched_tokens=16)  # prompts prefill in 16-token chunks
+    model = model_of(llm)
+    steps = check_each_fused_step(model, monkeypatch)
+    seen = record_takes(model, monkeypatch)
+    llm.generate(token_prompts([4, 30, 30]), greedy(8), use_tqdm=False)
+    # Mixed steps, one of them no wider than a fused step could be (2 decodes + 4 prefill tokens).
+    assert any(0 < decodes < seqs and tokens <= 8 for tokens, decodes, seqs, _ in seen)
+    taken = [seqs for _, _, seqs, was_taken in seen if was_taken]
+    assert taken and steps == taken  # each fused step checked against the module path
+
+
+@pytest.mark.parametrize(
+    "dtype,env",
+    [("float32", {}), ("bfloat16", {"QUIRE_GEMV": "0"}), ("bfloat16", {"QUIRE_PACK_WEIGHTS": "0"})],
+)
+def test_no_decode_path_without_gemv_packed_bf16_weights(
+    tiny_llama, dtype, env, monkeypatch
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert model_of(make_llm(tiny_llama, dtype=dtype)).cpu_decode is None
+
+
+def scaled_gate_checkpoint(src: str, dst: str, scale: float) -> str:
+    """A copy of checkpoint `src` with every MLP gate projection scaled: wider SiLU inputs."""
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    for layer in model.model.layers:
+        layer.mlp.gate_proj.weight.data *= scale
+    model.save_pretrained(dst)
+    return dst
+
+
+@pytest.mark.parametrize(
+    "gate_scale",
+    [
+        8,  # gates up to ~30: some are exactly 5.9375, whose SiLU a float32 formula rounds wrong
+        100,  # gates down to the -100s, where exp(-gate) overflows
+    ],
+)
+def test_wide_gate_activations_decode_like_the_module_path(
+    tiny_llama, tmp_path, gate_scale, monkeypatch
+) -> None:
+    llm = make_llm(scaled_gate_checkpoint(tiny_llama, str(tmp_path / "model"), gate_scale))
+    steps = check_each_fused_step(model_of(llm), monkeypatch)
+    llm.generate(token_prompts([4, 8, 12, 16, 20, 24, 28, 32]), greedy(12), use_tqdm=False)
+    assert steps == [8] * 11
+
+
+PROMPT = (
+    "Once upon a time, in a land far away, there lived a dragon who def fibonacci(n): 1, 2, 3, "
+    "The capital of France is A"
+)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_decode_logprobs_are_as_close_to_float32_as_transformers_bf16(
+    bf16_llms, tiny_models, arch, monkeypatch
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    steps = check_each_fused_step(model_of(bf16_llms[arch]), monkeypatch)
+    num_new = 24
+    (output,) = bf16_llms[arch].generate(
+        [PROMPT], greedy(num_new, min_tokens=num_new, logprobs=0), use_tqdm=False
+    )
+    assert steps == [1] * (num_new - 1)
+    completion = output.outputs[0]
+    tokens = completion.token_ids
+    ours = torch.tensor([completion.logprobs[i][t].logprob for i, t in enumerate(tokens)])
+    ids = output.prompt_token_ids + tokens
+    num_prompt = len(output.prompt_token_ids)
+
+    def teacher_forced(dtype: torch.dtype) -> torch.Tensor:  # logprobs of `tokens` [num_new]
+        model = AutoModelForCausalLM.from_pretrained(tiny_models[arch], dtype=dtype)
+        with torch.no_grad():
+            logprobs = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+        return logprobs[num_prompt - 1 : -1].gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+
+    exact, hf_bf16 = teacher_forced(torch.float32), teacher_forced(torch.bfloat16)
+    hf_error = (hf_bf16 - exact).abs().mean().item()
+    our_error = (ours - exact).abs().mean().item()
+    # Measured: quire's mean error is 0.7-1.03x transformers' (0.005-0.01).
+    assert our_error <= 1.25 * hf_error + 1e-3, (our_error, hf_error)
+
+
+@pytest.fixture(scope="module")
+def smollm2_shaped(tmp_path_factory, tokenizer_dir) -> str:
+    """A random 2-layer checkpoint of SmolLM2-135M's shapes: 9 query heads over 3 KV heads of
+    64, hidden 576, MLP 1536, tied embeddings (the default GGUF model takes ~11 s to load)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=2,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        initializer_range=0.05,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("smollm2_shaped")
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
+    for name in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, name), path)
+    return str(path)
+
+
+def test_smollm2_shapes_decode_like_the_module_path(smollm2_shaped, monkeypatch) -> None:
+    llm = LLM(smollm2_shaped, num_kv_blocks=16)  # dtype auto: the checkpoint's bf16
+    steps = check_each_fused_step(model_of(llm), monkeypatch)
+    (output,) = llm.generate(["The capital of France is"], greedy(16), use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 16
+    assert steps == [1] * 15
