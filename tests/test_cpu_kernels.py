@@ -132,6 +132,23 @@ def test_paged_decode_bfloat16_with_scores_growing_along_the_context():
     torch.testing.assert_close(out, bf16_reference(q, k, v, meta, 0.125), atol=1e-4, rtol=1.6e-2)
 
 
+@pytest.mark.parametrize("growth_scale", [0.0, 32.0, -32.0])
+def test_paged_decode_bfloat16_merges_context_partitions(growth_scale):
+    # Contexts over 512 positions are split into partitions of 512 whose partial softmaxes are
+    # merged: lengths on either side of the boundaries, and scores that grow (or shrink) along the
+    # context so that the partitions' maxima differ by a lot and the merge must rescale.
+    block_size = 16
+    seq_lens = [511, 512, 513, 1024, 1025, 1600, 2047]
+    q, k, v, meta = decode_case(seq_lens, 9, 3, 64, block_size, torch.bfloat16, seed=13)
+    growth = torch.ones(k.shape[:2])
+    for i, n in enumerate(meta.seq_lens_cpu):
+        positions = torch.arange(meta.block_tables.shape[1] * block_size).view(-1, block_size)
+        growth[meta.block_tables[i].long()] = 1.0 + growth_scale * positions / n
+    k = (k.float() * growth[:, :, None, None]).to(torch.bfloat16)
+    out = cpu_kernels.paged_decode(q, k, v, meta.block_tables, meta.seq_lens, 0.125)
+    torch.testing.assert_close(out, bf16_reference(q, k, v, meta, 0.125), atol=1e-4, rtol=1.6e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128, 80])
 def test_paged_decode_gives_zeros_for_empty_contexts(dtype, head_dim):

@@ -13,8 +13,10 @@
 // AVX-512 BF16 path for bfloat16 with head_dim a multiple of 32 (see below).
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "bf16.h"
+#include "kernels.h"
 
 #define MAX_HEADS 64
 #define MAX_HEAD_DIM 256
@@ -315,6 +317,16 @@ static inline const int64_t* chunk_rows(RowLocator* r, int c) {
     return r->off[c % OFFSET_RING];
 }
 
+// The context of a request is cut into partitions of PARTITION positions, each a task of its
+// own (with a range of KV heads), so that a few requests with long contexts still keep every
+// thread busy (batch 1 of a model with 3 KV heads would otherwise be 3 tasks on 2 threads). A
+// request with more than one partition has its partial results (unnormalized accumulator,
+// running max and sum per query head) merged after the loop, in partition order. Partitions
+// depend only on the context length, so a request's result does not depend on the batch or
+// on the thread count.
+#define PARTITION 512
+_Static_assert(PARTITION % CHUNK == 0, "a partition is whole chunks");
+
 static int paged_decode_bf16_avx512(const uint16_t* q, const uint16_t* k_cache,
                                     const uint16_t* v_cache, const int32_t* block_tables,
                                     const int32_t* seq_lens, uint16_t* out, int num_seqs,
@@ -324,8 +336,31 @@ static int paged_decode_bf16_avx512(const uint16_t* q, const uint16_t* k_cache,
     const int nd = head_dim / 32;  // 32-dim slices (64-byte lines of a row)
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
     const int64_t block_stride = token_stride * block_size;
-    const int heads_per_task = kv_heads_per_task(num_seqs, num_kv_heads, num_threads);
-    const int tasks_per_seq = num_kv_heads / heads_per_task;
+    // Units of work: (request, partition); unit_seq / unit_part say which.
+    int num_units = 0;
+    for (int s = 0; s < num_seqs; s++)
+        num_units += seq_lens[s] > PARTITION ? (seq_lens[s] + PARTITION - 1) / PARTITION : 1;
+    int* unit_seq = malloc(sizeof(int) * 2 * (size_t)num_units);
+    if (!unit_seq) return -3;
+    int* unit_part = unit_seq + num_units;
+    for (int s = 0, u = 0; s < num_seqs; s++) {
+        const int parts =
+            seq_lens[s] > PARTITION ? (seq_lens[s] + PARTITION - 1) / PARTITION : 1;
+        for (int part = 0; part < parts; part++, u++) unit_seq[u] = s, unit_part[u] = part;
+    }
+    // Partial results of the units of split requests: [unit][num_heads][head_dim + 2] floats
+    // (the accumulator, then the running max and the sum).
+    const int64_t partial_stride = (int64_t)num_heads * (head_dim + 2);
+    float* partial = NULL;
+    if (num_units > num_seqs) {
+        partial = malloc(sizeof(float) * (size_t)(num_units * partial_stride));
+        if (!partial) {
+            free(unit_seq);
+            return -3;
+        }
+    }
+    const int heads_per_task = kv_heads_per_task(num_units, num_kv_heads, num_threads);
+    const int tasks_per_unit = num_kv_heads / heads_per_task;
     // Prefetching a chunk: per token, heads_per_task * nd lines of K and of V; the unit of KV
     // head i takes tokens [i * pf_per_unit, (i + 1) * pf_per_unit), its QK call for query head
     // j of the group pf_per_call of those.
@@ -333,9 +368,10 @@ static int paged_decode_bf16_avx512(const uint16_t* q, const uint16_t* k_cache,
     const int pf_per_unit = (CHUNK + heads_per_task - 1) / heads_per_task;
     const int pf_per_call = (pf_per_unit + group - 1) / group;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int task = 0; task < num_seqs * tasks_per_seq; task++) {
-        const int s = task / tasks_per_seq;
-        const int kvh0 = (task % tasks_per_seq) * heads_per_task;
+    for (int task = 0; task < num_units * tasks_per_unit; task++) {
+        const int u = task / tasks_per_unit;
+        const int s = unit_seq[u], part = unit_part[u];
+        const int kvh0 = (task % tasks_per_unit) * heads_per_task;
         const int h0 = kvh0 * group, nh = heads_per_task * group;
         // acc[h] holds head h0 + h: per 32-dim slice, its 16 even dims then its 16 odd dims.
         float acc[MAX_HEADS * MAX_HEAD_DIM] __attribute__((aligned(64)));
@@ -347,19 +383,23 @@ static int paged_decode_bf16_avx512(const uint16_t* q, const uint16_t* k_cache,
         const uint16_t* q_row = q + ((int64_t)s * num_heads + h0) * head_dim;
         const int len = seq_lens[s];
         const int num_chunks = (len + CHUNK - 1) / CHUNK;
+        const int c0 = part * (PARTITION / CHUNK);
+        const int c1 = min_int(num_chunks, c0 + PARTITION / CHUNK);
         RowLocator rows = {.table = block_tables + (int64_t)s * max_blocks,
                            .block_size = block_size, .len = len,
-                           .block_stride = block_stride, .token_stride = token_stride};
+                           .block_stride = block_stride, .token_stride = token_stride,
+                           .located = c0, .block = c0 * CHUNK / block_size,
+                           .in_block = c0 * CHUNK % block_size};
         const uint16_t* pk = k_cache + (int64_t)kvh0 * head_dim;  // the task's rows to prefetch
         const uint16_t* pv = v_cache + (int64_t)kvh0 * head_dim;
-        for (int c = 0; c < PREFETCH_CHUNKS && c < num_chunks; c++)
+        for (int c = c0; c < c0 + PREFETCH_CHUNKS && c < c1; c++)
             prefetch_rows(pk, pv, chunk_rows(&rows, c), min_int(len - c * CHUNK, CHUNK), pf_lines);
-        for (int c = 0; c < num_chunks; c++) {
+        for (int c = c0; c < c1; c++) {
             const int n = min_int(len - c * CHUNK, CHUNK);
             const __mmask16 valid = (__mmask16)((1u << n) - 1);
             const int64_t* off = chunk_rows(&rows, c);
             const int pf_chunk = c + PREFETCH_CHUNKS;
-            const int pf_len = pf_chunk < num_chunks ? min_int(len - pf_chunk * CHUNK, CHUNK) : 0;
+            const int pf_len = pf_chunk < c1 ? min_int(len - pf_chunk * CHUNK, CHUNK) : 0;
             const int64_t* pf_off = pf_len ? chunk_rows(&rows, pf_chunk) : off;
             for (int kvh = kvh0; kvh < kvh0 + heads_per_task; kvh++) {
                 const int hb = (kvh - kvh0) * group;  // the group's first head in this task
@@ -398,6 +438,16 @@ static int paged_decode_bf16_avx512(const uint16_t* q, const uint16_t* k_cache,
                 }
             }
         }
+        if (len > PARTITION) {  // a partial result, merged below
+            float* dst = partial + u * partial_stride;
+            for (int h = 0; h < nh; h++) {
+                float* row = dst + (int64_t)(h0 + h) * (head_dim + 2);
+                for (int d = 0; d < head_dim; d++) row[d] = acc[h * head_dim + d];
+                row[head_dim] = running_max[h];
+                row[head_dim + 1] = _mm512_reduce_add_ps(sum[h]);
+            }
+            continue;
+        }
         uint16_t* out_row = out + ((int64_t)s * num_heads + h0) * head_dim;
         for (int h = 0; h < nh; h++) {
             const float total = _mm512_reduce_add_ps(sum[h]);
@@ -411,6 +461,39 @@ static int paged_decode_bf16_avx512(const uint16_t* q, const uint16_t* k_cache,
                 }
         }
     }
+    if (partial) {
+        // Merge each split request's partitions: rescale each to the largest max, then sum.
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int u0 = 0; u0 < num_units; u0++) {
+            if (unit_part[u0] != 0 || seq_lens[unit_seq[u0]] <= PARTITION) continue;
+            const int s = unit_seq[u0];
+            const int parts = (seq_lens[s] + PARTITION - 1) / PARTITION;
+            for (int h = 0; h < num_heads; h++) {
+                float a[MAX_HEAD_DIM];
+                float m = -1e30f, total = 0.0f;
+                for (int i = 0; i < parts; i++) {
+                    const float* row = partial + (u0 + i) * partial_stride + (int64_t)h * (head_dim + 2);
+                    m = row[head_dim] > m ? row[head_dim] : m;
+                }
+                for (int d = 0; d < head_dim; d++) a[d] = 0.0f;
+                for (int i = 0; i < parts; i++) {
+                    const float* row = partial + (u0 + i) * partial_stride + (int64_t)h * (head_dim + 2);
+                    const float w = expf(row[head_dim] - m);
+                    total += w * row[head_dim + 1];
+                    for (int d = 0; d < head_dim; d++) a[d] += w * row[d];
+                }
+                const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+                uint16_t* o = out + ((int64_t)s * num_heads + h) * head_dim;
+                for (int d = 0; d < head_dim; d += 32)
+                    for (int i = 0; i < 16; i++) {
+                        o[d + 2 * i] = f32_to_bf16(a[d + i] * inv);
+                        o[d + 2 * i + 1] = f32_to_bf16(a[d + 16 + i] * inv);
+                    }
+            }
+        }
+        free(partial);
+    }
+    free(unit_seq);
     return 0;
 }
 #endif
