@@ -327,6 +327,11 @@ static inline const int64_t* chunk_rows(RowLocator* r, int c) {
 #define PARTITION 512
 _Static_assert(PARTITION % CHUNK == 0, "a partition is whole chunks");
 
+// Partitions of a context of `len` positions (an empty context is one empty partition).
+static inline int num_partitions(int len) {
+    return len > PARTITION ? (len + PARTITION - 1) / PARTITION : 1;
+}
+
 static int paged_decode_bf16_avx512(const uint16_t* q, const uint16_t* k_cache,
                                     const uint16_t* v_cache, const int32_t* block_tables,
                                     const int32_t* seq_lens, uint16_t* out, int num_seqs,
@@ -339,13 +344,12 @@ static int paged_decode_bf16_avx512(const uint16_t* q, const uint16_t* k_cache,
     // Units of work: (request, partition); unit_seq / unit_part say which.
     int num_units = 0;
     for (int s = 0; s < num_seqs; s++)
-        num_units += seq_lens[s] > PARTITION ? (seq_lens[s] + PARTITION - 1) / PARTITION : 1;
+        num_units += num_partitions(seq_lens[s]);
     int* unit_seq = malloc(sizeof(int) * 2 * (size_t)num_units);
     if (!unit_seq) return -3;
     int* unit_part = unit_seq + num_units;
     for (int s = 0, u = 0; s < num_seqs; s++) {
-        const int parts =
-            seq_lens[s] > PARTITION ? (seq_lens[s] + PARTITION - 1) / PARTITION : 1;
+        const int parts = num_partitions(seq_lens[s]);
         for (int part = 0; part < parts; part++, u++) unit_seq[u] = s, unit_part[u] = part;
     }
     // Partial results of the units of split requests: [unit][num_heads][head_dim + 2] floats
@@ -465,9 +469,8 @@ static int paged_decode_bf16_avx512(const uint16_t* q, const uint16_t* k_cache,
         // Merge each split request's partitions: rescale each to the largest max, then sum.
 #pragma omp parallel for schedule(static) num_threads(num_threads)
         for (int u0 = 0; u0 < num_units; u0++) {
-            if (unit_part[u0] != 0 || seq_lens[unit_seq[u0]] <= PARTITION) continue;
-            const int s = unit_seq[u0];
-            const int parts = (seq_lens[s] + PARTITION - 1) / PARTITION;
+            const int s = unit_seq[u0], parts = num_partitions(seq_lens[s]);
+            if (unit_part[u0] != 0 || parts == 1) continue;
             for (int h = 0; h < num_heads; h++) {
                 float a[MAX_HEAD_DIM];
                 float m = -1e30f, total = 0.0f;
