@@ -66,8 +66,16 @@ def tokenizer_dir(tmp_path_factory, default_model) -> str:
     return str(path)
 
 
-def build_tiny_model(path: str, arch: str, tokenizer_dir: str, seed: int = 0) -> str:
-    """Saves a random tiny checkpoint of `arch` (float32, SmolLM2's tokenizer) at `path`."""
+def build_tiny_model(
+    path: str,
+    arch: str,
+    tokenizer_dir: str,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    **overrides,
+) -> str:
+    """Saves a random tiny checkpoint of `arch` (SmolLM2's tokenizer) at `path`; `overrides`
+    replace config fields (e.g. other shapes)."""
     import shutil
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -76,8 +84,7 @@ def build_tiny_model(path: str, arch: str, tokenizer_dir: str, seed: int = 0) ->
     model_type = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}.get(
         spec["architectures"][0], "qwen3"
     )
-    config = AutoConfig.for_model(
-        model_type,
+    fields = dict(
         vocab_size=49152,
         max_position_embeddings=1024,
         rms_norm_eps=1e-6,
@@ -85,14 +92,22 @@ def build_tiny_model(path: str, arch: str, tokenizer_dir: str, seed: int = 0) ->
         initializer_range=0.1,
         bos_token_id=1,
         eos_token_id=2,
-        **spec,
     )
+    fields.update(spec)
+    fields.update(overrides)
+    config = AutoConfig.for_model(model_type, **fields)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(path)
     for name in os.listdir(tokenizer_dir):
         shutil.copy(os.path.join(tokenizer_dir, name), path)
     return path
+
+
+@pytest.fixture(scope="session")
+def build_model(tokenizer_dir):
+    """`build_tiny_model` with the shared tokenizer: build_model(path, arch, **overrides)."""
+    return lambda path, arch, **kwargs: build_tiny_model(path, arch, tokenizer_dir, **kwargs)
 
 
 @pytest.fixture(scope="session")

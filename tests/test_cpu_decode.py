@@ -4,7 +4,6 @@ float32 as transformers' own bf16."""
 
 from __future__ import annotations
 
-import os
 import shutil
 
 import pytest
@@ -246,33 +245,24 @@ def test_bf16_decode_logprobs_are_as_close_to_float32_as_transformers_bf16(
 
 
 @pytest.fixture(scope="module")
-def smollm2_shaped(tmp_path_factory, tokenizer_dir) -> str:
+def smollm2_shaped(tmp_path_factory, build_model) -> str:
     """A random 2-layer checkpoint of SmolLM2-135M's shapes: 9 query heads over 3 KV heads of
     64, hidden 576, MLP 1536, tied embeddings (the default GGUF model takes ~11 s to load)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(
+    return build_model(
+        str(tmp_path_factory.mktemp("smollm2_shaped")),
         "llama",
-        vocab_size=49152,
+        dtype=torch.bfloat16,
         hidden_size=576,
         intermediate_size=1536,
         num_hidden_layers=2,
         num_attention_heads=9,
         num_key_value_heads=3,
+        head_dim=64,
         tie_word_embeddings=True,
-        max_position_embeddings=1024,
         rms_norm_eps=1e-5,
         rope_theta=100000.0,
         initializer_range=0.05,
-        bos_token_id=1,
-        eos_token_id=2,
     )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("smollm2_shaped")
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
-    for name in os.listdir(tokenizer_dir):
-        shutil.copy(os.path.join(tokenizer_dir, name), path)
-    return str(path)
 
 
 def test_smollm2_shapes_decode_like_the_module_path(smollm2_shaped, monkeypatch) -> None:
