@@ -1,6 +1,6 @@
 """The one-call-per-layer CPU decode path gives the module path's bits (hidden states and stored
-K/V), takes only decode-only steps of up to 8 requests, and its bf16 logprobs stay as close to
-float32 as transformers' own bf16."""
+K/V), takes only decode-only steps (of at most gemv.max_rows() requests: any number without AMX),
+and its bf16 logprobs stay as close to float32 as transformers' own bf16."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ ARCHS = ["llama", "qwen2", "qwen3"]
 
 def make_llm(model_dir: str, **kwargs) -> LLM:
     kwargs.setdefault("dtype", "bfloat16")
-    return LLM(model_dir, num_kv_blocks=64, **kwargs)
+    kwargs.setdefault("num_kv_blocks", 64)
+    return LLM(model_dir, **kwargs)
 
 
 def model_of(llm: LLM) -> LlamaForCausalLM:
@@ -61,8 +62,8 @@ def check_each_fused_step(model: LlamaForCausalLM, monkeypatch) -> list[int]:
     steps: list[int] = []
 
     def forward(input_ids, positions, metadata):
-        num_seqs = input_ids.shape[0]  # a decode-only step of at most 8 requests
-        assert metadata.num_decodes == metadata.num_seqs == num_seqs <= gemv.GEMV_MAX_ROWS
+        num_seqs = input_ids.shape[0]  # a decode-only step of at most max_rows() requests
+        assert metadata.num_decodes == metadata.num_seqs == num_seqs <= gemv.max_rows()
         hidden = fused_forward(input_ids, positions, metadata).clone()
         fused_kv = stored_kv(model, metadata.slot_mapping)
         model.cpu_decode = None
@@ -82,8 +83,8 @@ def check_each_fused_step(model: LlamaForCausalLM, monkeypatch) -> list[int]:
 
 def record_takes(model: LlamaForCausalLM, monkeypatch) -> list[tuple[int, int, int, bool]]:
     """Wraps `model.cpu_decode.takes`: (num_tokens, num_decodes, num_seqs, taken) of every step.
-    A step is taken exactly when it is decode only with at most 8 requests (asserted before the
-    fused path would run a step it cannot)."""
+    A step is taken exactly when it is decode only with at most gemv.max_rows() requests
+    (asserted before the fused path would run a step it cannot)."""
     path = model.cpu_decode
     takes = path.takes
     seen: list[tuple[int, int, int, bool]] = []
@@ -91,7 +92,7 @@ def record_takes(model: LlamaForCausalLM, monkeypatch) -> list[tuple[int, int, i
     def spy(metadata, num_tokens):
         taken = takes(metadata, num_tokens)
         decode_only = metadata.num_decodes == metadata.num_seqs == num_tokens
-        assert taken == (decode_only and num_tokens <= gemv.GEMV_MAX_ROWS), (
+        assert taken == (decode_only and num_tokens <= gemv.max_rows()), (
             metadata.num_decodes,
             metadata.num_seqs,
             num_tokens,
@@ -145,7 +146,21 @@ def test_requests_finishing_at_different_steps_shrink_the_fused_batch(
     assert steps == [3] * 3 + [2] * 5 + [1] * 5
 
 
-def test_nine_decoding_requests_take_the_module_path(bf16_llms, monkeypatch) -> None:
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_steps_of_more_than_eight_requests_are_fused_bit_for_bit(
+    bf16_llms, arch, monkeypatch
+) -> None:
+    # 20 requests (GEMV passes of 6 + 7 + 7 rows), then the 12 (6 + 6) that run longer.
+    steps = check_each_fused_step(model_of(bf16_llms[arch]), monkeypatch)
+    params = [greedy(4)] * 8 + [greedy(7)] * 12
+    lengths = [1 + 2 * i for i in range(20)]  # 1 to 39 tokens: one to three KV blocks
+    outputs = bf16_llms[arch].generate(token_prompts(lengths), params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [4] * 8 + [7] * 12
+    assert steps == [20] * 3 + [12] * 3
+
+
+def test_more_decoding_requests_than_max_rows_take_the_module_path(bf16_llms, monkeypatch) -> None:
+    monkeypatch.setattr(gemv, "max_rows", lambda: 8)  # read at each step: 9 requests are too many
     model = model_of(bf16_llms["llama"])
     steps = check_each_fused_step(model, monkeypatch)
     seen = record_takes(model, monkeypatch)
@@ -153,6 +168,18 @@ def test_nine_decoding_requests_take_the_module_path(bf16_llms, monkeypatch) -> 
     bf16_llms["llama"].generate(token_prompts([3] * 9), params, use_tqdm=False)
     assert seen == [(27, 0, 9, False), (9, 9, 9, False), (8, 8, 8, True), (8, 8, 8, True)]
     assert steps == [8, 8]
+
+
+@pytest.mark.skipif(gemv.max_rows() < 300, reason="with AMX, oneDNN runs wide steps")
+def test_decode_only_steps_of_hundreds_of_requests_are_fused(tiny_llama, monkeypatch) -> None:
+    llm = make_llm(tiny_llama, num_kv_blocks=310, max_num_seqs=300)
+    model = model_of(llm)
+    steps = check_each_fused_step(model, monkeypatch)
+    seen = record_takes(model, monkeypatch)
+    params = [greedy(2)] * 100 + [greedy(3)] * 200  # 100 requests finish after one decode step
+    llm.generate(token_prompts([1] * 300), params, use_tqdm=False)
+    assert seen == [(300, 0, 300, False), (300, 300, 300, True), (200, 200, 200, True)]
+    assert steps == [300, 200]
 
 
 def test_mixed_prefill_and_decode_steps_take_the_module_path(tiny_llama, monkeypatch) -> None:
@@ -203,8 +230,9 @@ def test_wide_gate_activations_decode_like_the_module_path(
 ) -> None:
     llm = make_llm(scaled_gate_checkpoint(tiny_llama, str(tmp_path / "model"), gate_scale))
     steps = check_each_fused_step(model_of(llm), monkeypatch)
-    llm.generate(token_prompts([4, 8, 12, 16, 20, 24, 28, 32]), greedy(12), use_tqdm=False)
-    assert steps == [8] * 11
+    prompts = token_prompts([4 * (i + 1) for i in range(12)])  # 12 requests: two 6-row passes
+    llm.generate(prompts, greedy(12), use_tqdm=False)
+    assert steps == [12] * 11
 
 
 PROMPT = (

@@ -1,8 +1,11 @@
-"""The GEMV kernel (bf16 x W^T + b for up to 8 rows) gives oneDNN's bits (torch's bf16 linear on
-CPU), a row the same bits whatever the batch, threads or row stride, and PackedLinear uses it for
-up to 8 rows only."""
+"""The GEMV kernel (bf16 x W^T + b for any number of rows, in passes of 8 rows per weight panel)
+gives oneDNN's bits (torch's bf16 linear on CPU), a row the same bits whatever the batch, threads or
+row stride, and PackedLinear runs every row count in it (on a CPU with AMX, only up to
+gemv.max_rows(): oneDNN runs more)."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -35,15 +38,34 @@ def run(x, weight, b, out_dtype=torch.bfloat16) -> torch.Tensor:
     return gemv.gemv(x, gemv.pack(weight), b, out_features, k_block, out_dtype)
 
 
+# Row counts: each size of one 8-row pass, then several passes of balanced sizes (9 = 4 + 5,
+# 17 = 5 + 6 + 6, 24 = 3 x 8, 33 = 5 passes of 6 or 7, 100 = 13 of 7 or 8).
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 24, 33, 64, 100]
+
+
 @pytest.mark.parametrize("out_features", [7, 130, 1000])  # 7, 130: a padded panel
 @pytest.mark.parametrize("in_features", [32, 64, 576, 1000, 1536, 3072])  # one, two, 3 blocks
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_gives_torch_bf16_linear_bits(out_features, in_features, bias) -> None:
-    for rows in range(1, gemv.GEMV_MAX_ROWS + 1):
+    for rows in ROWS:
         x, weight, b = make_case(rows, out_features, in_features, bias, seed=rows)
         out = run(x, weight, b)
         assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
-        assert torch.equal(out, F.linear(x, weight, b)), (out != F.linear(x, weight, b)).sum()
+        # oneDNN sums a lone row of K > 1,024 in blocks of 512, and 2 rows or more in blocks of
+        # 1,024 (the kernel's order at every row count): compare with oneDNN on 2 rows or more.
+        expected = F.linear(x.repeat(2, 1), weight, b)[:rows]
+        assert torch.equal(out, expected), (out != expected).sum()
+
+
+def test_a_lone_row_of_more_than_1024_columns_is_summed_as_in_a_batch() -> None:
+    # The case where oneDNN's lone-row order differs from its batch order in one output: the
+    # kernel gives the batch order for the lone row too, so a row's bits never depend on the
+    # batch (quire runs every row count in the kernel).
+    _, weight, _ = make_case(1, 1000, 1536, False)
+    x = torch.randn(1, 1536, generator=torch.Generator().manual_seed(1)).bfloat16()
+    batch = F.linear(x.repeat(2, 1), weight)[:1]
+    assert not torch.equal(F.linear(x, weight), batch)  # oneDNN: lone row != row in a batch
+    assert torch.equal(run(x, weight, None), batch)
 
 
 @pytest.mark.parametrize("in_features", [576, 1536, 3072])
@@ -62,7 +84,7 @@ def test_the_probe_tells_block_sizes_apart(in_features) -> None:
         assert (wrong != expected).float().mean() > 0.05, k_block
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 19])
 @pytest.mark.parametrize("bias", [False, True])
 def test_float32_output_is_the_bf16_output_widened(rows, bias) -> None:
     x, weight, b = make_case(rows, 130, 576, bias)
@@ -71,28 +93,32 @@ def test_float32_output_is_the_bf16_output_widened(rows, bias) -> None:
     assert torch.equal(out, run(x, weight, b).float())
 
 
-def test_strided_rows_give_the_contiguous_result() -> None:
-    x, weight, b = make_case(5, 130, 576, True)
+@pytest.mark.parametrize("rows", [5, 13])  # one pass; two, the second starting at row 6
+def test_strided_rows_give_the_contiguous_result(rows) -> None:
+    x, weight, b = make_case(rows, 130, 576, True)
     expected = run(x, weight, b)
-    wide = torch.zeros(5, 576 + 96, dtype=torch.bfloat16)
+    wide = torch.zeros(rows, 576 + 96, dtype=torch.bfloat16)
     wide[:, 32 : 32 + 576] = x
     row_strided = wide[:, 32 : 32 + 576]  # row stride 672, offset start
     assert not row_strided.is_contiguous()
     assert torch.equal(run(row_strided, weight, b), expected)
-    column_strided = x.t().contiguous().t()  # column stride 5
+    column_strided = x.t().contiguous().t()  # column stride `rows`
     assert torch.equal(run(column_strided, weight, b), expected)
 
 
 def test_a_rows_result_does_not_depend_on_the_rest_of_the_batch() -> None:
-    x, weight, b = make_case(gemv.GEMV_MAX_ROWS, 1000, 1536, True)  # enough outputs to catch a
-    batch = run(x, weight, b)  # different summation order, which changes ~0.3% of them
-    for i in range(gemv.GEMV_MAX_ROWS):
+    # 20 rows: the prefixes take one to three passes (20 = 6 + 7 + 7), so a row's place in its
+    # pass, and the pass it is in, change with the batch.
+    x, weight, b = make_case(20, 1000, 1536, True)  # enough outputs to catch a different
+    batch = run(x, weight, b)  # summation order, which changes ~0.3% of them
+    for i in range(20):
         assert torch.equal(run(x[i : i + 1], weight, b), batch[i : i + 1]), i
         assert torch.equal(run(x[: i + 1], weight, b), batch[: i + 1]), i
 
 
-def test_result_does_not_depend_on_the_thread_count() -> None:
-    x, weight, b = make_case(6, 1000, 576, True)  # 32 panels: split across threads
+@pytest.mark.parametrize("rows", [6, 20])
+def test_result_does_not_depend_on_the_thread_count(rows) -> None:
+    x, weight, b = make_case(rows, 1000, 576, True)  # 32 panels: split across threads
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -115,10 +141,9 @@ def test_pack_holds_panels_of_32_outputs_by_column_pairs() -> None:
     assert torch.equal(packed[4, :, 2:], torch.zeros(48, 30, 2, dtype=torch.bfloat16))  # pad
 
 
-@pytest.mark.parametrize("rows", [0, gemv.GEMV_MAX_ROWS + 1])
-def test_row_counts_outside_one_to_eight_raise(rows) -> None:
-    x, weight, _ = make_case(rows, 8, 64, False)
-    with pytest.raises(ValueError, match=f"{rows} rows"):
+def test_zero_rows_raise() -> None:
+    x, weight, _ = make_case(0, 8, 64, False)
+    with pytest.raises(ValueError, match="0 rows"):
         gemv.gemv(x, gemv.pack(weight), None, 8, 64)
 
 
@@ -157,33 +182,65 @@ needs_onednn = pytest.mark.skipif(
 )
 
 
+@pytest.fixture
+def amx(monkeypatch):
+    """amx(present): gemv.max_rows() as on a CPU with or without AMX tiles (its cache cleared
+    then, and again after the test)."""
+
+    def set_amx(present: bool) -> None:
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: present, raising=False)
+        gemv.max_rows.cache_clear()
+
+    yield set_amx
+    gemv.max_rows.cache_clear()
+
+
 @needs_onednn
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_runs_up_to_eight_rows_in_the_gemv_kernel(gemv_calls, bias) -> None:
-    x, weight, b = make_case(gemv.GEMV_MAX_ROWS, 130, 576, bias)
+def test_packed_linear_runs_up_to_max_rows_in_the_gemv_kernel(gemv_calls, bias) -> None:
+    x, weight, b = make_case(max(ROWS), 130, 576, bias)
     linear = PackedLinear(weight, b)
     assert linear.gemv_weight is not None
-    for rows in range(1, gemv.GEMV_MAX_ROWS + 1):
+    for rows in ROWS:
         expected = F.linear(x[:rows], weight, b)
         gemv_calls.clear()
         assert torch.equal(linear(x[:rows]), expected)
-        assert gemv_calls == [rows]
+        assert gemv_calls == ([rows] if rows <= gemv.max_rows() else [])
         widened = linear(x[:rows], out_dtype=torch.float32)
         assert widened.dtype == torch.float32 and torch.equal(widened, expected.float())
     gemv_calls.clear()
-    out = linear(x.view(2, 4, 576))  # leading dimensions flattened: 8 rows
-    assert gemv_calls == [8] and torch.equal(out, linear(x).view(2, 4, 130))
+    out = linear(x[:24].view(2, 3, 4, 576))  # leading dimensions flattened: 24 rows
+    assert gemv_calls == [24] and torch.equal(out, linear(x[:24]).view(2, 3, 4, 130))
 
 
 @needs_onednn
-@pytest.mark.parametrize("rows", [gemv.GEMV_MAX_ROWS + 1, 33])
-def test_packed_linear_runs_more_rows_in_onednn(gemv_calls, rows) -> None:
+def test_without_amx_packed_linear_runs_every_row_count_in_the_gemv_kernel(gemv_calls, amx) -> None:
+    amx(False)
+    assert gemv.max_rows() == sys.maxsize
+    x, weight, b = make_case(600, 40, 64, True)  # a small weight keeps 600 rows cheap
+    linear = PackedLinear(weight, b)
+    assert linear.gemv_weight is not None and linear.packed_weight is None  # no oneDNN copy
+    gemv_calls.clear()
+    assert torch.equal(linear(x), F.linear(x, weight, b))
+    assert gemv_calls == [600]
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [33, 100])
+def test_with_amx_packed_linear_runs_more_than_32_rows_in_onednn(gemv_calls, amx, rows) -> None:
+    amx(True)
+    assert gemv.max_rows() == 32
     x, weight, b = make_case(rows, 130, 576, True)
     linear = PackedLinear(weight, b)
+    assert linear.gemv_weight is not None and linear.packed_weight is not None
+    gemv_calls.clear()
+    assert torch.equal(linear(x[:32]), F.linear(x[:32], weight, b))
+    assert gemv_calls == [32]
+    gemv_calls.clear()
     out = linear(x)
-    assert gemv_calls == []
     assert torch.equal(out, F.linear(x, weight, b))  # oneDNN's packed weight: nn.Linear's bits
     assert torch.equal(linear(x, out_dtype=torch.float32), out.float())
+    assert gemv_calls == []
 
 
 @needs_onednn

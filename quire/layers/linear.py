@@ -1,21 +1,25 @@
-"""Linear layers with weights pre-packed for oneDNN, for bfloat16 on CPU.
+"""Linear layers with weights pre-packed once at load time, for bfloat16 on CPU.
 
-`nn.Linear` on CPU hands oneDNN a plain row-major weight on every call, and oneDNN reorders it
-into its blocked layout each time: a decode step's GEMVs then read ~2x the weight bytes and reach
-about half the memory bandwidth. Packing once at load time (what torch.compile's freezing pass
-does) gives the same results bit for bit and 1.8-2x faster GEMVs, 1.1-1.3x faster small-batch
-GEMMs. The packed tensor is opaque (layout `torch._mkldnn`), so packing happens after the
-checkpoint is loaded and replaces the `nn.Linear` modules in place.
+Where the GEMV kernel runs (quire/kernels/cpu/gemv.c: AVX-512 BF16, a block size that gives
+oneDNN's bits, QUIRE_GEMV not 0), the weight is packed for it and every matmul runs there: on
+this kind of machine it streams a decode step's weights at 40-50 GB/s against oneDNN's 25-35, is
+level with oneDNN from 128 rows on, and sums every row in one order whatever the number of rows,
+so a request's bits do not depend on the batch or on how its prompt was chunked (oneDNN sums a
+lone row of K > 1,024 in another order than two rows or more). On a CPU with AMX it takes only
+up to `gemv.max_rows()` rows, and oneDNN the rest.
 
-For a decode step's few rows (up to GEMV_MAX_ROWS) a second copy of the weight, packed for the
-GEMV kernel of quire/kernels/cpu/gemv.c, is read instead: oneDNN's GEMV streams its blocked
-weight at 15-45 GB/s, the kernel at 35-60 GB/s on this kind of machine. The copy costs the
-weight's memory once more; QUIRE_GEMV=0 leaves it out.
+Otherwise the weight is held in oneDNN's blocked layout: `nn.Linear` on CPU hands oneDNN a plain
+row-major weight on every call, and oneDNN reorders it each time, so a decode step's GEMVs read
+~2x the bytes. Packing once (what torch.compile's freezing pass does) gives the same results bit
+for bit, 1.8-2x faster GEMVs and 1.1-1.3x faster small-batch GEMMs. The packed tensor is opaque
+(layout `torch._mkldnn`), so packing happens after the checkpoint is loaded and replaces the
+`nn.Linear` modules in place.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 from torch import nn
@@ -44,17 +48,21 @@ def gemv_k_block(weight: torch.Tensor, has_bias: bool) -> int | None:
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W held in oneDNN's blocked layout, and for up to GEMV_MAX_ROWS rows of
-    x in the GEMV kernel's layout (`gemv_weight`, None where the kernel does not run)."""
+    """y = x W^T + b with W packed for the GEMV kernel (`gemv_weight`), for oneDNN
+    (`packed_weight`), or both on a CPU with AMX, where each takes its own range of rows."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
         weight = weight.detach()
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.gemv_k_block = gemv_k_block(weight, bias is not None)
         self.gemv_weight = None if self.gemv_k_block is None else gemv.pack(weight)
+        self.packed_weight = (
+            torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            if self.gemv_weight is None or gemv.max_rows() < sys.maxsize
+            else None
+        )
         self.bias = None if bias is None else bias.detach()
 
     @classmethod
@@ -66,7 +74,9 @@ class PackedLinear(nn.Module):
     ) -> torch.Tensor:  # [..., in] -> [..., out], in x's dtype or `out_dtype` (float32: widened)
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
-        if self.gemv_weight is not None and rows.shape[0] <= gemv.GEMV_MAX_ROWS:
+        if self.gemv_weight is not None and (
+            self.packed_weight is None or rows.shape[0] <= gemv.max_rows()
+        ):
             out = gemv.gemv(
                 rows,
                 self.gemv_weight,

@@ -1,14 +1,15 @@
-"""Decode-only steps of a few requests on CPU, one C call per decoder layer.
+"""Decode-only steps on CPU, one C call per decoder layer.
 
 A batch-1 decode step of SmolLM2-135M reads ~270 MB of weights: ~6 ms at this machine's bandwidth.
 Run as modules, the same step issues ~20 torch ops and C calls per layer, and their dispatch
-costs ~5 ms on its own. `CpuDecodePath` runs each layer as one call of
+costs ~5 ms on its own (~6 ms of a 28 ms step at batch 16). `CpuDecodePath` runs each layer as one call of
 quire/kernels/cpu/decode_layer.c instead, over the GEMV-packed weights the layers' PackedLinear
 modules already hold (see quire/layers/linear.py), and leaves the embedding lookup, the rotary
 tables and the final norm to the module path.
 
 It takes a step when the model is bf16 on a CPU with AVX-512 BF16, every projection has a GEMV
-copy, and the step is decode only with at most GEMV_MAX_ROWS requests. Results: the module
+copy, and the step is decode only (with at most `gemv.max_rows()` requests: every decode-only
+step, except on CPUs with AMX). Results: the module
 path's, computed in the same order with the same rounding (the projections with the GEMV kernel).
 """
 
@@ -58,7 +59,7 @@ def _data(t: torch.Tensor | None) -> int | None:
 
 
 def _fits(metadata: AttentionMetadata, num_tokens: int) -> bool:
-    return metadata.num_decodes == metadata.num_seqs == num_tokens <= gemv.GEMV_MAX_ROWS
+    return metadata.num_decodes == metadata.num_seqs == num_tokens <= gemv.max_rows()
 
 
 def _projections(layer: DecoderLayer) -> list[PackedLinear]:
@@ -67,7 +68,7 @@ def _projections(layer: DecoderLayer) -> list[PackedLinear]:
 
 
 class CpuDecodePath:
-    """Runs `LlamaForCausalLM.forward` for small decode-only steps; see the module docstring."""
+    """Runs `LlamaForCausalLM.forward` for decode-only steps; see the module docstring."""
 
     def __init__(self, model: LlamaForCausalLM):
         self.model = model
@@ -76,16 +77,16 @@ class CpuDecodePath:
         cfg = model.config
         q_size = cfg.num_attention_heads * cfg.head_dim
         kv_size = cfg.num_key_value_heads * cfg.head_dim
-        rows = gemv.GEMV_MAX_ROWS
-        # Scratch for the widest step, shared by every layer of a step.
-        self._scratch = {
-            "x": torch.empty(rows, cfg.hidden_size, dtype=torch.bfloat16),
-            "qkv": torch.empty(rows, q_size + 2 * kv_size, dtype=torch.bfloat16),
-            "q": torch.empty(rows, q_size, dtype=torch.bfloat16),
-            "attn": torch.empty(rows, q_size, dtype=torch.bfloat16),
-            "gate_up": torch.empty(rows, 2 * cfg.intermediate_size, dtype=torch.bfloat16),
-            "act": torch.empty(rows, cfg.intermediate_size, dtype=torch.bfloat16),
+        # Scratch row widths; the rows grow to the widest step seen, shared by a step's layers.
+        self._scratch_widths = {
+            "x": cfg.hidden_size,
+            "qkv": q_size + 2 * kv_size,
+            "q": q_size,
+            "attn": q_size,
+            "gate_up": 2 * cfg.intermediate_size,
+            "act": cfg.intermediate_size,
         }
+        self._scratch: dict[str, torch.Tensor] = {}
         # torch's bf16 SiLU of every bf16 bit pattern (NaNs and infinities included), so the C
         # layer's activation is the module path's bit for bit.
         every_bf16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
@@ -111,7 +112,8 @@ class CpuDecodePath:
         )
 
     def takes(self, metadata: AttentionMetadata, num_tokens: int) -> bool:
-        """Whether this step runs here: decode only (one token per request), few requests."""
+        """Whether this step runs here: decode only (one token per request), at most
+        `gemv.max_rows()` requests."""
         return _fits(metadata, num_tokens)
 
     def _build_layers(self) -> None:
@@ -164,7 +166,7 @@ class CpuDecodePath:
         num_seqs = input_ids.shape[0]
         if not _fits(metadata, num_seqs):
             raise ValueError(
-                f"CpuDecodePath runs decode-only steps of 1..{gemv.GEMV_MAX_ROWS} requests, "
+                f"CpuDecodePath runs decode-only steps of 1..{gemv.max_rows()} requests, "
                 f"got {num_seqs} tokens for {metadata.num_seqs} requests"
             )
         if self._cache_ptr != model.layers[0].self_attn.k_cache.data_ptr():
@@ -175,6 +177,11 @@ class CpuDecodePath:
         slots = metadata.slot_mapping.to(torch.int64).contiguous()
         block_tables = metadata.block_tables.to(torch.int32).contiguous()
         seq_lens = metadata.seq_lens.to(torch.int32).contiguous()
+        if not self._scratch or self._scratch["x"].shape[0] < num_seqs:
+            self._scratch = {
+                name: torch.empty(num_seqs, width, dtype=torch.bfloat16)
+                for name, width in self._scratch_widths.items()
+            }
         scratch = self._scratch
         step = _DecodeStep(
             cos=_data(cos),

@@ -1,12 +1,14 @@
-"""ctypes wrapper of gemv.c: bf16 matmul for up to GEMV_MAX_ROWS rows (a decode step), reading a
-weight packed once by `pack` at load time, with oneDNN's bits. Callers check `supported` and
-`k_block_for` and keep oneDNN otherwise.
+"""ctypes wrapper of gemv.c: bf16 matmul y = x W^T (+ b) for any number of rows of x, reading a
+weight packed once by `pack` at load time, summing in oneDNN's order so that its bits are
+oneDNN's at a few rows (the kernel is named for a decode step's GEMVs, which it was written for).
+Callers check `supported` and `k_block_for` and keep oneDNN otherwise.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import sys
 
 import torch
 
@@ -15,7 +17,22 @@ from quire.kernels.cpu import load_library
 logger = logging.getLogger(__name__)
 
 GEMV_PANEL = 32  # output columns per packed panel (GEMV_PANEL in gemv.c)
-GEMV_MAX_ROWS = 8  # the most rows of x per call (GEMV_MAX_ROWS in gemv.c)
+
+
+@functools.cache
+def max_rows() -> int:
+    """The most rows of x that PackedLinear and the decode path hand the kernel (it takes any
+    number). Without AMX, every row count: measured against oneDNN on SmolLM2's and Qwen3-0.6B's
+    projections, 1.1-1.5x from 1 to 64 rows and level (0.7-0.85 TFLOP/s) from 128 to 2,048, and
+    one summation order for every row count is what keeps a request's bits independent of the
+    batch (oneDNN sums a lone row of K > 1,024 in another order than two rows or more). With AMX
+    tiles, oneDNN's matmuls run on them and should win from a few dozen rows: decode-sized
+    batches only (not measured: no AMX machine here)."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return 32 if amx else sys.maxsize
+
+
+_PROBE_ROWS = 16  # two passes of gemv.c's 8-row groups
 
 
 @functools.cache
@@ -60,12 +77,12 @@ def _onednn_linear(
 
 
 def _probe(out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A weight and GEMV_MAX_ROWS rows of x whose products sum to results that depend on the
+    """A weight and _PROBE_ROWS rows of x whose products sum to results that depend on the
     order of summation in almost every output: each row of W starts with a large weight that its
     last column cancels, so every float32 partial sum carries it and rounds at its scale."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=gen)
-    x = torch.rand(GEMV_MAX_ROWS, in_features, generator=gen) + 0.5
+    x = torch.rand(_PROBE_ROWS, in_features, generator=gen) + 0.5
     big = 2.0 ** (12 + torch.arange(out_features) % 5)
     weight[:, 0], weight[:, -1] = big, -big
     x[:, 0] = x[:, -1] = 1.0
@@ -75,8 +92,8 @@ def _probe(out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Ten
 @functools.cache
 def k_block_for(out_features: int, in_features: int, has_bias: bool) -> int | None:
     """The column block at which oneDNN restarts its float32 sums for this weight shape, found
-    by matching oneDNN's bits on a probe (oneDNN 3 on AVX-512 BF16: the whole K up to 512, then
-    512, then 1024); None when no block size reproduces them (the kernel is then not used, so
+    by matching oneDNN's bits on a probe of several rows (oneDNN 3 on AVX-512 BF16: the whole K
+    up to 512, then 512, then 1024; a lone row of K > 1,024 it sums in blocks of 512); None when no block size reproduces them (the kernel is then not used, so
     results never depend on which path a step took)."""
     if not available():
         return None
@@ -100,7 +117,7 @@ def k_block_for(out_features: int, in_features: int, has_bias: bool) -> int | No
 
 
 def gemv(
-    x: torch.Tensor,  # [M, K] bf16, M <= GEMV_MAX_ROWS; rows may be strided, each contiguous
+    x: torch.Tensor,  # [M, K] bf16, M >= 1; rows may be strided, each contiguous
     packed: torch.Tensor,  # from `pack`
     bias: torch.Tensor | None,  # [N] bf16
     out_features: int,
@@ -138,6 +155,6 @@ def gemv(
     if status != 0:
         raise ValueError(
             f"gemv: {rows} rows x {in_features} columns (block {k_block}) is not supported "
-            f"(1..{GEMV_MAX_ROWS} rows, an even number of columns, AVX-512 BF16)"
+            "(at least 1 row, an even number of columns, AVX-512 BF16)"
         )
     return out
