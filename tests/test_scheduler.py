@@ -421,8 +421,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert output.num_batched_tokens <= scheduler.max_num_batched_tokens
         assert all(s.num_new_tokens >= 1 for s in entries)
         assert len({id(s.request) for s in entries}) == len(entries)
-        sizes = [s.num_new_tokens for s in entries]
-        assert sizes == sorted(sizes, key=lambda k: k != 1), "decodes first"
+        decodes = [s.is_decode for s in entries]
+        assert decodes == sorted(decodes, reverse=True), "decodes first"
+        for s in entries:  # a decode is one generated token; prompt chunks are never decodes
+            generated = s.request.num_computed_tokens >= s.request.num_prompt_tokens
+            assert s.is_decode == (s.num_new_tokens == 1 and generated)
         for s in entries:
             covered = len(s.block_ids) * kv.block_size
             assert covered >= s.request.num_computed_tokens + s.num_new_tokens

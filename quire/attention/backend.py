@@ -30,7 +30,8 @@ class AttentionMetadata:
     # Host copies of query_start_loc and seq_lens, so backends can plan without a device sync.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
-    # Requests [0, num_decodes) have query_len == 1; the rest are prefill chunks.
+    # Requests [0, num_decodes) decode one generated token each; the rest are prefill chunks
+    # (of one token or more: a prompt's last chunk may be a single token).
     num_decodes: int
     num_decode_tokens: int
 

@@ -26,6 +26,16 @@ class ScheduledRequest:
     block_ids: list[int]
 
     @property
+    def is_decode(self) -> bool:
+        """One generated token to compute. A prompt chunk of one token is not a decode: prompt
+        tokens always go through the prefill kernels, so a prompt's K/V and first token do not
+        depend on where chunking or a prefix-cache hit left its last chunk."""
+        return (
+            self.num_new_tokens == 1
+            and self.request.num_computed_tokens >= self.request.num_prompt_tokens
+        )
+
+    @property
     def samples(self) -> bool:
         """Whether this step computes the request's last known token, so it samples a new one."""
         return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
@@ -117,7 +127,7 @@ class Scheduler:
             budget = self._admit_waiting(budget, scheduled, forked)
 
         self.running.extend(child for child, _ in forked)
-        scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # decodes first (stable)
+        scheduled.sort(key=lambda s: not s.is_decode)  # decodes first (stable)
         return SchedulerOutput(scheduled, forked, self.kv_manager.take_copies(), preempted)
 
     def _admit_waiting(

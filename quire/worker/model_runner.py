@@ -116,7 +116,7 @@ class ModelRunner:
             block_tables[seq_index, positions // self.block_size].astype(np.int64) * self.block_size
             + positions % self.block_size
         )
-        num_decodes = int(np.searchsorted(query_lens != 1, True))  # decodes come first
+        num_decodes = sum(s.is_decode for s in scheduled)  # the scheduler puts them first
 
         dev = self.device
         metadata = AttentionMetadata(

@@ -1,0 +1,64 @@
+"""bfloat16 outputs do not depend on the batch: a request's tokens and logprobs are the same bits
+whether it runs alone or beside others, whatever chunk sizes the token budget gives its prompt,
+and whether a prefix-cache hit leaves one prompt token or many to compute.
+
+The model takes the CPU kernel paths (head_dim 64) and has a projection with K > 1,024 (the MLP's
+down projection), where oneDNN's summation order changes with the number of rows; a prompt whose
+uncached tail is one token must still go through the prefill kernel, not the decode kernel."""
+
+from __future__ import annotations
+
+import pytest
+
+from quire import LLM, SamplingParams
+
+# Lengths around the block size (16) and the chunk budget below: prefix-cache hits leave 1 or 2
+# tokens to compute, and chunking leaves last chunks of one token.
+LENGTHS = [97, 33, 65, 17, 210, 5, 130, 48]
+
+
+def prompts() -> list[dict]:
+    return [
+        {"prompt_token_ids": [(97 * i + 13 * j) % 40000 + 10 for j in range(n)]}
+        for i, n in enumerate(LENGTHS)
+    ]
+
+
+def run(llm: LLM, batch: list[dict]) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+    out = []
+    for o in llm.generate(batch, params, use_tqdm=False):
+        seq = o.outputs[0]
+        out.append((seq.token_ids, [next(iter(d.values())).logprob for d in seq.logprobs]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dir(build_model, tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("invariance"))
+    return build_model(
+        path,
+        "llama",
+        hidden_size=128,
+        intermediate_size=1088,  # down projection: K = 1,088 > 1,024
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    )
+
+
+@pytest.fixture(scope="module")
+def alone(model_dir) -> list[tuple[list[int], list[float]]]:
+    llm = LLM(model_dir, dtype="bfloat16", enable_prefix_caching=False)
+    return [run(llm, [p])[0] for p in prompts()]
+
+
+@pytest.mark.parametrize(
+    "budget, max_seqs", [(2048, 256), (64, 3), (24, 8)], ids=["one-step", "chunks-64", "chunks-24"]
+)
+def test_a_batch_gives_each_request_its_bits_alone(model_dir, alone, budget, max_seqs) -> None:
+    llm = LLM(model_dir, dtype="bfloat16", max_num_batched_tokens=budget, max_num_seqs=max_seqs)
+    assert run(llm, prompts()) == alone
+    # Again: now every prompt's full blocks are cached, and only its tail is computed.
+    assert run(llm, prompts()) == alone
+    assert run(llm, prompts()[::-1]) == alone[::-1]
