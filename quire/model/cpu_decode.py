@@ -2,15 +2,15 @@
 
 A batch-1 decode step of SmolLM2-135M reads ~270 MB of weights: ~6 ms at this machine's bandwidth.
 Run as modules, the same step issues ~20 torch ops and C calls per layer, and their dispatch
-costs ~5 ms on its own (~6 ms of a 28 ms step at batch 16). `CpuDecodePath` runs each layer as one call of
-quire/kernels/cpu/decode_layer.c instead, over the GEMV-packed weights the layers' PackedLinear
-modules already hold (see quire/layers/linear.py), and leaves the embedding lookup, the rotary
-tables and the final norm to the module path.
+costs ~5 ms on its own (and ~6 ms of a 28 ms step at batch 16). `CpuDecodePath` runs each layer
+as one call of quire/kernels/cpu/decode_layer.c instead, over the GEMV-packed weights the
+layers' PackedLinear modules already hold (see quire/layers/linear.py), and leaves the embedding
+lookup, the rotary tables and the final norm to the module path.
 
 It takes a step when the model is bf16 on a CPU with AVX-512 BF16, every projection has a GEMV
-copy, and the step is decode only (with at most `gemv.max_rows()` requests: every decode-only
-step, except on CPUs with AMX). Results: the module
-path's, computed in the same order with the same rounding (the projections with the GEMV kernel).
+copy, and the step is decode only, with at most `gemv.max_rows()` requests (every decode-only
+step, except on CPUs with AMX). Results: the module path's, computed in the same order with the
+same rounding.
 """
 
 from __future__ import annotations

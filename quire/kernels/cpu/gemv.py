@@ -93,8 +93,8 @@ def _probe(out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Ten
 def k_block_for(out_features: int, in_features: int, has_bias: bool) -> int | None:
     """The column block at which oneDNN restarts its float32 sums for this weight shape, found
     by matching oneDNN's bits on a probe of several rows (oneDNN 3 on AVX-512 BF16: the whole K
-    up to 512, then 512, then 1024; a lone row of K > 1,024 it sums in blocks of 512); None when no block size reproduces them (the kernel is then not used, so
-    results never depend on which path a step took)."""
+    up to 512, then 512, then 1024; a lone row of K > 1,024 it sums in blocks of 512). None
+    when no block size reproduces them: PackedLinear then keeps that weight in oneDNN alone."""
     if not available():
         return None
     weight, x = _probe(out_features, in_features)
