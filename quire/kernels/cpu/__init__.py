@@ -29,6 +29,31 @@ _COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-ffast-math", "-
 _LINK_FLAGS = ["-shared", "-fopenmp"]
 
 
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_PAGED_DECODE = [_P] * 6 + [_I32] * 6 + [_F32, _I32]
+# The library's functions and their argument types (see kernels.h and each .c file).
+_SIGNATURES = {
+    # q, k_cache, v_cache, block_tables, seq_lens, out; num_seqs, num_heads, num_kv_heads,
+    # head_dim, block_size, max_blocks; scale, num_threads.
+    "paged_decode_bf16": _PAGED_DECODE,
+    "paged_decode_f32": _PAGED_DECODE,
+    # q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out; q and out token strides;
+    # num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks; scale, num_threads.
+    "prefill_attention_bf16": [_P] * 7 + [_I64] * 2 + [_I32] * 6 + [_F32, _I32],
+    "prefill_attention_bf16_available": [],
+    # x, x row stride, residual, weight, out; rows, dim, eps, num_threads.
+    "add_rms_norm_bf16": [_P, _I64, _P, _P, _P, _I32, _I32, _F32, _I32],
+    # x, x row stride, cos, sin; tokens, heads, head_dim, num_threads.
+    "rotary_bf16": [_P, _I64, _P, _P] + [_I32] * 4,
+    # x, x row stride, packed weight, bias, y (bf16) or y (float32), y row stride; M, N, K,
+    # k_block, threads.
+    "gemv_bf16": [_P, _I64] + [_P] * 4 + [_I64] + [_I32] * 5,
+    "gemv_bf16_available": [],
+    # DecodeLayer*, DecodeStep*, hidden, residual, first layer.
+    "decode_layer_bf16": [_P] * 4 + [_I32],
+}
+
+
 def _cache_dir() -> str:
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(root, "quire", "kernels")
@@ -70,35 +95,10 @@ def load_library() -> ctypes.CDLL | None:
                     return None
             os.replace(lib, path)
     lib = ctypes.CDLL(path)
-    args = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
-    for name in ("paged_decode_bf16", "paged_decode_f32"):
+    for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes = args
-        fn.restype = ctypes.c_int
-    # q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out; q and out token strides;
-    # num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks; scale, num_threads.
-    pointers, strides, sizes = [ctypes.c_void_p] * 7, [ctypes.c_int64] * 2, [ctypes.c_int] * 6
-    prefill = lib.prefill_attention_bf16
-    prefill.argtypes = pointers + strides + sizes + [ctypes.c_float, ctypes.c_int]
-    prefill.restype = ctypes.c_int
-    lib.prefill_attention_bf16_available.restype = ctypes.c_int
-    i64, i32, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    # x, x row stride, residual, weight, out; rows, dim, eps, num_threads.
-    lib.add_rms_norm_bf16.argtypes = (
-        [ctypes.c_void_p, i64] + [ctypes.c_void_p] * 3 + [i32, i32, f32, i32]
-    )
-    # x, x row stride, cos, sin; tokens, heads, head_dim, num_threads.
-    lib.rotary_bf16.argtypes = [ctypes.c_void_p, i64, ctypes.c_void_p, ctypes.c_void_p] + [i32] * 4
-    for fn in (lib.add_rms_norm_bf16, lib.rotary_bf16):
-        fn.restype = ctypes.c_int
-    # x, x row stride, packed weight, bias, y (bf16) or y (float32), y row stride; M, N, K,
-    # k_block, threads.
-    lib.gemv_bf16.argtypes = [ctypes.c_void_p, i64] + [ctypes.c_void_p] * 4 + [i64] + [i32] * 5
-    lib.gemv_bf16.restype = ctypes.c_int
-    lib.gemv_bf16_available.restype = ctypes.c_int
-    # DecodeLayer*, DecodeStep*, hidden, residual, first layer.
-    lib.decode_layer_bf16.argtypes = [ctypes.c_void_p] * 4 + [i32]
-    lib.decode_layer_bf16.restype = ctypes.c_int
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int  # a status (0: done), or 1 / 0 for the *_available checks
     return lib
 
 
