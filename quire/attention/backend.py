@@ -39,6 +39,12 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
 
+    def prefill_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """block_tables, query_start_loc and seq_lens of the prefill requests alone, the
+        offsets counted from the first prefill token (the tokens after the decodes')."""
+        first, n = self.num_decodes, self.num_decode_tokens
+        return self.block_tables[first:], self.query_start_loc[first:] - n, self.seq_lens[first:]
+
 
 class AttentionBackend(ABC):
     """Writes a step's new K/V into the paged cache, then attends over each request's context."""

@@ -100,14 +100,15 @@ class TorchAttentionBackend(AttentionBackend):
         ):
             # All prefill chunks in one call, reading K/V (the chunks' own included, stored
             # above) from the cache through the block tables.
-            first, n = metadata.num_decodes, metadata.num_decode_tokens
+            n = metadata.num_decode_tokens
+            block_tables, query_start_loc, seq_lens = metadata.prefill_tables()
             cpu_kernels.prefill_attention(
                 query[n:],
                 k_cache,
                 v_cache,
-                metadata.block_tables[first:],
-                metadata.query_start_loc[first:] - n,
-                metadata.seq_lens[first:],
+                block_tables,
+                query_start_loc,
+                seq_lens,
                 scale,
                 output[n:],
             )

@@ -49,13 +49,14 @@ class TritonAttentionBackend(AttentionBackend):
                 out=output[:num_decode_tokens],
             )
         if num_decodes < metadata.num_seqs:
+            block_tables, query_start_loc, seq_lens = metadata.prefill_tables()
             prefill_paged(
                 query[num_decode_tokens:],
                 k_cache,
                 v_cache,
-                metadata.block_tables[num_decodes:],
-                metadata.query_start_loc[num_decodes:] - num_decode_tokens,
-                metadata.seq_lens[num_decodes:],
+                block_tables,
+                query_start_loc,
+                seq_lens,
                 scale,
                 metadata.max_query_len,
                 out=output[num_decode_tokens:],
