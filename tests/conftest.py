@@ -50,6 +50,14 @@ TINY_CONFIGS = {
 }
 
 
+def token_prompts(lengths: list[int]) -> list[dict]:
+    """Distinct token-id prompts of the given lengths (no shared prefix)."""
+    return [
+        {"prompt_token_ids": [(97 * i + 13 * j) % 40000 + 10 for j in range(n)]}
+        for i, n in enumerate(lengths)
+    ]
+
+
 @pytest.fixture(scope="session")
 def default_model() -> str:
     return default_model_path()

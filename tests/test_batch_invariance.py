@@ -9,19 +9,13 @@ uncached tail is one token must still go through the prefill kernel, not the dec
 from __future__ import annotations
 
 import pytest
+from conftest import token_prompts
 
 from quire import LLM, SamplingParams
 
 # Lengths around the block size (16) and the chunk budget below: prefix-cache hits leave 1 or 2
 # tokens to compute, and chunking leaves last chunks of one token.
 LENGTHS = [97, 33, 65, 17, 210, 5, 130, 48]
-
-
-def prompts() -> list[dict]:
-    return [
-        {"prompt_token_ids": [(97 * i + 13 * j) % 40000 + 10 for j in range(n)]}
-        for i, n in enumerate(LENGTHS)
-    ]
 
 
 def run(llm: LLM, batch: list[dict]) -> list[tuple[list[int], list[float]]]:
@@ -50,7 +44,7 @@ def model_dir(build_model, tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def alone(model_dir) -> list[tuple[list[int], list[float]]]:
     llm = LLM(model_dir, dtype="bfloat16", enable_prefix_caching=False)
-    return [run(llm, [p])[0] for p in prompts()]
+    return [run(llm, [p])[0] for p in token_prompts(LENGTHS)]
 
 
 @pytest.mark.parametrize(
@@ -58,7 +52,7 @@ def alone(model_dir) -> list[tuple[list[int], list[float]]]:
 )
 def test_a_batch_gives_each_request_its_bits_alone(model_dir, alone, budget, max_seqs) -> None:
     llm = LLM(model_dir, dtype="bfloat16", max_num_batched_tokens=budget, max_num_seqs=max_seqs)
-    assert run(llm, prompts()) == alone
+    assert run(llm, token_prompts(LENGTHS)) == alone
     # Again: now every prompt's full blocks are cached, and only its tail is computed.
-    assert run(llm, prompts()) == alone
-    assert run(llm, prompts()[::-1]) == alone[::-1]
+    assert run(llm, token_prompts(LENGTHS)) == alone
+    assert run(llm, token_prompts(LENGTHS)[::-1]) == alone[::-1]

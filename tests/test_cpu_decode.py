@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from conftest import token_prompts
 
 from quire import LLM, SamplingParams
 from quire.kernels.cpu import gemv
@@ -34,14 +35,6 @@ def model_of(llm: LLM) -> LlamaForCausalLM:
 
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
-
-
-def token_prompts(lengths: list[int]) -> list[dict]:
-    """Distinct prompts of the given lengths (no shared prefix)."""
-    return [
-        {"prompt_token_ids": [(97 * i + 13 * j) % 40000 + 10 for j in range(n)]}
-        for i, n in enumerate(lengths)
-    ]
 
 
 def stored_kv(model: LlamaForCausalLM, slots: torch.Tensor) -> list[torch.Tensor]:
