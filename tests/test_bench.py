@@ -174,6 +174,40 @@ def test_latency_writes_prefill_and_decode_with_roofline(tiny_llama, tmp_path):
     assert report["hardware"]["read_gbps"] > 0 and report["hardware"]["matmul_tflops"] > 0
 
 
+def test_latency_pairs_each_decode_step_with_its_own_bandwidth_probe(tiny_llama, monkeypatch):
+    """The floor of each step comes from the probe taken right after it: on a shared machine the
+    bandwidth moves between steps. The fraction is the median of the per-step ratios."""
+    import random
+
+    from quire.bench import latency
+    from quire.entrypoints.llm import LLM
+
+    engine = LLM(tiny_llama, dtype="float32", kv_cache_memory=8 << 20).engine
+    clock = iter([0.0, 1.0, 10.0, 12.0, 20.0, 23.0])  # latency's clock: steps of 1, 2, 3 s
+
+    class Clock:
+        @staticmethod
+        def perf_counter() -> float:
+            return next(clock)
+
+    monkeypatch.setattr(latency, "time", Clock)
+
+    class Probe:
+        def __init__(self) -> None:
+            self.values = [1.0, 4.0, 2.0]  # GB/s after steps 1, 2, 3
+
+        def read_gbps(self) -> float:
+            return self.values.pop(0)
+
+    result = latency.measure_decode(engine, 2, 8, 3, Probe(), random.Random(0))
+    assert (result.min_read_gbps, result.read_gbps, result.max_read_gbps) == (1.0, 2.0, 4.0)
+    assert result.median_step_seconds == result.step_seconds == 2.0
+    # Per step floor / time: 1/1, (1/4)/2, (1/2)/3 in units of bytes / 1 GB/s; the median is the
+    # third step's (the median bandwidth over the median time would give 1/4 instead).
+    # Step bytes grow with the context (one token per step), within a few percent.
+    assert result.roofline_fraction == pytest.approx(result.bytes_per_step / 1e9 / 6, rel=0.05)
+
+
 # ---- serve statistics ------------------------------------------------------------------------
 def test_latency_stats_mean_median_and_linear_percentiles():
     stats = latency_stats("ttft", [0.1, 0.2, 0.3, 0.4])

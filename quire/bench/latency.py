@@ -2,8 +2,12 @@
 each against its roofline on this machine.
 
 A decode step's floor is the bytes it moves (the weights once plus every request's K/V context)
-over the measured memory bandwidth; a prefill's floor is its FLOPs over the measured bf16 matmul
-peak (quire.bench.roofline). The fraction printed is floor / measured: 1.0 is the roofline.
+over the memory bandwidth; a prefill's floor is its FLOPs over the bf16 matmul peak
+(quire.bench.roofline). On a shared machine both swing from second to second (here 33-60 GB/s
+of read bandwidth within a minute), so each timed step or prefill is followed at once by a probe
+of the machine (a read of 512 MB, a 2048^3 matmul), and the fraction of roofline reported is the
+median over the measurements of floor / measured, each floor from its own probe: a ratio taken in
+one moment, as the project's benchmarks take every comparison. 1.0 is the roofline.
 """
 
 from __future__ import annotations
@@ -30,11 +34,9 @@ class PrefillResult:
     prompt_len: int
     seconds: float  # median over the iterations
     flops: int
-    roofline_seconds: float
-
-    @property
-    def roofline_fraction(self) -> float:
-        return roofline.roofline_fraction(self.roofline_seconds, self.seconds)
+    matmul_tflops: float  # median of the probes taken right after each prefill
+    roofline_seconds: float  # flops at that median peak
+    roofline_fraction: float  # median over the iterations of (flops / its probe) / its time
 
 
 @dataclass
@@ -42,17 +44,18 @@ class DecodeResult:
     batch_size: int
     steps: int
     step_seconds: float  # mean over the timed steps
+    median_step_seconds: float
     mean_context_len: float
     bytes_per_step: float  # mean over the timed steps
-    roofline_seconds: float  # per step, mean
+    read_gbps: float  # median of the probes taken right after each step
+    min_read_gbps: float
+    max_read_gbps: float
+    roofline_seconds: float  # per step, mean bytes at the median bandwidth
+    roofline_fraction: float  # median over the steps of (bytes / its probe) / its time
 
     @property
     def tokens_per_s(self) -> float:
         return self.batch_size / self.step_seconds
-
-    @property
-    def roofline_fraction(self) -> float:
-        return roofline.roofline_fraction(self.roofline_seconds, self.step_seconds)
 
 
 def _random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
@@ -60,14 +63,15 @@ def _random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int
 
 
 def measure_prefill(
-    engine, prompt_len: int, num_iters: int, hardware: roofline.Hardware, rng: random.Random
+    engine, prompt_len: int, num_iters: int, probe: roofline.MatmulProbe, rng: random.Random
 ) -> PrefillResult:
-    """Median time from adding one request (a fresh random prompt, so nothing is cached) to its
-    first token, after one warm-up."""
+    """Time from adding one request (a fresh random prompt, so nothing is cached) to its first
+    token, after one warm-up; each timed prefill is followed by a matmul probe."""
     from quire.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    times = []
+    flops = roofline.prefill_flops(engine.model_config, prompt_len)
+    times, peaks = [], []
     for i in range(num_iters + 1):
         prompt = _random_prompt(rng, prompt_len, engine.model_config.vocab_size)
         start = time.perf_counter()
@@ -75,10 +79,15 @@ def measure_prefill(
         while engine.has_unfinished_requests():
             engine.step()
         times.append(time.perf_counter() - start)
-    seconds = statistics.median(times[1:])
-    flops = roofline.prefill_flops(engine.model_config, prompt_len)
-    ideal = flops / (hardware.matmul_tflops * 1e12)
-    return PrefillResult(prompt_len, seconds, flops, ideal)
+        peaks.append(probe.tflops())
+    times, peaks = times[1:], peaks[1:]
+    peak = statistics.median(peaks)
+    fraction = statistics.median(
+        roofline.roofline_fraction(flops / (p * 1e12), t) for p, t in zip(peaks, times)
+    )
+    return PrefillResult(
+        prompt_len, statistics.median(times), flops, peak, flops / (peak * 1e12), fraction
+    )
 
 
 def measure_decode(
@@ -86,11 +95,12 @@ def measure_decode(
     batch_size: int,
     prompt_len: int,
     num_steps: int,
-    hardware: roofline.Hardware,
+    probe: roofline.BandwidthProbe,
     rng: random.Random,
 ) -> DecodeResult:
     """Prefills `batch_size` requests, then times `num_steps` steps in which every request
-    decodes one token. Each step's floor uses the requests' context lengths at that step."""
+    decodes one token, each followed by a bandwidth probe. A step's floor uses the requests'
+    context lengths at that step."""
     from quire.sampling_params import SamplingParams
 
     mc, dtype = engine.model_config, engine.dtype
@@ -109,21 +119,35 @@ def measure_decode(
         step()
     for _ in range(_WARMUP_DECODE_STEPS):
         step()
-    times, step_bytes, contexts = [], [], []
+    times, step_bytes, contexts, bandwidths = [], [], [], []
     for _ in range(num_steps):
         # Each request attends to its prompt plus every output token (the newest is computed now).
         context_lens = [prompt_len + n for n in num_output.values()]
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
+        bandwidths.append(probe.read_gbps())
         step_bytes.append(roofline.decode_step_bytes(mc, dtype, context_lens))
         contexts.append(statistics.fmean(context_lens))
     engine.abort_request(ids)
-    step_seconds = statistics.fmean(times)
+    bandwidth = statistics.median(bandwidths)
+    fraction = statistics.median(
+        roofline.roofline_fraction(n / (b * 1e9), t)
+        for n, b, t in zip(step_bytes, bandwidths, times)
+    )
     bytes_per_step = statistics.fmean(step_bytes)
-    ideal = bytes_per_step / (hardware.bandwidth_gbps * 1e9)
     return DecodeResult(
-        batch_size, num_steps, step_seconds, statistics.fmean(contexts), bytes_per_step, ideal
+        batch_size,
+        num_steps,
+        statistics.fmean(times),
+        statistics.median(times),
+        statistics.fmean(contexts),
+        bytes_per_step,
+        bandwidth,
+        min(bandwidths),
+        max(bandwidths),
+        bytes_per_step / (bandwidth * 1e9),
+        fraction,
     )
 
 
@@ -158,10 +182,13 @@ def main(args: argparse.Namespace) -> int:
     mc, dtype, device = engine.model_config, engine.dtype, engine.config.device
     hardware = roofline.measure_hardware(device, dtype)
     rng = random.Random(args.seed)
-    prefill = measure_prefill(engine, args.prompt_len, args.num_iters, hardware, rng)
+    prefill = measure_prefill(
+        engine, args.prompt_len, args.num_iters, roofline.MatmulProbe(device, dtype), rng
+    )
+    bandwidth_probe = roofline.BandwidthProbe(device)
     batch_sizes = sorted({1, args.batch_size})
     decodes = [
-        measure_decode(engine, b, args.prompt_len, args.decode_steps, hardware, rng)
+        measure_decode(engine, b, args.prompt_len, args.decode_steps, bandwidth_probe, rng)
         for b in batch_sizes
     ]
 
@@ -170,17 +197,20 @@ def main(args: argparse.Namespace) -> int:
         f"model: {engine.config.model} ({roofline.num_params(mc) / 1e6:.0f}M params, "
         f"{weight_gb:.2f} GB {str(dtype).removeprefix('torch.')}), {device}, "
         f"{torch.get_num_threads()} threads\n"
-        f"machine: read {hardware.read_gbps:.1f} GB/s, copy {hardware.copy_gbps:.1f} GB/s, "
-        f"matmul {hardware.matmul_tflops:.3f} TFLOP/s\n"
-        f"prefill {prefill.prompt_len} tokens: {prefill.seconds * 1e3:.1f} ms, "
-        f"{prefill.flops / 1e12:.3f} TFLOP, floor {prefill.roofline_seconds * 1e3:.1f} ms "
+        f"machine at the start: read {hardware.read_gbps:.1f} GB/s, copy "
+        f"{hardware.copy_gbps:.1f} GB/s, matmul {hardware.matmul_tflops:.3f} TFLOP/s\n"
+        f"prefill {prefill.prompt_len} tokens: {prefill.seconds * 1e3:.1f} ms (median), "
+        f"{prefill.flops / 1e12:.3f} TFLOP; matmul {prefill.matmul_tflops:.3f} TFLOP/s "
+        f"alongside, floor {prefill.roofline_seconds * 1e3:.1f} ms "
         f"-> {prefill.roofline_fraction:.1%} of the compute roofline"
     )
     for d in decodes:
         print(
             f"decode batch {d.batch_size} (context ~{d.mean_context_len:.0f}): "
-            f"{d.step_seconds * 1e3:.2f} ms/step, {d.tokens_per_s:.1f} tok/s, "
-            f"{d.bytes_per_step / 1e6:.1f} MB/step, floor {d.roofline_seconds * 1e3:.2f} ms "
+            f"{d.step_seconds * 1e3:.2f} ms/step (median {d.median_step_seconds * 1e3:.2f}), "
+            f"{d.tokens_per_s:.1f} tok/s, {d.bytes_per_step / 1e6:.1f} MB/step; read "
+            f"{d.read_gbps:.1f} GB/s alongside ({d.min_read_gbps:.1f}-{d.max_read_gbps:.1f}), "
+            f"floor {d.roofline_seconds * 1e3:.2f} ms "
             f"-> {d.roofline_fraction:.1%} of the memory roofline"
         )
     report = {
@@ -192,11 +222,8 @@ def main(args: argparse.Namespace) -> int:
         "torch_threads": torch.get_num_threads(),
         "num_params": roofline.num_params(mc),
         "hardware": asdict(hardware),
-        "prefill": asdict(prefill) | {"roofline_fraction": prefill.roofline_fraction},
-        "decode": [
-            asdict(d) | {"tokens_per_s": d.tokens_per_s, "roofline_fraction": d.roofline_fraction}
-            for d in decodes
-        ],
+        "prefill": asdict(prefill),
+        "decode": [asdict(d) | {"tokens_per_s": d.tokens_per_s} for d in decodes],
     }
     with open(args.output_json, "w") as f:
         json.dump(report, f, indent=2)

@@ -39,34 +39,67 @@ class Hardware:
         return self.read_gbps
 
 
+def _timed(fn: Callable[[], object], device: str) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def _best_seconds(fn: Callable[[], object], device: str, iters: int) -> float:
     """The fastest of `iters` timed calls after one warm-up: on a shared machine the fastest run
     is the one least disturbed by other jobs."""
     fn()
-    best = float("inf")
-    for _ in range(iters):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return min(_timed(fn, device) for _ in range(iters))
+
+
+class BandwidthProbe:
+    """Read bandwidth, one timed read at a time: a sum over a tensor much larger than the caches.
+    (Measured here, interleaved: torch's sum, a prefetching C read loop and the GEMV kernel
+    streaming its weights all read at the same median speed.)"""
+
+    def __init__(self, device: str = "cpu", nbytes: int | None = None):
+        if nbytes is None:
+            nbytes = _GPU_BANDWIDTH_BYTES if device == "cuda" else _CPU_BANDWIDTH_BYTES
+        self.device, self.nbytes = device, nbytes
+        self.src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        self.src.sum()  # warm-up: first-touch page faults
+
+    def read_gbps(self) -> float:
+        return self.nbytes / _timed(self.src.sum, self.device) / 1e9
+
+
+class MatmulProbe:
+    """Dense bf16 matmul throughput, one timed `size x size` product (2 * size^3 FLOPs) at a
+    time."""
+
+    def __init__(
+        self, device: str = "cpu", dtype: torch.dtype = torch.bfloat16, size: int | None = None
+    ):
+        if size is None:
+            size = _GPU_MATMUL_SIZE if device == "cuda" else _CPU_MATMUL_SIZE
+        self.device, self.size = device, size
+        self.a = torch.randn(size, size, device=device).to(dtype)
+        self.b = torch.randn(size, size, device=device).to(dtype)
+        self.a @ self.b  # warm-up
+
+    def tflops(self) -> float:
+        return 2 * self.size**3 / _timed(lambda: self.a @ self.b, self.device) / 1e12
 
 
 def measure_bandwidth(
     device: str = "cpu", nbytes: int | None = None, iters: int = 5
 ) -> tuple[float, float]:
-    """(read GB/s, copy GB/s) over a tensor much larger than the caches: a sum reads it once, a
-    copy reads and writes it."""
-    if nbytes is None:
-        nbytes = _GPU_BANDWIDTH_BYTES if device == "cuda" else _CPU_BANDWIDTH_BYTES
-    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    read_s = _best_seconds(lambda: src.sum(), device, iters)
-    copy_s = _best_seconds(lambda: dst.copy_(src), device, iters)
-    return nbytes / read_s / 1e9, 2 * nbytes / copy_s / 1e9
+    """(read GB/s, copy GB/s), the best of `iters`: a sum reads a tensor much larger than the
+    caches once, a copy reads and writes it."""
+    probe = BandwidthProbe(device, nbytes)
+    read_gbps = max(probe.read_gbps() for _ in range(iters))
+    dst = torch.empty_like(probe.src)
+    copy_s = _best_seconds(lambda: dst.copy_(probe.src), device, iters)
+    return read_gbps, 2 * probe.nbytes / copy_s / 1e9
 
 
 def measure_matmul_tflops(
@@ -75,13 +108,9 @@ def measure_matmul_tflops(
     size: int | None = None,
     iters: int = 5,
 ) -> float:
-    """Dense `size x size` matmul throughput in TFLOP/s (2 * size^3 FLOPs per product)."""
-    if size is None:
-        size = _GPU_MATMUL_SIZE if device == "cuda" else _CPU_MATMUL_SIZE
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
-    seconds = _best_seconds(lambda: a @ b, device, iters)
-    return 2 * size**3 / seconds / 1e12
+    """Dense `size x size` matmul throughput in TFLOP/s, the best of `iters`."""
+    probe = MatmulProbe(device, dtype, size)
+    return max(probe.tflops() for _ in range(iters))
 
 
 def measure_hardware(device: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> Hardware:
