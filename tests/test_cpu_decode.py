@@ -292,3 +292,26 @@ def test_smollm2_shapes_decode_like_the_module_path(smollm2_shaped, monkeypatch)
     (output,) = llm.generate(["The capital of France is"], greedy(16), use_tqdm=False)
     assert len(output.outputs[0].token_ids) == 16
     assert steps == [1] * 15
+
+
+def test_a_token_id_or_position_outside_the_tables_is_a_value_error(bf16_llms, monkeypatch):
+    """The C step checks every token id against the embedding table and every position against
+    the rotary tables before computing anything, as the module path's indexing would."""
+    llm = bf16_llms["llama"]
+    model = model_of(llm)
+    path = model.cpu_decode
+    fused_forward = path.forward
+    inputs = []
+
+    def capture(input_ids, positions, metadata):
+        inputs.append((input_ids.clone(), positions.clone(), metadata))
+        return fused_forward(input_ids, positions, metadata)
+
+    monkeypatch.setattr(path, "forward", capture)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], greedy(2), use_tqdm=False)
+    input_ids, positions, metadata = inputs[-1]
+    vocab, max_position = model.embed_tokens.weight.shape[0], model.rotary.cos_cache.shape[0]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        fused_forward(torch.full_like(input_ids, vocab), positions, metadata)
+    with pytest.raises(ValueError, match="outside the rotary tables"):
+        fused_forward(input_ids, torch.full_like(positions, max_position), metadata)

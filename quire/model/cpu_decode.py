@@ -1,11 +1,13 @@
-"""Decode-only steps on CPU, one C call per decoder layer.
+"""Decode-only steps on CPU, the whole model up to the LM head in one C call.
 
 A batch-1 decode step of SmolLM2-135M reads ~270 MB of weights: ~6 ms at this machine's bandwidth.
 Run as modules, the same step issues ~20 torch ops and C calls per layer, and their dispatch
-costs ~5 ms on its own (and ~6 ms of a 28 ms step at batch 16). `CpuDecodePath` runs each layer
-as one call of quire/kernels/cpu/decode_layer.c instead, over the GEMV-packed weights the
-layers' PackedLinear modules already hold (see quire/layers/linear.py), and leaves the embedding
-lookup, the rotary tables and the final norm to the module path.
+costs ~5 ms on its own (and ~6 ms of a 28 ms step at batch 16). `CpuDecodePath` runs the step as
+one call of quire/kernels/cpu/decode_layer.c instead (`decode_step_bf16`: the embedding rows, the
+rotary tables, every layer, the final norm), over the GEMV-packed weights the layers'
+PackedLinear modules already hold (see quire/layers/linear.py). Even the few torch ops left
+around the layers cost ~50-100 us each here: the weights streaming through leave the
+interpreter's data cold in the caches at every step.
 
 It takes a step when the model is bf16 on a CPU with AVX-512 BF16, every projection has a GEMV
 copy, and the step is decode only, with at most `gemv.max_rows()` requests (every decode-only
@@ -38,6 +40,7 @@ _LAYER_INTS = (
     "qkv_k_block o_k_block gate_up_k_block down_k_block"
 )
 _STEP_POINTERS = "cos sin slots block_tables seq_lens silu x qkv q attn gate_up act"
+_MODEL_POINTERS = "layers embedding cos_cache sin_cache final_norm"
 
 
 class _DecodeLayer(ctypes.Structure):  # DecodeLayer in decode_layer.c, field for field
@@ -52,6 +55,14 @@ class _DecodeStep(ctypes.Structure):  # DecodeStep in decode_layer.c, field for 
     _fields_ = [(name, _ptr) for name in _STEP_POINTERS.split()] + [
         (name, ctypes.c_int32) for name in ("num_seqs", "max_blocks", "num_threads")
     ]
+
+
+class _DecodeModel(ctypes.Structure):  # DecodeModel in decode_layer.c, field for field
+    _fields_ = (
+        [(name, _ptr) for name in _MODEL_POINTERS.split()]
+        + [(name, ctypes.c_int32) for name in ("num_layers", "vocab_size", "max_position")]
+        + [("final_eps", ctypes.c_float)]
+    )
 
 
 def _data(t: torch.Tensor | None) -> int | None:
@@ -72,13 +83,18 @@ class CpuDecodePath:
 
     def __init__(self, model: LlamaForCausalLM):
         self.model = model
-        self._layers: list[_DecodeLayer] = []
+        self._layers = (_DecodeLayer * 0)()
+        self._model = _DecodeModel()
         self._cache_ptr = 0  # the first layer's K cache the structs were built over
         cfg = model.config
         q_size = cfg.num_attention_heads * cfg.head_dim
         kv_size = cfg.num_key_value_heads * cfg.head_dim
         # Scratch row widths; the rows grow to the widest step seen, shared by a step's layers.
         self._scratch_widths = {
+            "hidden": cfg.hidden_size,
+            "residual": cfg.hidden_size,
+            "cos": cfg.head_dim,
+            "sin": cfg.head_dim,
             "x": cfg.hidden_size,
             "qkv": q_size + 2 * kv_size,
             "q": q_size,
@@ -117,16 +133,16 @@ class CpuDecodePath:
         return _fits(metadata, num_tokens)
 
     def _build_layers(self) -> None:
-        cfg = self.model.config
-        self._layers = []
-        for layer in self.model.layers:
+        model, cfg = self.model, self.model.config
+        layers = []
+        for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             k_cache, v_cache = attn.k_cache, attn.v_cache
             if k_cache.dtype != torch.bfloat16 or not (
                 k_cache.is_contiguous() and v_cache.is_contiguous()
             ):
                 raise ValueError("CpuDecodePath: the KV cache must be contiguous bf16")
-            self._layers.append(
+            layers.append(
                 _DecodeLayer(
                     input_norm=_data(layer.input_layernorm.weight),
                     post_norm=_data(layer.post_attention_layernorm.weight),
@@ -154,7 +170,27 @@ class CpuDecodePath:
                     scale=attn.scale,
                 )
             )
-        self._cache_ptr = self.model.layers[0].self_attn.k_cache.data_ptr()
+        self._layers = (_DecodeLayer * len(layers))(*layers)
+        rotary, embedding = model.rotary, model.embed_tokens.weight
+        if not all(
+            t.dtype == torch.float32 and t.is_contiguous()
+            for t in (rotary.cos_cache, rotary.sin_cache)
+        ):
+            raise ValueError("CpuDecodePath: the rotary tables must be contiguous float32")
+        if not embedding.is_contiguous():
+            raise ValueError("CpuDecodePath: the embedding table must be contiguous")
+        self._model = _DecodeModel(
+            layers=ctypes.addressof(self._layers),
+            embedding=_data(embedding),
+            cos_cache=_data(rotary.cos_cache),
+            sin_cache=_data(rotary.sin_cache),
+            final_norm=_data(model.norm.weight),
+            num_layers=len(layers),
+            vocab_size=embedding.shape[0],
+            max_position=rotary.cos_cache.shape[0],
+            final_eps=model.norm.eps,
+        )
+        self._cache_ptr = model.layers[0].self_attn.k_cache.data_ptr()
 
     def forward(
         self,
@@ -171,12 +207,11 @@ class CpuDecodePath:
             )
         if self._cache_ptr != model.layers[0].self_attn.k_cache.data_ptr():
             self._build_layers()  # first step, or the KV cache was reallocated
-        hidden = model.embed_tokens(input_ids)
-        residual = torch.empty_like(hidden)
-        cos, sin = (t.contiguous() for t in model.rotary(positions, hidden.dtype))
         slots = metadata.slot_mapping.to(torch.int64).contiguous()
         block_tables = metadata.block_tables.to(torch.int32).contiguous()
         seq_lens = metadata.seq_lens.to(torch.int32).contiguous()
+        token_ids = input_ids.to(torch.int64).contiguous()
+        positions = positions.to(torch.int64).contiguous()
         if not self._scratch or self._scratch["x"].shape[0] < num_seqs:
             self._scratch = {
                 name: torch.empty(num_seqs, width, dtype=torch.bfloat16)
@@ -184,25 +219,30 @@ class CpuDecodePath:
             }
         scratch = self._scratch
         step = _DecodeStep(
-            cos=_data(cos),
-            sin=_data(sin),
             slots=_data(slots),
             block_tables=_data(block_tables),
             seq_lens=_data(seq_lens),
             silu=_data(self._silu_table),
-            **{name: _data(t) for name, t in scratch.items()},
+            **{name: _data(scratch[name]) for name in _STEP_POINTERS.split() if name in scratch},
             num_seqs=num_seqs,
             max_blocks=block_tables.shape[1],
             num_threads=torch.get_num_threads(),
         )
-        run = cpu_kernels.load_library().decode_layer_bf16
-        step_ref, hidden_ptr, residual_ptr = (
+        out = torch.empty(num_seqs, model.config.hidden_size, dtype=torch.bfloat16)
+        status = cpu_kernels.load_library().decode_step_bf16(
+            ctypes.byref(self._model),
             ctypes.byref(step),
-            hidden.data_ptr(),
-            residual.data_ptr(),
+            token_ids.data_ptr(),
+            positions.data_ptr(),
+            scratch["hidden"].data_ptr(),
+            scratch["residual"].data_ptr(),
+            out.data_ptr(),
         )
-        for i, layer in enumerate(self._layers):
-            status = run(ctypes.byref(layer), step_ref, hidden_ptr, residual_ptr, int(i == 0))
-            if status != 0:
-                raise RuntimeError(f"decode_layer_bf16 failed in layer {i} (status {status})")
-        return model.norm(hidden, residual)[0]
+        if status == -4:
+            raise ValueError(
+                f"CpuDecodePath: a token id outside the vocabulary ({self._model.vocab_size}) "
+                f"or a position outside the rotary tables ({self._model.max_position})"
+            )
+        if status != 0:
+            raise RuntimeError(f"decode_step_bf16 failed (status {status})")
+        return out

@@ -51,6 +51,8 @@ _SIGNATURES = {
     "gemv_bf16_available": [],
     # DecodeLayer*, DecodeStep*, hidden, residual, first layer.
     "decode_layer_bf16": [_P] * 4 + [_I32],
+    # DecodeModel*, DecodeStep*, token ids, positions, hidden, residual, out.
+    "decode_step_bf16": [_P] * 7,
 }
 
 

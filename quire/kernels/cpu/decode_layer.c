@@ -40,8 +40,8 @@ typedef struct {
 
 // What every layer of one step shares.
 typedef struct {
-    const uint16_t* cos;  // [num_seqs, head_dim]
-    const uint16_t* sin;
+    uint16_t* cos;  // [num_seqs, head_dim]: filled by decode_step_bf16 from the positions
+    uint16_t* sin;
     const int64_t* slots;  // [num_seqs] cache slot of each request's new token
     const int32_t* block_tables;  // [num_seqs, max_blocks]
     const int32_t* seq_lens;  // [num_seqs], the new token included
@@ -111,4 +111,45 @@ int decode_layer_bf16(const DecodeLayer* L, const DecodeStep* S, uint16_t* hidde
             act[i] = f32_to_bf16(bf16_to_f32(S->silu[gate[i]]) * bf16_to_f32(up[i]));
     }
     return gemv_bf16(S->act, I, L->down, NULL, hidden, NULL, H, B, H, I, L->down_k_block, threads);
+}
+
+// The model around the layers: the embedding table, the rotary tables and the final norm.
+typedef struct {
+    const DecodeLayer* layers;
+    const uint16_t* embedding;  // [vocab_size, hidden_size]
+    const float* cos_cache;  // [max_position, head_dim], the float32 rotate-half tables
+    const float* sin_cache;
+    const uint16_t* final_norm;
+    int32_t num_layers, vocab_size, max_position;
+    float final_eps;
+} DecodeModel;
+
+// A whole decode-only step up to the LM head, as the module path computes it: each request's
+// token embedding, the rotary tables at its position (float32 rounded to bf16, as `.to(bf16)`
+// rounds), every layer, and the final add + norm into out [num_seqs, hidden_size]. hidden and
+// residual are scratch [num_seqs, hidden_size]. Returns 0, -4 for a token id or a position out
+// of the tables' range (nothing computed), or a layer's negative status.
+int decode_step_bf16(const DecodeModel* M, const DecodeStep* S, const int64_t* token_ids,
+                     const int64_t* positions, uint16_t* hidden, uint16_t* residual,
+                     uint16_t* out) {
+    const int B = S->num_seqs, H = M->layers[0].hidden_size, D = M->layers[0].head_dim;
+    for (int b = 0; b < B; b++)
+        if (token_ids[b] < 0 || token_ids[b] >= M->vocab_size || positions[b] < 0 ||
+            positions[b] >= M->max_position)
+            return -4;
+    for (int b = 0; b < B; b++) {
+        memcpy(hidden + (int64_t)b * H, M->embedding + token_ids[b] * H, (size_t)H * sizeof(uint16_t));
+        const float* c = M->cos_cache + positions[b] * D;
+        const float* s = M->sin_cache + positions[b] * D;
+        for (int d = 0; d < D; d++) {
+            S->cos[(int64_t)b * D + d] = f32_to_bf16(c[d]);
+            S->sin[(int64_t)b * D + d] = f32_to_bf16(s[d]);
+        }
+    }
+    for (int i = 0; i < M->num_layers; i++) {
+        const int status = decode_layer_bf16(M->layers + i, S, hidden, residual, i == 0);
+        if (status) return status;
+    }
+    return add_rms_norm_bf16(hidden, H, residual, M->final_norm, out, B, H, M->final_eps,
+                             S->num_threads);
 }
