@@ -18,8 +18,8 @@ from quire import LLM, SamplingParams
 LENGTHS = [97, 33, 65, 17, 210, 5, 130, 48]
 
 
-def run(llm: LLM, batch: list[dict]) -> list[tuple[list[int], list[float]]]:
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+def run(llm: LLM, batch: list[dict], max_tokens: int = 6) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
     out = []
     for o in llm.generate(batch, params, use_tqdm=False):
         seq = o.outputs[0]
@@ -56,3 +56,34 @@ def test_a_batch_gives_each_request_its_bits_alone(model_dir, alone, budget, max
     # Again: now every prompt's full blocks are cached, and only its tail is computed.
     assert run(llm, token_prompts(LENGTHS)) == alone
     assert run(llm, token_prompts(LENGTHS)[::-1]) == alone[::-1]
+
+
+def test_preemption_by_recompute_keeps_each_request_its_bits(model_dir, monkeypatch):
+    """A pool too small for the batch preempts requests that have generated tokens already. A
+    resumed request replays them in a chunk that the runner runs as one decode per token, so its
+    later tokens and logprobs are its bits alone (recomputed as part of a prompt chunk, they went
+    through the prefill kernel and drifted)."""
+    from quire.engine.scheduler import Scheduler
+
+    prompts = token_prompts(LENGTHS)
+    llm = LLM(model_dir, dtype="bfloat16", enable_prefix_caching=False)
+    alone = [run(llm, [p], max_tokens=40)[0] for p in prompts]
+
+    preempted_outputs, replayed = [], []
+    preempt, schedule = Scheduler._preempt, Scheduler.schedule
+
+    def record_preemption(self, request):
+        preempted_outputs.append(request.num_output_tokens)
+        preempt(self, request)
+
+    def record_replays(self):
+        output = schedule(self)
+        replayed.extend(s.num_new_tokens for s in output.scheduled if s.is_decode)
+        return output
+
+    monkeypatch.setattr(Scheduler, "_preempt", record_preemption)
+    monkeypatch.setattr(Scheduler, "schedule", record_replays)
+    llm = LLM(model_dir, dtype="bfloat16", num_kv_blocks=24, max_num_batched_tokens=64)
+    assert run(llm, prompts, max_tokens=40) == alone
+    assert sum(n > 0 for n in preempted_outputs) >= 2, preempted_outputs
+    assert max(replayed) > 1  # a replay of several generated tokens in one step

@@ -198,16 +198,24 @@ def test_a_preempted_request_goes_back_to_the_front_of_the_waiting_queue():
     assert ids(scheduler.waiting) == ["b", "c"]
 
 
-def test_a_preempted_request_resumes_from_its_cached_prefix():
+def test_a_preempted_request_resumes_from_its_cached_prefix_and_replays_its_outputs():
     scheduler, _ = run_into_preemption()
     b = scheduler.requests["b"]
     step(scheduler)
     step(scheduler)  # "a" reaches max_tokens and frees its blocks
     resumed = step(scheduler)
-    # 9 known tokens; its first block (tokens 0-3) stayed cached, the second was reused by "a".
-    assert batch(resumed) == [("b", 5), ("c", 3)]
-    assert scheduler.kv_manager.get_block_ids("b") == [2, 3, 1]
+    # 9 known tokens (7 prompt, 2 generated); its first block (tokens 0-3) stayed cached, the
+    # second was reused by "a". The rest of the prompt is one chunk, sampling nothing.
+    assert batch(resumed) == [("b", 3), ("c", 3)]
+    assert scheduler.kv_manager.get_block_ids("b") == [2, 3]
     assert b.status == RequestStatus.RUNNING
+    assert b.num_computed_tokens == 7 and b.output_token_ids == [7, 7]
+    # Then its generated tokens, in a chunk of their own (the runner runs each as a decode),
+    # the last known one sampling.
+    replay = scheduler.schedule()
+    assert batch(replay) == [("b", 2), ("c", 1)]
+    assert [(s.is_decode, s.samples) for s in replay.scheduled] == [(True, True), (True, True)]
+    scheduler.update(replay, {"b": 7, "c": 7})
     assert b.num_computed_tokens == 9 and b.output_token_ids == [7, 7, 7]
 
 
@@ -215,7 +223,8 @@ def test_a_preempted_request_without_prefix_caching_recomputes_everything():
     scheduler, _ = run_into_preemption(enable_prefix_caching=False)
     step(scheduler)
     step(scheduler)
-    assert batch(step(scheduler))[0] == ("b", 9)
+    assert batch(step(scheduler))[0] == ("b", 7)  # the whole prompt, then the replay
+    assert batch(step(scheduler))[0] == ("b", 2)
 
 
 def test_the_request_that_cannot_grow_is_itself_preempted_when_it_is_the_newest():
@@ -423,9 +432,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len({id(s.request) for s in entries}) == len(entries)
         decodes = [s.is_decode for s in entries]
         assert decodes == sorted(decodes, reverse=True), "decodes first"
-        for s in entries:  # a decode is one generated token; prompt chunks are never decodes
-            generated = s.request.num_computed_tokens >= s.request.num_prompt_tokens
-            assert s.is_decode == (s.num_new_tokens == 1 and generated)
+        for s in entries:  # a chunk is all prompt tokens (not a decode) or all generated ones
+            request = s.request
+            generated = request.num_computed_tokens >= request.num_prompt_tokens
+            assert s.is_decode == generated
+            if not generated:
+                assert request.num_computed_tokens + s.num_new_tokens <= request.num_prompt_tokens
+            if generated and s.num_new_tokens > 1:  # only a resumed request replays
+                assert request.num_preemptions > 0
         for s in entries:
             covered = len(s.block_ids) * kv.block_size
             assert covered >= s.request.num_computed_tokens + s.num_new_tokens

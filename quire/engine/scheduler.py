@@ -6,6 +6,13 @@ running request, the newest running request is preempted (its blocks are freed, 
 front of the waiting queue and is recomputed later, reusing whatever prefix stayed cached). Then,
 if nothing was preempted, waiting requests are admitted in order with chunked prefill until the
 token budget or `max_num_seqs` is spent.
+
+Recompute replays: a resumed request computes the rest of its prompt in chunks, as any prompt,
+then its generated tokens in chunks of their own (`num_new_tokens`), which the runner runs as one
+decode per token, each over the context up to it. Their K/V then come from the decode kernels,
+as they did the first time, so its later tokens are the bits it would have had without the
+preemption; recomputed as part of a prompt chunk, they would go through the prefill kernels,
+which round differently.
 """
 
 from __future__ import annotations
@@ -27,13 +34,11 @@ class ScheduledRequest:
 
     @property
     def is_decode(self) -> bool:
-        """One generated token to compute. A prompt chunk of one token is not a decode: prompt
-        tokens always go through the prefill kernels, so a prompt's K/V and first token do not
-        depend on where chunking or a prefix-cache hit left its last chunk."""
-        return (
-            self.num_new_tokens == 1
-            and self.request.num_computed_tokens >= self.request.num_prompt_tokens
-        )
+        """Generated tokens to compute: one (a decode), or several when a resumed request
+        replays them; each runs as a decode of its own. A prompt chunk, even of one token, is
+        not a decode: prompt tokens always go through the prefill kernels, so a prompt's K/V and
+        first token do not depend on where chunking or a prefix-cache hit left its last chunk."""
+        return self.request.num_computed_tokens >= self.request.num_prompt_tokens
 
     @property
     def samples(self) -> bool:
@@ -55,6 +60,14 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+def num_new_tokens(request: Request, num_computed: int, budget: int) -> int:
+    """How many of a request's tokens to compute this step, from `num_computed` on, up to the
+    budget: a chunk never holds both prompt and generated tokens (see the module docstring)."""
+    if num_computed < request.num_prompt_tokens:
+        return min(request.num_prompt_tokens - num_computed, budget)
+    return min(request.num_tokens - num_computed, budget)
 
 
 class Scheduler:
@@ -109,7 +122,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = num_new_tokens(request, request.num_computed_tokens, budget)
             while not self.kv_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -143,7 +156,7 @@ class Scheduler:
                 break
             hits = self.kv_manager.get_computed_blocks(request)
             num_cached = len(hits) * self.kv_manager.block_size
-            num_new = min(request.num_tokens - num_cached, budget)
+            num_new = num_new_tokens(request, num_cached, budget)
             if not self.kv_manager.allocate_slots(request, num_new, hits):
                 break
             self.waiting.popleft()

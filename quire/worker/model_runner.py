@@ -91,39 +91,62 @@ class ModelRunner:
     # ---- batch preparation -----------------------------------------------------------------
     def _prepare(
         self, scheduled: list[ScheduledRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """The step's flattened inputs, its attention metadata, and each scheduled request's
+        first row (plus the total at the end).
+
+        Attention sees one sequence per prefill chunk and one per generated token: a decode is
+        one token, and a resumed request replaying its generated tokens (scheduler.py) has each
+        of them attend as a decode of its own, over the context up to it, so that it gets the
+        bits the decode kernels gave it the first time."""
+        num_entries = len(scheduled)
         starts = np.fromiter(
-            (s.request.num_computed_tokens for s in scheduled), np.int64, len(scheduled)
+            (s.request.num_computed_tokens for s in scheduled), np.int64, num_entries
         )
-        query_lens = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, len(scheduled))
-        seq_lens = starts + query_lens
-        cu_query = np.zeros(len(scheduled) + 1, np.int64)
-        np.cumsum(query_lens, out=cu_query[1:])
-        num_tokens = int(cu_query[-1])
+        new_tokens = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, num_entries)
+        decode = np.fromiter((s.is_decode for s in scheduled), bool, num_entries)
+        first_rows = np.zeros(num_entries + 1, np.int64)
+        np.cumsum(new_tokens, out=first_rows[1:])
+        num_tokens = int(first_rows[-1])
 
         input_ids: list[int] = []
         for s, start in zip(scheduled, starts.tolist()):
             input_ids.extend(s.request.token_ids[start : start + s.num_new_tokens])
-        # positions[t] = start of its request + offset inside the chunk
-        seq_index = np.repeat(np.arange(len(scheduled)), query_lens)
-        positions = np.arange(num_tokens) - cu_query[:-1][seq_index] + starts[seq_index]
+        # Attention sequences: entry i gives new_tokens[i] of them when it decodes, else one.
+        seqs_per_entry = np.where(decode, new_tokens, 1)
+        entry_of_seq = np.repeat(np.arange(num_entries), seqs_per_entry)
+        first_seq = np.zeros(num_entries + 1, np.int64)
+        np.cumsum(seqs_per_entry, out=first_seq[1:])
+        offset = np.arange(len(entry_of_seq)) - first_seq[:-1][entry_of_seq]  # 0 for prefills
+        seq_starts = starts[entry_of_seq] + offset
+        query_lens = np.where(decode[entry_of_seq], 1, new_tokens[entry_of_seq])
+        seq_lens = seq_starts + query_lens
+        cu_query = np.zeros(len(entry_of_seq) + 1, np.int64)
+        np.cumsum(query_lens, out=cu_query[1:])
+
+        # positions[t] = start of its sequence + offset inside the chunk
+        seq_index = np.repeat(np.arange(len(entry_of_seq)), query_lens)
+        positions = np.arange(num_tokens) - cu_query[:-1][seq_index] + seq_starts[seq_index]
 
         max_blocks = max(len(s.block_ids) for s in scheduled)
-        block_tables = np.zeros((len(scheduled), max_blocks), np.int32)
+        entry_tables = np.zeros((num_entries, max_blocks), np.int32)
         for i, s in enumerate(scheduled):
-            block_tables[i, : len(s.block_ids)] = s.block_ids
+            entry_tables[i, : len(s.block_ids)] = s.block_ids
+        block_tables = (
+            entry_tables if len(entry_of_seq) == num_entries else entry_tables[entry_of_seq]
+        )
         slot_mapping = (
             block_tables[seq_index, positions // self.block_size].astype(np.int64) * self.block_size
             + positions % self.block_size
         )
-        num_decodes = sum(s.is_decode for s in scheduled)  # the scheduler puts them first
+        num_decodes = int(seqs_per_entry[decode].sum())  # the scheduler puts decodes first
 
         dev = self.device
         metadata = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping).to(dev),
             query_start_loc=torch.from_numpy(cu_query.astype(np.int32)).to(dev),
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
+            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables)).to(dev),
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=cu_query.tolist(),
@@ -132,7 +155,7 @@ class ModelRunner:
             num_decode_tokens=num_decodes,
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        return ids, torch.from_numpy(positions).to(dev), metadata
+        return ids, torch.from_numpy(positions).to(dev), metadata, first_rows.tolist()
 
     # ---- the step --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -140,7 +163,7 @@ class ModelRunner:
         if output.block_copies:
             kv_cache.copy_blocks(self.layers, output.block_copies)
         scheduled = output.scheduled
-        input_ids, positions, metadata = self._prepare(scheduled)
+        input_ids, positions, metadata, first_rows = self._prepare(scheduled)
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(metadata):
             hidden = self.cuda_graphs.run(input_ids, positions, metadata)  # [num_tokens, hidden]
         else:
@@ -150,13 +173,13 @@ class ModelRunner:
         row_of: dict[str, int] = {}
         for i, s in enumerate(scheduled):
             if s.samples:
-                row_of[s.request.request_id] = metadata.query_start_loc_cpu[i + 1] - 1
+                row_of[s.request.request_id] = first_rows[i + 1] - 1
         requests = [s.request for s in scheduled if s.samples]
         for child, parent in output.forked:
             row_of[child.request_id] = row_of[parent.request_id]
             requests.append(child)
 
-        result = ModelRunnerOutput({}, {}, self._prompt_logprobs(scheduled, hidden, metadata))
+        result = ModelRunnerOutput({}, {}, self._prompt_logprobs(scheduled, hidden, first_rows))
         if not requests:
             return result
         rows = torch.tensor([row_of[r.request_id] for r in requests], device=self.device)
@@ -190,7 +213,7 @@ class ModelRunner:
         self,
         scheduled: list[ScheduledRequest],
         hidden: torch.Tensor,
-        metadata: AttentionMetadata,
+        first_rows: list[int],  # of each scheduled request
     ) -> dict[str, TopLogprobs]:
         """Logprobs of prompt tokens 1.. given their prefix, for the chunk computed this step."""
         result = {}
@@ -203,7 +226,7 @@ class ModelRunner:
             end = min(start + s.num_new_tokens, request.num_prompt_tokens - 1)
             if end <= start:
                 continue
-            first_row = metadata.query_start_loc_cpu[i]
+            first_row = first_rows[i]
             logits = self.model.compute_logits(hidden[first_row : first_row + end - start])
             targets = torch.tensor(
                 request.prompt_token_ids[start + 1 : end + 1], device=self.device
