@@ -112,41 +112,45 @@ class ModelRunner:
         input_ids: list[int] = []
         for s, start in zip(scheduled, starts.tolist()):
             input_ids.extend(s.request.token_ids[start : start + s.num_new_tokens])
-        # Attention sequences: entry i gives new_tokens[i] of them when it decodes, else one.
-        seqs_per_entry = np.where(decode, new_tokens, 1)
-        entry_of_seq = np.repeat(np.arange(num_entries), seqs_per_entry)
-        first_seq = np.zeros(num_entries + 1, np.int64)
-        np.cumsum(seqs_per_entry, out=first_seq[1:])
-        offset = np.arange(len(entry_of_seq)) - first_seq[:-1][entry_of_seq]  # 0 for prefills
-        seq_starts = starts[entry_of_seq] + offset
-        query_lens = np.where(decode[entry_of_seq], 1, new_tokens[entry_of_seq])
+        # Attention sequences: entry i gives new_tokens[i] of them when it decodes (a replay
+        # when more than one), else one. Without a replay, the usual step, they are the entries.
+        entry_of_seq = None
+        seq_starts, query_lens, cu_query = starts, new_tokens, first_rows
+        if (decode & (new_tokens > 1)).any():
+            seqs_per_entry = np.where(decode, new_tokens, 1)
+            entry_of_seq = np.repeat(np.arange(num_entries), seqs_per_entry)
+            first_seq = np.zeros(num_entries + 1, np.int64)
+            np.cumsum(seqs_per_entry, out=first_seq[1:])
+            offset = np.arange(len(entry_of_seq)) - first_seq[:-1][entry_of_seq]  # 0: prefills
+            seq_starts = starts[entry_of_seq] + offset
+            query_lens = np.where(decode[entry_of_seq], 1, new_tokens[entry_of_seq])
+            cu_query = np.zeros(len(entry_of_seq) + 1, np.int64)
+            np.cumsum(query_lens, out=cu_query[1:])
         seq_lens = seq_starts + query_lens
-        cu_query = np.zeros(len(entry_of_seq) + 1, np.int64)
-        np.cumsum(query_lens, out=cu_query[1:])
+        num_seqs = len(seq_starts)
+        num_decodes = num_seqs - int((~decode).sum())  # the scheduler puts decodes first
 
         # positions[t] = start of its sequence + offset inside the chunk
-        seq_index = np.repeat(np.arange(len(entry_of_seq)), query_lens)
+        seq_index = np.repeat(np.arange(num_seqs), query_lens)
         positions = np.arange(num_tokens) - cu_query[:-1][seq_index] + seq_starts[seq_index]
 
         max_blocks = max(len(s.block_ids) for s in scheduled)
-        entry_tables = np.zeros((num_entries, max_blocks), np.int32)
+        block_tables = np.zeros((num_entries, max_blocks), np.int32)
         for i, s in enumerate(scheduled):
-            entry_tables[i, : len(s.block_ids)] = s.block_ids
-        block_tables = (
-            entry_tables if len(entry_of_seq) == num_entries else entry_tables[entry_of_seq]
-        )
+            block_tables[i, : len(s.block_ids)] = s.block_ids
+        if entry_of_seq is not None:
+            block_tables = block_tables[entry_of_seq]
         slot_mapping = (
             block_tables[seq_index, positions // self.block_size].astype(np.int64) * self.block_size
             + positions % self.block_size
         )
-        num_decodes = int(seqs_per_entry[decode].sum())  # the scheduler puts decodes first
 
         dev = self.device
         metadata = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping).to(dev),
             query_start_loc=torch.from_numpy(cu_query.astype(np.int32)).to(dev),
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables)).to(dev),
+            block_tables=torch.from_numpy(block_tables).to(dev),
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=cu_query.tolist(),
