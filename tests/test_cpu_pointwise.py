@@ -1,11 +1,14 @@
-"""The C add + RMSNorm and rotary kernels give the same bits as Hugging Face's bf16 modules."""
+"""The C add + RMSNorm, rotary and SiLU-and-mul kernels give the same bits as Hugging Face's bf16
+modules."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from quire.kernels.cpu import pointwise
+from quire.layers.activation import silu_and_mul
 from quire.layers.norm import RMSNorm
 from quire.layers.rotary import apply_rotary
 
@@ -94,3 +97,28 @@ def test_per_head_norm_of_a_strided_qkv_view_matches_hugging_face() -> None:
         out = norm(q)
     assert out.shape == q.shape
     assert_within_one_ulp(out, hf_rms_norm(q, norm.weight.detach(), 1e-6))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 37])  # 4+ rows run on all threads
+@pytest.mark.parametrize("d", [64, 1536, 1000])
+def test_silu_and_mul_is_torch_bit_for_bit(rows: int, d: int) -> None:
+    gen = torch.Generator().manual_seed(rows * d)
+    gate_up = (torch.randn(rows, 2 * d, generator=gen) * 8).bfloat16()
+    # Every kind of value the table must hold: zeros, subnormals, huge, infinities and NaN.
+    special = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 3e38, -3e38, float("inf"), -float("inf")])
+    gate_up[0, : len(special)] = special.bfloat16()
+    gate_up[0, d : d + len(special)] = special.flip(0).bfloat16()
+    gate_up[-1, 0] = float("nan")
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    out = silu_and_mul(gate_up)
+    assert out.shape == (rows, d) and out.dtype == torch.bfloat16
+    nan = expected.isnan()  # 0 * inf and the NaN row: NaN either way, payloads aside
+    assert nan.sum() >= 4 and torch.equal(out.isnan(), nan)
+    assert torch.equal(out.view(torch.int16)[~nan], expected.view(torch.int16)[~nan])
+
+
+def test_silu_and_mul_falls_back_to_torch_off_the_kernel() -> None:
+    gate_up = torch.randn(2, 3, 8)  # float32, 3-d: torch's ops
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(silu_and_mul(gate_up), F.silu(gate) * up)

@@ -21,11 +21,10 @@ import ctypes
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from quire.attention.backend import AttentionMetadata
 from quire.kernels import cpu as cpu_kernels
-from quire.kernels.cpu import gemv
+from quire.kernels.cpu import gemv, pointwise
 from quire.layers.linear import PackedLinear
 
 if TYPE_CHECKING:
@@ -103,11 +102,6 @@ class CpuDecodePath:
             "act": cfg.intermediate_size,
         }
         self._scratch: dict[str, torch.Tensor] = {}
-        # torch's bf16 SiLU of every bf16 bit pattern (NaNs and infinities included), so the C
-        # layer's activation is the module path's bit for bit.
-        every_bf16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
-        silu = F.silu(every_bf16.view(torch.bfloat16))
-        self._silu_table = torch.roll(silu, 2**15)  # indexed by the unsigned bit pattern
 
     @staticmethod
     def supported(model: LlamaForCausalLM) -> bool:
@@ -222,7 +216,7 @@ class CpuDecodePath:
             slots=_data(slots),
             block_tables=_data(block_tables),
             seq_lens=_data(seq_lens),
-            silu=_data(self._silu_table),
+            silu=_data(pointwise.silu_table()),
             **{name: _data(scratch[name]) for name in _STEP_POINTERS.split() if name in scratch},
             num_seqs=num_seqs,
             max_blocks=block_tables.shape[1],

@@ -45,6 +45,8 @@ _SIGNATURES = {
     "add_rms_norm_bf16": [_P, _I64, _P, _P, _P, _I32, _I32, _F32, _I32],
     # x, x row stride, cos, sin; tokens, heads, head_dim, num_threads.
     "rotary_bf16": [_P, _I64, _P, _P] + [_I32] * 4,
+    # gate_up, silu table, out; rows, d, num_threads.
+    "silu_and_mul_bf16": [_P] * 3 + [_I32] * 3,
     # x, x row stride, packed weight, bias, y (bf16) or y (float32), y row stride; M, N, K,
     # k_block, threads.
     "gemv_bf16": [_P, _I64] + [_P] * 4 + [_I64] + [_I32] * 5,

@@ -17,7 +17,7 @@
 #include "bf16.h"
 #include "kernels.h"
 
-// Per-row stages (q/k norm, SiLU) are split across threads from this many rows of the step.
+// The per-row q/k norm is split across threads from this many rows of the step.
 #define PARALLEL_ROWS 4
 
 // A layer's weights (GEMV-packed projections) and KV cache; built once, in Python.
@@ -45,7 +45,7 @@ typedef struct {
     const int64_t* slots;  // [num_seqs] cache slot of each request's new token
     const int32_t* block_tables;  // [num_seqs, max_blocks]
     const int32_t* seq_lens;  // [num_seqs], the new token included
-    const uint16_t* silu;  // [65536]: silu of every bf16 bit pattern, as torch rounds it
+    const float* silu;  // [65536]: torch's bf16 silu of every bf16 bit pattern, as float32
     uint16_t* x;  // scratch: [num_seqs, hidden_size]
     uint16_t* qkv;  // [num_seqs, (num_heads + 2 * num_kv_heads) * head_dim]
     uint16_t* q;  // [num_seqs, num_heads * head_dim]
@@ -99,17 +99,8 @@ int decode_layer_bf16(const DecodeLayer* L, const DecodeStep* S, uint16_t* hidde
     status = gemv_bf16(S->x, H, L->gate_up, NULL, S->gate_up, NULL, 2 * I, B, 2 * I, H,
                        L->gate_up_k_block, threads);
     if (status) return status;
-    // silu(gate) * up, each rounded to bf16 as torch's ops round: silu from the table (torch's
-    // own values: a float32 formula here would differ from torch's vectorized one on some
-    // inputs), the product of two bf16 values is exact in float32 and rounded once.
-#pragma omp parallel for num_threads(threads) if (B >= PARALLEL_ROWS) schedule(static)
-    for (int b = 0; b < B; b++) {
-        const uint16_t* gate = S->gate_up + (int64_t)b * 2 * I;
-        const uint16_t* up = gate + I;
-        uint16_t* act = S->act + (int64_t)b * I;
-        for (int i = 0; i < I; i++)
-            act[i] = f32_to_bf16(bf16_to_f32(S->silu[gate[i]]) * bf16_to_f32(up[i]));
-    }
+    status = silu_and_mul_bf16(S->gate_up, S->silu, S->act, B, I, threads);
+    if (status) return status;
     return gemv_bf16(S->act, I, L->down, NULL, hidden, NULL, H, B, H, I, L->down_k_block, threads);
 }
 

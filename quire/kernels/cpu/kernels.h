@@ -7,6 +7,8 @@
 int add_rms_norm_bf16(const uint16_t* x, int64_t x_stride, uint16_t* residual,
                       const uint16_t* weight, uint16_t* out, int rows, int dim, float eps,
                       int num_threads);
+int silu_and_mul_bf16(const uint16_t* gate_up, const float* silu, uint16_t* out, int rows, int d,
+                      int num_threads);
 int rotary_bf16(uint16_t* x, int64_t row_stride, const uint16_t* cos, const uint16_t* sin,
                 int tokens, int num_heads, int head_dim, int num_threads);
 int paged_decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,

@@ -1,4 +1,5 @@
-"""ctypes wrappers of pointwise.c: fused residual add + RMSNorm and in-place rotary, bf16 on CPU.
+"""ctypes wrappers of pointwise.c: fused residual add + RMSNorm, in-place rotary and SiLU-and-mul,
+bf16 on CPU.
 
 Callers check `supported(tensor)` and keep their PyTorch code as the fallback (float32, other
 devices, no C compiler). The kernels round step by step as Hugging Face's bf16 modules do.
@@ -6,7 +7,10 @@ devices, no C compiler). The kernels round step by step as Hugging Face's bf16 m
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 
 from quire.kernels.cpu import load_library
 
@@ -65,3 +69,25 @@ def rotary_(
     )
     if status != 0:
         raise ValueError(f"rotary: head_dim {head_dim} must be even and at most 512")
+
+
+@functools.cache
+def silu_table() -> torch.Tensor:  # [65536] float32, indexed by the unsigned bf16 bit pattern
+    """torch's bf16 SiLU of every bf16 bit pattern (NaNs and infinities included), widened to
+    float32 (exactly), so the C kernels' activation is torch's bit for bit."""
+    every_bf16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    return torch.roll(F.silu(every_bf16.view(torch.bfloat16)), 2**15).float()
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [rows, 2 * d] contiguous -> [rows, d]
+    rows, width = gate_up.shape
+    out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+    load_library().silu_and_mul_bf16(
+        gate_up.data_ptr(),
+        silu_table().data_ptr(),
+        out.data_ptr(),
+        rows,
+        width // 2,
+        torch.get_num_threads(),
+    )
+    return out
