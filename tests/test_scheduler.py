@@ -246,11 +246,17 @@ def test_no_waiting_request_is_admitted_in_a_step_that_preempts():
     for _ in range(7):
         step(scheduler)
     output = step(scheduler)
-    # "b" gave back 2 blocks and "a" took 1: "b"'s next 1-token chunk would fit, but waits a step.
+    # "b" gave back 2 blocks and "a" took 1: "b"'s next 1-token chunk would fit, but waits.
     assert batch(output) == [("a", 1)]
     assert ids(output.preempted) == ["b"]
     assert ids(scheduler.waiting) == ["b"]
-    assert batch(step(scheduler)) == [("a", 1), ("b", 1)]
+    # And it keeps waiting while its 7 known tokens (2 blocks, one of them generated) do not fit:
+    # admitted on its prompt alone, its replay would preempt it again as "a" grows. It resumes
+    # when "a" ends, its prompt first.
+    for _ in range(4):
+        assert batch(step(scheduler)) == [("a", 1)]
+    assert "a" not in scheduler.requests
+    assert batch(step(scheduler)) == [("b", 2)]
 
 
 # ---- forks -----------------------------------------------------------------------------------

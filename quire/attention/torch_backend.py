@@ -2,8 +2,8 @@
 
 Decodes (one query token each) run in the C kernel of quire/kernels/cpu when it can be built (it
 reads K/V through the block table, no gathered copy); otherwise as one padded batch: every
-request's blocks are gathered into a `[num_decodes, max_blocks * block_size, num_kv_heads,
-head_dim]` tensor and masked past its length.
+decode sequence's blocks are gathered into a `[num_decodes, max_blocks * block_size,
+num_kv_heads, head_dim]` tensor and masked past its length.
 Prefill chunks likewise run in a C kernel when it can be built for the dtype (bf16 on CPUs with
 AVX-512 BF16: all chunks of a step in one call, K/V read through the block table); otherwise one
 request at a time with `scaled_dot_product_attention` over the gathered prefix plus the chunk,

@@ -104,15 +104,11 @@ class KVCacheManager:
         hits, only on first scheduling) and `num_new_tokens` more. Returns False, changing
         nothing, when the pool has too few free blocks."""
         blocks = self.req_blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        num_needed = self.blocks_needed(num_computed + num_new_tokens) - len(blocks)
-        num_needed -= len(computed_blocks)
-        # Hits sitting in the free list are taken out of it, so they count against free space.
-        num_hits_free = sum(1 for b in computed_blocks if b.ref_count == 0)
-        needs_cow = self._needs_copy_on_write(blocks, num_computed, num_new_tokens)
-        if max(num_needed, 0) + num_hits_free + needs_cow > self.num_free_blocks:
+        num_computed, num_needed, needs_cow, num_taken = self._demand(
+            blocks, request, num_new_tokens, computed_blocks
+        )
+        if num_taken > self.num_free_blocks:
             return False
-
         for block in computed_blocks:
             if block.ref_count == 0:
                 del self.free_blocks[block.block_id]
@@ -120,11 +116,36 @@ class KVCacheManager:
             blocks.append(block)
         if needs_cow:
             self._copy_on_write(blocks)
-        for _ in range(max(num_needed, 0)):
+        for _ in range(num_needed):
             blocks.append(self._pop_free_block())
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return True
+
+    def can_allocate(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] = ()
+    ) -> bool:
+        """Whether `allocate_slots` with these arguments would succeed now; changes nothing."""
+        blocks = self.req_blocks.get(request.request_id, [])
+        num_taken = self._demand(blocks, request, num_new_tokens, computed_blocks)[3]
+        return num_taken <= self.num_free_blocks
+
+    def _demand(
+        self,
+        blocks: list[KVBlock],
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: list[KVBlock],
+    ) -> tuple[int, int, bool, int]:
+        """(tokens computed with the hits, new blocks to pop, whether the last block must be
+        copied on write, blocks taken from the free list in all)."""
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_needed = self.blocks_needed(num_computed + num_new_tokens) - len(blocks)
+        num_needed = max(num_needed - len(computed_blocks), 0)
+        needs_cow = self._needs_copy_on_write(blocks, num_computed, num_new_tokens)
+        # Hits sitting in the free list are taken out of it, so they count against free space.
+        num_hits_free = sum(1 for b in computed_blocks if b.ref_count == 0)
+        return num_computed, num_needed, needs_cow, num_needed + num_hits_free + needs_cow
 
     def _needs_copy_on_write(self, blocks: list[KVBlock], num_computed: int, num_new: int) -> bool:
         if num_new == 0 or num_computed % self.block_size == 0:

@@ -1,7 +1,7 @@
 """Scheduler: continuous batching under one token budget per step.
 
 Each step, running requests are served first, in arrival order: a decode takes one token of the
-budget, an unfinished prefill takes the next chunk of its prompt. When the pool has no block for a
+budget (a replay, below, several), an unfinished prefill takes the next chunk of its prompt. When the pool has no block for a
 running request, the newest running request is preempted (its blocks are freed, it goes back to the
 front of the waiting queue and is recomputed later, reusing whatever prefix stayed cached). Then,
 if nothing was preempted, waiting requests are admitted in order with chunked prefill until the
@@ -12,7 +12,11 @@ then its generated tokens in chunks of their own (`num_new_tokens`), which the r
 decode per token, each over the context up to it. Their K/V then come from the decode kernels,
 as they did the first time, so its later tokens are the bits it would have had without the
 preemption; recomputed as part of a prompt chunk, they would go through the prefill kernels,
-which round differently.
+which round differently. A replay step holds at most `max_num_seqs` of them (no more decode
+sequences than a full decode batch), and a resumed request is only admitted when all its known
+tokens fit in the pool: admitted on its prompt alone, its replay would preempt it again.
+Each replayed token reads its whole context, as a decode does, where a prompt chunk shares the
+reads: the price of the bits, paid only after a preemption.
 """
 
 from __future__ import annotations
@@ -62,12 +66,13 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-def num_new_tokens(request: Request, num_computed: int, budget: int) -> int:
+def num_new_tokens(request: Request, num_computed: int, budget: int, max_replay: int) -> int:
     """How many of a request's tokens to compute this step, from `num_computed` on, up to the
-    budget: a chunk never holds both prompt and generated tokens (see the module docstring)."""
+    budget: a chunk never holds both prompt and generated tokens, and a replay of generated
+    tokens is at most `max_replay` of them (see the module docstring)."""
     if num_computed < request.num_prompt_tokens:
         return min(request.num_prompt_tokens - num_computed, budget)
-    return min(request.num_tokens - num_computed, budget)
+    return min(request.num_tokens - num_computed, budget, max_replay)
 
 
 class Scheduler:
@@ -122,7 +127,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = num_new_tokens(request, request.num_computed_tokens, budget)
+            num_new = num_new_tokens(
+                request, request.num_computed_tokens, budget, self.max_num_seqs
+            )
             while not self.kv_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -156,7 +163,11 @@ class Scheduler:
                 break
             hits = self.kv_manager.get_computed_blocks(request)
             num_cached = len(hits) * self.kv_manager.block_size
-            num_new = num_new_tokens(request, num_cached, budget)
+            num_new = num_new_tokens(request, num_cached, budget, self.max_num_seqs)
+            if request.num_output_tokens and not self.kv_manager.can_allocate(
+                request, request.num_tokens - num_cached, hits
+            ):
+                break  # resumed: wait until its replay fits too, or it would preempt itself
             if not self.kv_manager.allocate_slots(request, num_new, hits):
                 break
             self.waiting.popleft()

@@ -10,8 +10,8 @@ around the layers cost ~50-100 us each here: the weights streaming through leave
 interpreter's data cold in the caches at every step.
 
 It takes a step when the model is bf16 on a CPU with AVX-512 BF16, every projection has a GEMV
-copy, and the step is decode only, with at most `gemv.max_rows()` requests (every decode-only
-step, except on CPUs with AMX). Results: the module path's, computed in the same order with the
+copy, and the step is decode only, with at most `gemv.max_rows()` decode sequences (every
+decode-only step, except on CPUs with AMX; a replay after a preemption gives one per token). Results: the module path's, computed in the same order with the
 same rounding.
 """
 
@@ -122,8 +122,8 @@ class CpuDecodePath:
         )
 
     def takes(self, metadata: AttentionMetadata, num_tokens: int) -> bool:
-        """Whether this step runs here: decode only (one token per request), at most
-        `gemv.max_rows()` requests."""
+        """Whether this step runs here: decode only (one token per sequence), at most
+        `gemv.max_rows()` sequences."""
         return _fits(metadata, num_tokens)
 
     def _build_layers(self) -> None:
@@ -196,8 +196,8 @@ class CpuDecodePath:
         num_seqs = input_ids.shape[0]
         if not _fits(metadata, num_seqs):
             raise ValueError(
-                f"CpuDecodePath runs decode-only steps of 1..{gemv.max_rows()} requests, "
-                f"got {num_seqs} tokens for {metadata.num_seqs} requests"
+                f"CpuDecodePath runs decode-only steps of 1..{gemv.max_rows()} sequences, "
+                f"got {num_seqs} tokens for {metadata.num_seqs} sequences"
             )
         if self._cache_ptr != model.layers[0].self_attn.k_cache.data_ptr():
             self._build_layers()  # first step, or the KV cache was reallocated

@@ -44,7 +44,8 @@ def use_cuda_graphs(config: EngineConfig) -> bool:
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
     """The batch sizes to capture, ascending: 1, 2, 4, then multiples of 8, up to and always
-    including min(max_num_seqs, 256), so every decode batch up to that size has a graph."""
+    including min(max_num_seqs, 256), so every decode batch up to that size has a graph (a replay
+    after a preemption can make a larger one, which runs eagerly)."""
     limit = min(max_num_seqs, MAX_CAPTURE_SIZE)
     return [s for s in (1, 2, 4) if s < limit] + list(range(8, limit, 8)) + [limit]
 

@@ -42,7 +42,7 @@ typedef struct {
 typedef struct {
     uint16_t* cos;  // [num_seqs, head_dim]: filled by decode_step_bf16 from the positions
     uint16_t* sin;
-    const int64_t* slots;  // [num_seqs] cache slot of each request's new token
+    const int64_t* slots;  // [num_seqs] cache slot of each sequence's new token
     const int32_t* block_tables;  // [num_seqs, max_blocks]
     const int32_t* seq_lens;  // [num_seqs], the new token included
     const float* silu;  // [65536]: torch's bf16 silu of every bf16 bit pattern, as float32
@@ -115,7 +115,7 @@ typedef struct {
     float final_eps;
 } DecodeModel;
 
-// A whole decode-only step up to the LM head, as the module path computes it: each request's
+// A whole decode-only step up to the LM head, as the module path computes it: each sequence's
 // token embedding, the rotary tables at its position (float32 rounded to bf16, as `.to(bf16)`
 // rounds), every layer, and the final add + norm into out [num_seqs, hidden_size]. hidden and
 // residual are scratch [num_seqs, hidden_size]. Returns 0, -4 for a token id or a position out
