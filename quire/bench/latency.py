@@ -3,8 +3,8 @@ each against its roofline on this machine.
 
 A decode step's floor is the bytes it moves (the weights once plus every request's K/V context)
 over the memory bandwidth; a prefill's floor is its FLOPs over the bf16 matmul peak
-(quire.bench.roofline). On a shared machine both swing from second to second (here 33-60 GB/s
-of read bandwidth within a minute), so each timed step or prefill is followed at once by a probe
+(quire.bench.roofline). On a shared machine both swing from second to second (here 25-73 GB/s
+of read bandwidth within one run), so each timed step or prefill is followed at once by a probe
 of the machine (a read of 512 MB, a 2048^3 matmul), and the fraction of roofline reported is the
 median over the measurements of floor / measured, each floor from its own probe: a ratio taken in
 one moment, as the project's benchmarks take every comparison. 1.0 is the roofline.
