@@ -317,6 +317,16 @@ static inline const int64_t* chunk_rows(RowLocator* r, int c) {
     return r->off[c % OFFSET_RING];
 }
 
+// One head's output from its accumulator a (per 32-dim slice, the 16 even dims, then the 16 odd
+// ones): a * inv, rounded to bf16, in natural order.
+static inline void store_head(uint16_t* o, const float* a, int head_dim, float inv) {
+    for (int d = 0; d < head_dim; d += 32)
+        for (int i = 0; i < 16; i++) {
+            o[d + 2 * i] = f32_to_bf16(a[d + i] * inv);
+            o[d + 2 * i + 1] = f32_to_bf16(a[d + 16 + i] * inv);
+        }
+}
+
 // The context of a request is cut into partitions of PARTITION positions, each a task of its
 // own (with a range of KV heads), so that a few requests with long contexts still keep every
 // thread busy (batch 1 of a model with 3 KV heads would otherwise be 3 tasks on 2 threads). A
@@ -456,13 +466,7 @@ static int paged_decode_bf16_avx512(const uint16_t* q, const uint16_t* k_cache,
         for (int h = 0; h < nh; h++) {
             const float total = _mm512_reduce_add_ps(sum[h]);
             const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-            const float* a = acc + h * head_dim;
-            uint16_t* o = out_row + h * head_dim;
-            for (int d = 0; d < head_dim; d += 32)
-                for (int i = 0; i < 16; i++) {
-                    o[d + 2 * i] = f32_to_bf16(a[d + i] * inv);
-                    o[d + 2 * i + 1] = f32_to_bf16(a[d + 16 + i] * inv);
-                }
+            store_head(out_row + h * head_dim, acc + h * head_dim, head_dim, inv);
         }
     }
     if (partial) {
@@ -486,12 +490,7 @@ static int paged_decode_bf16_avx512(const uint16_t* q, const uint16_t* k_cache,
                     for (int d = 0; d < head_dim; d++) a[d] += w * row[d];
                 }
                 const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-                uint16_t* o = out + ((int64_t)s * num_heads + h) * head_dim;
-                for (int d = 0; d < head_dim; d += 32)
-                    for (int i = 0; i < 16; i++) {
-                        o[d + 2 * i] = f32_to_bf16(a[d + i] * inv);
-                        o[d + 2 * i + 1] = f32_to_bf16(a[d + 16 + i] * inv);
-                    }
+                store_head(out + ((int64_t)s * num_heads + h) * head_dim, a, head_dim, inv);
             }
         }
         free(partial);
