@@ -1,11 +1,11 @@
 """Scheduler: continuous batching under one token budget per step.
 
 Each step, running requests are served first, in arrival order: a decode takes one token of the
-budget (a replay, below, several), an unfinished prefill takes the next chunk of its prompt. When the pool has no block for a
-running request, the newest running request is preempted (its blocks are freed, it goes back to the
-front of the waiting queue and is recomputed later, reusing whatever prefix stayed cached). Then,
-if nothing was preempted, waiting requests are admitted in order with chunked prefill until the
-token budget or `max_num_seqs` is spent.
+budget (a replay, below, several), an unfinished prefill takes the next chunk of its prompt. When
+the pool has no block for a running request, the newest running request is preempted (its blocks
+are freed, it goes back to the front of the waiting queue and is recomputed later, reusing
+whatever prefix stayed cached). Then, if nothing was preempted, waiting requests are admitted in
+order with chunked prefill until the token budget or `max_num_seqs` is spent.
 
 Recompute replays: a resumed request computes the rest of its prompt in chunks, as any prompt,
 then its generated tokens in chunks of their own (`num_new_tokens`), which the runner runs as one

@@ -11,8 +11,8 @@ interpreter's data cold in the caches at every step.
 
 It takes a step when the model is bf16 on a CPU with AVX-512 BF16, every projection has a GEMV
 copy, and the step is decode only, with at most `gemv.max_rows()` decode sequences (every
-decode-only step, except on CPUs with AMX; a replay after a preemption gives one per token). Results: the module path's, computed in the same order with the
-same rounding.
+decode-only step, except on CPUs with AMX; a replay after a preemption gives one per token).
+Results: the module path's, computed in the same order with the same rounding.
 """
 
 from __future__ import annotations

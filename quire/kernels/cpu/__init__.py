@@ -51,8 +51,6 @@ _SIGNATURES = {
     # k_block, threads.
     "gemv_bf16": [_P, _I64] + [_P] * 4 + [_I64] + [_I32] * 5,
     "gemv_bf16_available": [],
-    # DecodeLayer*, DecodeStep*, hidden, residual, first layer.
-    "decode_layer_bf16": [_P] * 4 + [_I32],
     # DecodeModel*, DecodeStep*, token ids, positions, hidden, residual, out.
     "decode_step_bf16": [_P] * 7,
 }

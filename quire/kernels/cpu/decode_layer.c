@@ -58,8 +58,8 @@ typedef struct {
 // hidden [num_seqs, hidden_size]: in, the previous layer's output (the embeddings when first);
 // out, this layer's. residual [num_seqs, hidden_size]: the residual stream, updated in place
 // (written from hidden when first). Returns 0, or the failing stage's negative status.
-int decode_layer_bf16(const DecodeLayer* L, const DecodeStep* S, uint16_t* hidden,
-                      uint16_t* residual, int first) {
+static int decode_layer_bf16(const DecodeLayer* L, const DecodeStep* S, uint16_t* hidden,
+                             uint16_t* residual, int first) {
     const int B = S->num_seqs, H = L->hidden_size, D = L->head_dim, I = L->intermediate_size;
     const int Q = L->num_heads * D, KV = L->num_kv_heads * D, W = Q + 2 * KV;
     const int threads = S->num_threads;
@@ -129,7 +129,8 @@ int decode_step_bf16(const DecodeModel* M, const DecodeStep* S, const int64_t* t
             positions[b] >= M->max_position)
             return -4;
     for (int b = 0; b < B; b++) {
-        memcpy(hidden + (int64_t)b * H, M->embedding + token_ids[b] * H, (size_t)H * sizeof(uint16_t));
+        memcpy(hidden + (int64_t)b * H, M->embedding + token_ids[b] * H,
+               (size_t)H * sizeof(uint16_t));
         const float* c = M->cos_cache + positions[b] * D;
         const float* s = M->sin_cache + positions[b] * D;
         for (int d = 0; d < D; d++) {
