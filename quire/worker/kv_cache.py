@@ -15,6 +15,7 @@ from quire.layers.rotary import RotaryEmbedding
 from quire.layers.sampler import Sampler, SamplingBatch
 from quire.model.model_config import ModelConfig
 from quire.sampling_params import SamplingParams
+from quire.worker import host_memory
 
 logger = logging.getLogger(__name__)
 
@@ -176,11 +177,15 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: str,
 ) -> None:
-    """One K and one V tensor `[num_blocks, block_size, num_kv_heads, head_dim]` per layer."""
-    for layer in layers:
-        shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
-        layer.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+    """One K and one V tensor `[num_blocks, block_size, num_kv_heads, head_dim]` per layer; on
+    CPU all of them in one arena of huge pages (host_memory.py)."""
+    shapes = [(num_blocks, block_size, layer.num_kv_heads, layer.head_dim) for layer in layers]
+    if torch.device(device).type == "cpu":
+        caches = host_memory.zeros([(shape, dtype) for shape in shapes for _ in range(2)])
+    else:
+        caches = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes for _ in "kv"]
+    for i, layer in enumerate(layers):
+        layer.k_cache, layer.v_cache = caches[2 * i], caches[2 * i + 1]
     total = 2 * sum(layer.k_cache.nbytes for layer in layers)
     logger.info("KV cache: %d blocks of %d tokens, %.0f MiB", num_blocks, block_size, total / 2**20)
 

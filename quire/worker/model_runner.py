@@ -20,7 +20,7 @@ from quire.engine.scheduler import ScheduledRequest, SchedulerOutput
 from quire.layers.sampler import Sampler, SamplingBatch, compute_topk_logprobs
 from quire.model.loader import load_model
 from quire.model.model_config import ModelConfig
-from quire.worker import kv_cache
+from quire.worker import host_memory, kv_cache
 from quire.worker.cuda_graph import CUDAGraphRunner, use_cuda_graphs
 
 logger = logging.getLogger(__name__)
@@ -65,6 +65,8 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.block_size = config.block_size
         self.model = load_model(config, model_config, dtype, max_model_len)
+        if self.device.type == "cpu":
+            host_memory.move_to_huge_pages(self.model)
         self.layers = self.model.attention_layers
         self.backend = make_backend(config.attention_backend)
         for layer in self.layers:
