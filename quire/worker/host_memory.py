@@ -134,12 +134,13 @@ def move_to_huge_pages(module: nn.Module) -> int:
                 found.setdefault(key, (t, []))[1].append((m, kind, name))
     if not found:
         return 0
-    originals = [t for t, _ in found.values()]
-    copies = carve(
-        arena(arena_bytes([(tuple(t.shape), t.dtype) for t in originals])),
-        [(tuple(t.shape), t.dtype) for t in originals],
-    )
-    for (t, places), new in zip(found.values(), copies, strict=True):
+    specs = [(tuple(t.shape), t.dtype) for t, _ in found.values()]
+    copies = carve(arena(arena_bytes(specs)), specs)
+    moved = sum(t.nbytes for t, _ in found.values())
+    # One tensor at a time, each original dropped once rebound, so that the peak is the weights
+    # plus the largest tensor, not twice the weights (the arena's pages fault in as written).
+    for new in copies:
+        t, places = found.pop(next(iter(found)))  # in insertion order, as specs
         new.copy_(t)
         for m, kind, name in places:
             if kind == "param":
@@ -148,6 +149,6 @@ def move_to_huge_pages(module: nn.Module) -> int:
                 m._buffers[name] = new
             else:
                 setattr(m, name, new)
-    moved = sum(t.nbytes for t in originals)
-    logger.info("Weights on huge pages: %d tensors, %.0f MiB", len(originals), moved / 2**20)
+        del t
+    logger.info("Weights on huge pages: %d tensors, %.0f MiB", len(copies), moved / 2**20)
     return moved
