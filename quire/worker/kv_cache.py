@@ -179,11 +179,15 @@ def allocate_kv_cache(
 ) -> None:
     """One K and one V tensor `[num_blocks, block_size, num_kv_heads, head_dim]` per layer; on
     CPU all of them in one arena of huge pages (host_memory.py)."""
-    shapes = [(num_blocks, block_size, layer.num_kv_heads, layer.head_dim) for layer in layers]
+    specs = [
+        ((num_blocks, block_size, layer.num_kv_heads, layer.head_dim), dtype)
+        for layer in layers
+        for _ in "kv"
+    ]
     if torch.device(device).type == "cpu":
-        caches = host_memory.zeros([(shape, dtype) for shape in shapes for _ in range(2)])
+        caches = host_memory.zeros(specs)
     else:
-        caches = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes for _ in "kv"]
+        caches = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in specs]
     for i, layer in enumerate(layers):
         layer.k_cache, layer.v_cache = caches[2 * i], caches[2 * i + 1]
     total = 2 * sum(layer.k_cache.nbytes for layer in layers)
