@@ -1,5 +1,5 @@
 """The C add + RMSNorm, rotary and SiLU-and-mul kernels give the same bits as Hugging Face's bf16
-modules."""
+modules, and the C argmax the same indices as torch.argmax."""
 
 from __future__ import annotations
 
@@ -122,3 +122,45 @@ def test_silu_and_mul_falls_back_to_torch_off_the_kernel() -> None:
     gate_up = torch.randn(2, 3, 8)  # float32, 3-d: torch's ops
     gate, up = gate_up.chunk(2, dim=-1)
     assert torch.equal(silu_and_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 32])
+@pytest.mark.parametrize("cols", [1, 15, 16, 17, 49152])
+def test_argmax_is_torch_argmax(rows: int, cols: int) -> None:
+    """Values, ties (the first maximum wins), NaNs (the first NaN wins, wherever it is), and
+    rows of -inf or inf only."""
+    gen = torch.Generator().manual_seed(rows * cols)
+    cases = [
+        torch.randn(rows, cols, generator=gen),
+        torch.randint(0, 3, (rows, cols), generator=gen).float(),
+        torch.full((rows, cols), float("-inf")),
+        torch.full((rows, cols), float("inf")),
+    ]
+    with_nans = torch.randn(rows, cols, generator=gen)
+    with_nans.view(-1)[torch.randint(0, rows * cols, (rows,), generator=gen)] = float("nan")
+    with_nans[-1, -1] = float("nan")  # in the scalar tail of the vector loop
+    cases.append(with_nans)
+    for x in cases:
+        assert torch.equal(pointwise.argmax(x), x.argmax(dim=-1))
+
+
+def test_argmax_of_a_strided_or_bf16_tensor_is_torch_argmax() -> None:
+    x = torch.randn(4, 100)
+    assert torch.equal(pointwise.argmax(x[:, ::2]), x[:, ::2].argmax(dim=-1))
+    assert torch.equal(pointwise.argmax(x.bfloat16()), x.bfloat16().argmax(dim=-1))
+
+
+@pytest.mark.parametrize("rows", [1, 64])  # SiLU computed (decode), SiLU from the table (prefill)
+def test_silu_and_mul_is_torch_bit_for_bit_on_every_gate_value(rows: int) -> None:
+    """All 65536 bf16 gate patterns (NaNs, infinities, subnormals, the overflow of exp(-g) below
+    -88, values whose SiLU lies next to a bf16 rounding tie), each against two values of up."""
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    for up in (torch.ones_like(every), (torch.randn(every.numel(), generator=gen) * 50).bfloat16()):
+        gate_up = torch.cat([every, up]).view(1, -1).expand(rows, -1).contiguous()
+        out = pointwise.silu_and_mul(gate_up)[-1]
+        expected = F.silu(every) * up
+        same = (out.view(torch.int16) == expected.view(torch.int16)) | (
+            out.isnan() & expected.isnan()
+        )
+        assert same.all(), every[~same][:8]

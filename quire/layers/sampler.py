@@ -12,28 +12,32 @@ unmodified logits), not of the penalized or filtered one.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from quire.kernels.cpu import pointwise
 from quire.sampling_params import SamplingParams
 
 
 @dataclass
 class SamplingBatch:
-    """The sampling parameters of one step's sampled sequences, one row each, on the device.
+    """The sampling parameters of one step's sampled sequences, one row each.
 
     Greedy rows have temperature 0 and their filters switched off (top_k 0, top_p 1, min_p 0), so
-    the flags below only report work that some random row needs.
+    the flags below only report work that some random row needs. The per-row tensors are built on
+    the device when first read: a step whose rows are all greedy and unpenalized reads none of
+    them, and on a CPU each tensor built costs more than the argmax it would feed.
     """
 
-    temperature: torch.Tensor  # [S] float32, 0 for greedy rows
-    top_p: torch.Tensor  # [S] float32, 1 = off
-    top_k: torch.Tensor  # [S] int64, 0 = off
-    min_p: torch.Tensor  # [S] float32, 0 = off
-    presence_penalty: torch.Tensor  # [S] float32
-    frequency_penalty: torch.Tensor  # [S] float32
-    repetition_penalty: torch.Tensor  # [S] float32
+    temperatures: list[float]  # 0 for greedy rows
+    top_ps: list[float]  # 1 = off
+    top_ks: list[int]  # 0 = off
+    min_ps: list[float]  # 0 = off
+    presence_penalties: list[float]
+    frequency_penalties: list[float]
+    repetition_penalties: list[float]
     # Per row; None draws from torch's default RNG. On the logits' device.
     generators: list[torch.Generator | None]
     output_token_ids: list[list[int]]  # generated so far, per row (all penalties)
@@ -48,6 +52,38 @@ class SamplingBatch:
     any_repetition_penalty: bool
     any_presence_frequency_penalty: bool
     any_banned: bool
+    device: torch.device | str = "cpu"
+
+    def _tensor(self, values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    @functools.cached_property
+    def temperature(self) -> torch.Tensor:  # [S] float32, 0 for greedy rows
+        return self._tensor(self.temperatures)
+
+    @functools.cached_property
+    def top_p(self) -> torch.Tensor:  # [S] float32, 1 = off
+        return self._tensor(self.top_ps)
+
+    @functools.cached_property
+    def top_k(self) -> torch.Tensor:  # [S] int64, 0 = off
+        return self._tensor(self.top_ks, torch.int64)
+
+    @functools.cached_property
+    def min_p(self) -> torch.Tensor:  # [S] float32, 0 = off
+        return self._tensor(self.min_ps)
+
+    @functools.cached_property
+    def presence_penalty(self) -> torch.Tensor:  # [S] float32
+        return self._tensor(self.presence_penalties)
+
+    @functools.cached_property
+    def frequency_penalty(self) -> torch.Tensor:  # [S] float32
+        return self._tensor(self.frequency_penalties)
+
+    @functools.cached_property
+    def repetition_penalty(self) -> torch.Tensor:  # [S] float32
+        return self._tensor(self.repetition_penalties)
 
     @classmethod
     def from_params(
@@ -65,18 +101,17 @@ class SamplingBatch:
         top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
         min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
         num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
-
-        def as_tensor(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
+        repetition = [p.repetition_penalty for p in params]
+        presence = [p.presence_penalty for p in params]
+        frequency = [p.frequency_penalty for p in params]
         return cls(
-            temperature=as_tensor(temperature),
-            top_p=as_tensor(top_p),
-            top_k=as_tensor(top_k, torch.int64),
-            min_p=as_tensor(min_p),
-            presence_penalty=as_tensor([p.presence_penalty for p in params]),
-            frequency_penalty=as_tensor([p.frequency_penalty for p in params]),
-            repetition_penalty=as_tensor([p.repetition_penalty for p in params]),
+            temperatures=temperature,
+            top_ps=top_p,
+            top_ks=top_k,
+            min_ps=min_p,
+            presence_penalties=presence,
+            frequency_penalties=frequency,
+            repetition_penalties=repetition,
             generators=generators,
             output_token_ids=output_token_ids,
             prompt_token_ids=prompt_token_ids,
@@ -87,11 +122,12 @@ class SamplingBatch:
             max_top_k=max(top_k, default=0),
             any_top_p=any(p < 1.0 for p in top_p),
             any_min_p=any(p > 0.0 for p in min_p),
-            any_repetition_penalty=any(p.repetition_penalty != 1.0 for p in params),
+            any_repetition_penalty=any(p != 1.0 for p in repetition),
             any_presence_frequency_penalty=any(
-                p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params
+                p != 0.0 or f != 0.0 for p, f in zip(presence, frequency)
             ),
             any_banned=any(banned_token_ids),
+            device=device,
         )
 
 
@@ -183,11 +219,17 @@ def sample(
     batch: SamplingBatch,
 ) -> torch.Tensor:  # [S] int64
     if batch.all_greedy:
-        return logits.argmax(dim=-1)
+        return greedy(logits)
     random = sample_random(logits, batch)
     if batch.all_random:
         return random
-    return torch.where(batch.temperature == 0, logits.argmax(dim=-1), random)
+    return torch.where(batch.temperature == 0, greedy(logits), random)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:  # [S, V] -> [S] int64, torch.argmax's ties
+    if logits.dim() == 2 and logits.device.type == "cpu":
+        return pointwise.argmax(logits)
+    return logits.argmax(dim=-1)
 
 
 def sample_random(

@@ -68,6 +68,11 @@ def _data(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as a contiguous `dtype` tensor, converted only when it is not one already."""
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
 def _fits(metadata: AttentionMetadata, num_tokens: int) -> bool:
     return metadata.num_decodes == metadata.num_seqs == num_tokens <= gemv.max_rows()
 
@@ -102,6 +107,7 @@ class CpuDecodePath:
             "act": cfg.intermediate_size,
         }
         self._scratch: dict[str, torch.Tensor] = {}
+        self._step = _DecodeStep()  # over the scratch rows; rebuilt when they grow
 
     @staticmethod
     def supported(model: LlamaForCausalLM) -> bool:
@@ -201,27 +207,32 @@ class CpuDecodePath:
             )
         if self._cache_ptr != model.layers[0].self_attn.k_cache.data_ptr():
             self._build_layers()  # first step, or the KV cache was reallocated
-        slots = metadata.slot_mapping.to(torch.int64).contiguous()
-        block_tables = metadata.block_tables.to(torch.int32).contiguous()
-        seq_lens = metadata.seq_lens.to(torch.int32).contiguous()
-        token_ids = input_ids.to(torch.int64).contiguous()
-        positions = positions.to(torch.int64).contiguous()
+        slots = _as(metadata.slot_mapping, torch.int64)
+        block_tables = _as(metadata.block_tables, torch.int32)
+        seq_lens = _as(metadata.seq_lens, torch.int32)
+        token_ids = _as(input_ids, torch.int64)
+        positions = _as(positions, torch.int64)
         if not self._scratch or self._scratch["x"].shape[0] < num_seqs:
             self._scratch = {
                 name: torch.empty(num_seqs, width, dtype=torch.bfloat16)
                 for name, width in self._scratch_widths.items()
             }
+            self._step = _DecodeStep(
+                silu=_data(pointwise.silu_table()),
+                **{
+                    name: _data(self._scratch[name])
+                    for name in _STEP_POINTERS.split()
+                    if name in self._scratch
+                },
+            )
+        step = self._step  # the scratch pointers set above; the step's own fields here
+        step.slots = slots.data_ptr()
+        step.block_tables = block_tables.data_ptr()
+        step.seq_lens = seq_lens.data_ptr()
+        step.num_seqs = num_seqs
+        step.max_blocks = block_tables.shape[1]
+        step.num_threads = torch.get_num_threads()
         scratch = self._scratch
-        step = _DecodeStep(
-            slots=_data(slots),
-            block_tables=_data(block_tables),
-            seq_lens=_data(seq_lens),
-            silu=_data(pointwise.silu_table()),
-            **{name: _data(scratch[name]) for name in _STEP_POINTERS.split() if name in scratch},
-            num_seqs=num_seqs,
-            max_blocks=block_tables.shape[1],
-            num_threads=torch.get_num_threads(),
-        )
         out = torch.empty(num_seqs, model.config.hidden_size, dtype=torch.bfloat16)
         status = cpu_kernels.load_library().decode_step_bf16(
             ctypes.byref(self._model),

@@ -51,6 +51,8 @@ _SIGNATURES = {
     # k_block, threads.
     "gemv_bf16": [_P, _I64] + [_P] * 4 + [_I64] + [_I32] * 5,
     "gemv_bf16_available": [],
+    # x, rows, cols, out, num_threads.
+    "argmax_f32": [_P, _I64, _I64, _P, _I32],
     # DecodeModel*, DecodeStep*, token ids, positions, hidden, residual, out.
     "decode_step_bf16": [_P] * 7,
 }

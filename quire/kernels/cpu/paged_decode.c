@@ -148,6 +148,8 @@ int NAME(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_ta
 // output is written back in natural order at the end.
 #include <immintrin.h>
 
+#include "vec_math.h"
+
 #define CHUNK 16           // context positions per step: one score per lane of a zmm register
 #define PREFETCH_CHUNKS 2  // how far ahead K/V rows are prefetched
 #define OFFSET_RING 4      // chunks whose row offsets are kept
@@ -156,27 +158,6 @@ _Static_assert(OFFSET_RING > PREFETCH_CHUNKS, "chunks c and c + PREFETCH_CHUNKS 
 #define PV_TILE_SLICES 2   // 32-dim slices per PV tile (4 x 2 x 2 = 16 zmm accumulators)
 
 static inline int min_int(int a, int b) { return a < b ? a : b; }
-
-// exp(x) for each lane, to about 1 ulp (Cephes expf): x = n ln2 + r with |r| <= ln2 / 2, a
-// degree-7 polynomial for exp(r), then scaling by 2^n. x is clamped to [-104, 88]: the low end
-// underflows to 0 (or the least subnormal), like expf far below -87.
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r);
-    y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(y, n);
-}
 
 // Lane t of the result = sum of the 16 lanes of v[t]: pairs of vectors are interleaved and
 // added (unpack ps, unpack pd, then 128-bit lane shuffles twice), halving the count each level.

@@ -4,13 +4,15 @@
 //   add + RMSNorm: residual = bf16(x + residual); out = bf16(bf16(residual * rstd) * weight),
 //                  rstd = 1 / sqrt(mean(residual^2) + eps) in float32
 //   rotary:        x' = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin))
-//   SiLU and mul:  out = bf16(silu(gate) * up), silu from a table of torch's own bf16 values
+//   SiLU and mul:  out = bf16(silu(gate) * up), silu as torch's bf16 SiLU gives it, bit for bit
+//   argmax:        the first maximum of each float32 row, NaN above all (torch.argmax)
 // OpenMP over rows once there are enough of them to pay for waking the threads.
 #include <math.h>
 #include <stdint.h>
 
 #include "bf16.h"
 #include "kernels.h"
+#include "vec_math.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -82,29 +84,72 @@ int rotary_bf16(uint16_t* x, int64_t row_stride, const uint16_t* cos, const uint
     return 0;
 }
 
-// silu(gate) * up for each row of gate_up [rows, 2 * d] (gate, then up), into out [rows, d]. The
-// SiLU comes from silu [65536], torch's own bf16 SiLU of every bit pattern as float32 (a float32
-// formula here would differ from torch's vectorized one on some inputs); the product of two bf16
-// values is exact in float32 and rounded once, so the result is `F.silu(gate) * up` bit for bit
-// (NaN payloads aside). With AVX-512, 16 lanes at a time, the table read by a gather: 1.3-2x
-// torch's silu and mul on a 2,048-token prefill of SmolLM2's MLP.
+// silu(gate) * up for each row of gate_up [rows, 2 * d] (gate, then up), into out [rows, d], as
+// torch computes `F.silu(gate) * up` in bf16: silu(g) = g / (1 + exp(-g)) in float32 rounded to
+// bf16, times up (exact in float32), rounded once more. `silu` [65536] holds torch's own bf16
+// SiLU of every bit pattern, as float32; it is the reference. With AVX-512 the SiLU is computed
+// 16 lanes at a time, and a lane reads the table only where the computed value could round
+// otherwise than torch's: within SILU_NEAR_TIE float32 ulps of a bf16 rounding tie (our exp is
+// within ~2 ulps; ~0.4% of all bf16 inputs), below -88 (torch's exp(-g) overflows there, giving
+// -0), or not finite. Reading the table for every lane, as this did before, costs ~3.5 us per
+// layer in a decode step: the weights streaming through evict the 256 KB table from the caches.
+// From SILU_TABLE_ROWS rows on (a prefill) the table stays in cache and a gather per lane is
+// faster than the exp and the division (2,048 rows of SmolLM2's MLP: 0.63 against 0.96 ms).
+// tests/test_cpu_pointwise.py checks all 65536 gate values against the table.
+#define SILU_NEAR_TIE 64
+#define SILU_TABLE_ROWS 64
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 bf16 values from memory, as float32 bit patterns.
+static inline __m512i load_bf16_bits(const uint16_t* p) {
+    return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
+}
+
+// f rounded to bf16 (nearest even, as f32_to_bf16), still as float32 bit patterns.
+static inline __m512i round_to_bf16_bits(__m512i f) {
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(f, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(f, _mm512_set1_epi32(0x7FFF)), lsb);
+    return _mm512_and_si512(rounded, _mm512_set1_epi32((int)0xFFFF0000u));
+}
+
+// bf16(s * u) for 16 lanes, s and u bf16 values as float32 bit patterns: the product is exact in
+// float32, then rounded once.
+static inline __m256i silu_times_up(__m512i s, __m512i u) {
+    const __m512 p = _mm512_mul_ps(_mm512_castsi512_ps(s), _mm512_castsi512_ps(u));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_to_bf16_bits(_mm512_castps_si512(p)), 16));
+}
+
+// torch's bf16 SiLU of 16 gate values g (bf16 bit patterns zero-extended, x the same as floats).
+static inline __m512i silu_bits(__m512i g, __m512 x, const float* silu) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));
+    const __m512i f = _mm512_castps_si512(_mm512_div_ps(x, _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
+    const __m512i low_bits = _mm512_and_si512(f, _mm512_set1_epi32(0xFFFF));
+    const __m512i tie_distance =
+        _mm512_abs_epi32(_mm512_sub_epi32(low_bits, _mm512_set1_epi32(0x8000)));
+    const __m512i exponent = _mm512_set1_epi32(0x7F800000);
+    const __mmask16 table =
+        _mm512_cmplt_epi32_mask(tie_distance, _mm512_set1_epi32(SILU_NEAR_TIE)) |
+        _mm512_cmplt_ps_mask(x, _mm512_set1_ps(-88.0f)) |
+        _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(x), exponent), exponent);
+    const __m512 s = _mm512_castsi512_ps(round_to_bf16_bits(f));
+    if (!table) return _mm512_castps_si512(s);
+    return _mm512_castps_si512(_mm512_mask_i32gather_ps(s, table, g, silu, 4));
+}
+#endif
 
 static void silu_and_mul_row(const uint16_t* gate, const uint16_t* up, const float* silu,
-                             uint16_t* out, int d) {
+                             uint16_t* out, int d, int table_only) {
     int i = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     for (; i + 16 <= d; i += 16) {
-        const __m512i g = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(gate + i)));
-        const __m512 s = _mm512_i32gather_ps(g, silu, 4);
-        const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(up + i)));
-        const __m512i p = _mm512_castps_si512(
-            _mm512_mul_ps(s, _mm512_castsi512_ps(_mm512_slli_epi32(u, 16))));
-        // Round to nearest even, as f32_to_bf16: (p + 0x7FFF + bit 16 of p) >> 16.
-        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(p, 16), _mm512_set1_epi32(1));
-        const __m512i r = _mm512_srli_epi32(
-            _mm512_add_epi32(_mm512_add_epi32(p, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-        _mm256_storeu_si256((__m256i*)(out + i), _mm512_cvtepi32_epi16(r));
+        const __m512i g_bits = load_bf16_bits(gate + i);
+        const __m512i g = _mm512_srli_epi32(g_bits, 16);
+        const __m512i s = table_only ? _mm512_castps_si512(_mm512_i32gather_ps(g, silu, 4))
+                                     : silu_bits(g, _mm512_castsi512_ps(g_bits), silu);
+        _mm256_storeu_si256((__m256i*)(out + i), silu_times_up(s, load_bf16_bits(up + i)));
     }
+#else
+    (void)table_only;
 #endif
     for (; i < d; i++) out[i] = f32_to_bf16(silu[gate[i]] * bf16_to_f32(up[i]));
 }
@@ -115,7 +160,58 @@ int silu_and_mul_bf16(const uint16_t* gate_up, const float* silu, uint16_t* out,
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int r = 0; r < rows; r++) {
         const uint16_t* gate = gate_up + (int64_t)r * 2 * d;
-        silu_and_mul_row(gate, gate + d, silu, out + (int64_t)r * d, d);
+        silu_and_mul_row(gate, gate + d, silu, out + (int64_t)r * d, d, rows >= SILU_TABLE_ROWS);
     }
+    return 0;
+}
+
+// Index of the largest value of each row of x [rows, cols] float32 into out [rows], as
+// torch.argmax gives it: the first of equal maxima, and the first NaN when a row has one (NaN
+// ranks above every number). NaNs are told by their bits: the library is built with
+// -ffast-math, under which float comparisons may assume there are none.
+static int64_t argmax_row(const float* x, int64_t cols) {
+    const uint32_t* bits = (const uint32_t*)x;
+    int64_t i = 0;
+    float best = -INFINITY;
+#if defined(__AVX512F__)
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), inf = _mm512_set1_epi32(0x7F800000);
+    __mmask16 nan = 0;
+    for (; i + 16 <= cols; i += 16) {
+        const __m512i v = _mm512_loadu_si512(x + i);
+        nan |= _mm512_cmpgt_epi32_mask(_mm512_and_si512(v, abs_mask), inf);
+        vmax = _mm512_max_ps(vmax, _mm512_castsi512_ps(v));
+    }
+    best = _mm512_reduce_max_ps(vmax);
+    const int64_t vector_end = i;
+    for (; i < cols; i++) best = x[i] > best ? x[i] : best;
+    if (!nan) {
+        for (int64_t j = vector_end; j < cols; j++) nan |= (bits[j] & 0x7FFFFFFFu) > 0x7F800000u;
+    }
+    if (!nan) {  // the first position holding the maximum
+        const __m512 b = _mm512_set1_ps(best);
+        for (i = 0; i + 16 <= cols; i += 16) {
+            const __mmask16 hit = _mm512_cmpeq_ps_mask(_mm512_loadu_ps(x + i), b);
+            if (hit) return i + __builtin_ctz(hit);
+        }
+        for (; i < cols; i++)
+            if (x[i] == best) return i;
+        return 0;  // every value -inf: torch returns 0 as well
+    }
+#endif
+    for (i = 0; i < cols; i++)  // a NaN somewhere (or no AVX-512): scalar, in order
+        if ((bits[i] & 0x7FFFFFFFu) > 0x7F800000u) return i;
+    int64_t at = 0;
+    best = x[0];
+    for (i = 1; i < cols; i++)
+        if (x[i] > best) best = x[i], at = i;
+    return at;
+}
+
+int argmax_f32(const float* x, int64_t rows, int64_t cols, int64_t* out, int num_threads) {
+    if (rows < 0 || cols < 1) return -1;
+    const int threads = rows >= 2 ? num_threads : 1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * cols, cols);
     return 0;
 }
