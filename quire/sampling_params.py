@@ -104,6 +104,12 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
         )
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether the token is the argmax of the raw logits (when no token is banned): greedy,
+        unpenalized, no logprobs."""
+        return self.is_greedy and self.logprobs is None and not self.uses_penalties
+
     def clone(self) -> SamplingParams:
         copy = SamplingParams.__new__(SamplingParams)
         copy.__dict__.update(self.__dict__)
