@@ -47,30 +47,53 @@ def stored_kv(model: LlamaForCausalLM, slots: torch.Tensor) -> list[torch.Tensor
 
 
 def check_each_fused_step(model: LlamaForCausalLM, monkeypatch) -> list[int]:
-    """Wraps `model.cpu_decode.forward` so that each step it runs is run again through the module
-    path on the same inputs: the hidden states, and the K/V the fused step stored, must be equal
+    """Wraps `model.cpu_decode.forward` and `argmax_tokens` so that each step they run is run
+    again through the module path on the same inputs: the hidden states, the K/V the fused step
+    stored, and (argmax_tokens) the tokens, the argmax of the module path's logits, must be equal
     bit for bit. Returns the list each checked step's request count is appended to."""
     path = model.cpu_decode
-    fused_forward = path.forward
+    fused_forward, fused_argmax = path.forward, path.argmax_tokens
     steps: list[int] = []
 
-    def forward(input_ids, positions, metadata):
-        num_seqs = input_ids.shape[0]  # a decode-only step of at most max_rows() requests
-        assert metadata.num_decodes == metadata.num_seqs == num_seqs <= gemv.max_rows()
-        hidden = fused_forward(input_ids, positions, metadata).clone()
-        fused_kv = stored_kv(model, metadata.slot_mapping)
+    def module_path(input_ids, positions, metadata) -> torch.Tensor:
         model.cpu_decode = None
         try:
-            expected = model(input_ids, positions, metadata)
+            return model(input_ids, positions, metadata)
         finally:
             model.cpu_decode = path
-        assert torch.equal(hidden, expected), (hidden - expected).abs().max()
+
+    def check(input_ids, positions, metadata, run) -> tuple:
+        num_seqs = input_ids.shape[0]  # a decode-only step of at most max_rows() requests
+        assert metadata.num_decodes == metadata.num_seqs == num_seqs <= gemv.max_rows()
+        result = run()
+        fused_kv = stored_kv(model, metadata.slot_mapping)
+        expected = module_path(input_ids, positions, metadata)
         for fused, module in zip(fused_kv, stored_kv(model, metadata.slot_mapping), strict=True):
             assert torch.equal(fused, module)
         steps.append(num_seqs)
+        return result, expected
+
+    def forward(input_ids, positions, metadata):
+        hidden, expected = check(
+            input_ids,
+            positions,
+            metadata,
+            lambda: fused_forward(input_ids, positions, metadata).clone(),
+        )
+        assert torch.equal(hidden, expected), (hidden - expected).abs().max()
         return hidden
 
+    def argmax_tokens(input_ids, positions, metadata):
+        tokens, expected = check(
+            input_ids, positions, metadata, lambda: fused_argmax(input_ids, positions, metadata)
+        )
+        hidden = path._hidden_out[: len(tokens)]
+        assert torch.equal(hidden, expected), (hidden - expected).abs().max()
+        assert tokens == model.compute_logits(expected).argmax(dim=-1).tolist()
+        return tokens
+
     monkeypatch.setattr(path, "forward", forward)
+    monkeypatch.setattr(path, "argmax_tokens", argmax_tokens)
     return steps
 
 
@@ -159,7 +182,14 @@ def test_more_decoding_requests_than_max_rows_take_the_module_path(bf16_llms, mo
     seen = record_takes(model, monkeypatch)
     params = [greedy(2)] + [greedy(4)] * 8  # the first request finishes after one decode step
     bf16_llms["llama"].generate(token_prompts([3] * 9), params, use_tqdm=False)
-    assert seen == [(27, 0, 9, False), (9, 9, 9, False), (8, 8, 8, True), (8, 8, 8, True)]
+    # The runner asks the argmax path first; declined there, the step goes to the module path.
+    assert seen == [
+        (27, 0, 9, False),
+        (9, 9, 9, False),
+        (9, 9, 9, False),
+        (8, 8, 8, True),
+        (8, 8, 8, True),
+    ]
     assert steps == [8, 8]
 
 
@@ -308,10 +338,12 @@ def test_a_token_id_or_position_outside_the_tables_is_a_value_error(bf16_llms, m
         return fused_forward(input_ids, positions, metadata)
 
     monkeypatch.setattr(path, "forward", capture)
-    llm.generate([{"prompt_token_ids": [5, 6, 7]}], greedy(2), use_tqdm=False)
+    # logprobs: the step goes through forward, not argmax_tokens
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], greedy(2, logprobs=0), use_tqdm=False)
     input_ids, positions, metadata = inputs[-1]
     vocab, max_position = model.embed_tokens.weight.shape[0], model.rotary.cos_cache.shape[0]
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        fused_forward(torch.full_like(input_ids, vocab), positions, metadata)
-    with pytest.raises(ValueError, match="outside the rotary tables"):
-        fused_forward(input_ids, torch.full_like(positions, max_position), metadata)
+    for run in (fused_forward, path.argmax_tokens):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            run(torch.full_like(input_ids, vocab), positions, metadata)
+        with pytest.raises(ValueError, match="outside the rotary tables"):
+            run(input_ids, torch.full_like(positions, max_position), metadata)

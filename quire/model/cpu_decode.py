@@ -39,7 +39,7 @@ _LAYER_INTS = (
     "qkv_k_block o_k_block gate_up_k_block down_k_block"
 )
 _STEP_POINTERS = "cos sin slots block_tables seq_lens silu x qkv q attn gate_up act"
-_MODEL_POINTERS = "layers embedding cos_cache sin_cache final_norm"
+_MODEL_POINTERS = "layers embedding cos_cache sin_cache final_norm lm_head lm_head_bias"
 
 
 class _DecodeLayer(ctypes.Structure):  # DecodeLayer in decode_layer.c, field for field
@@ -59,7 +59,10 @@ class _DecodeStep(ctypes.Structure):  # DecodeStep in decode_layer.c, field for 
 class _DecodeModel(ctypes.Structure):  # DecodeModel in decode_layer.c, field for field
     _fields_ = (
         [(name, _ptr) for name in _MODEL_POINTERS.split()]
-        + [(name, ctypes.c_int32) for name in ("num_layers", "vocab_size", "max_position")]
+        + [
+            (name, ctypes.c_int32)
+            for name in ("num_layers", "vocab_size", "max_position", "lm_head_k_block")
+        ]
         + [("final_eps", ctypes.c_float)]
     )
 
@@ -108,6 +111,10 @@ class CpuDecodePath:
         }
         self._scratch: dict[str, torch.Tensor] = {}
         self._step = _DecodeStep()  # over the scratch rows; rebuilt when they grow
+        # argmax_tokens' outputs, grown to the widest step seen.
+        self._hidden_out = torch.empty(0, cfg.hidden_size, dtype=torch.bfloat16)
+        self._logits = torch.empty(0, 0)
+        self._argmax_ids = torch.empty(0, dtype=torch.int64)
 
     @staticmethod
     def supported(model: LlamaForCausalLM) -> bool:
@@ -131,6 +138,19 @@ class CpuDecodePath:
         """Whether this step runs here: decode only (one token per sequence), at most
         `gemv.max_rows()` sequences."""
         return _fits(metadata, num_tokens)
+
+    def _lm_head_packed(self) -> bool:
+        lm_head = self.model.lm_head
+        return (
+            isinstance(lm_head, PackedLinear)
+            and lm_head.gemv_weight is not None
+            and lm_head.out_features == self.model.embed_tokens.weight.shape[0]
+        )
+
+    def takes_argmax(self, metadata: AttentionMetadata, num_tokens: int) -> bool:
+        """Whether `argmax_tokens` runs this step: `takes`, and an LM head the GEMV kernel
+        holds."""
+        return self._lm_head_packed() and self.takes(metadata, num_tokens)
 
     def _build_layers(self) -> None:
         model, cfg = self.model, self.model.config
@@ -179,15 +199,19 @@ class CpuDecodePath:
             raise ValueError("CpuDecodePath: the rotary tables must be contiguous float32")
         if not embedding.is_contiguous():
             raise ValueError("CpuDecodePath: the embedding table must be contiguous")
+        lm_head = model.lm_head if self._lm_head_packed() else None
         self._model = _DecodeModel(
             layers=ctypes.addressof(self._layers),
             embedding=_data(embedding),
             cos_cache=_data(rotary.cos_cache),
             sin_cache=_data(rotary.sin_cache),
             final_norm=_data(model.norm.weight),
+            lm_head=None if lm_head is None else _data(lm_head.gemv_weight),
+            lm_head_bias=None if lm_head is None else _data(lm_head.bias),
             num_layers=len(layers),
             vocab_size=embedding.shape[0],
             max_position=rotary.cos_cache.shape[0],
+            lm_head_k_block=0 if lm_head is None else lm_head.gemv_k_block,
             final_eps=model.norm.eps,
         )
         self._cache_ptr = model.layers[0].self_attn.k_cache.data_ptr()
@@ -198,6 +222,42 @@ class CpuDecodePath:
         positions: torch.Tensor,  # [num_seqs]
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_seqs, hidden_size], after the final norm
+        out = torch.empty(input_ids.shape[0], self.model.config.hidden_size, dtype=torch.bfloat16)
+        self._run(input_ids, positions, metadata, out)
+        return out
+
+    def argmax_tokens(
+        self,
+        input_ids: torch.Tensor,  # [num_seqs]
+        positions: torch.Tensor,  # [num_seqs]
+        metadata: AttentionMetadata,
+    ) -> list[int]:  # each sequence's argmax token
+        """`forward`, `compute_logits` and the greedy argmax in one C call, into buffers kept
+        from step to step: what the runner would compute for rows that take the argmax, without
+        the torch ops around the LM head (each costs 10-25 us with the caches cold from the
+        weights, ~3% of a batch-1 step together)."""
+        num_seqs = input_ids.shape[0]
+        if self._argmax_ids.shape[0] < num_seqs:
+            vocab_size = self.model.embed_tokens.weight.shape[0]
+            self._logits = torch.empty(num_seqs, vocab_size, dtype=torch.float32)
+            self._argmax_ids = torch.empty(num_seqs, dtype=torch.int64)
+            self._hidden_out = torch.empty(
+                num_seqs, self._scratch_widths["x"], dtype=torch.bfloat16
+            )
+        self._run(input_ids, positions, metadata, self._hidden_out, self._logits, self._argmax_ids)
+        return self._argmax_ids[:num_seqs].tolist()
+
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        out: torch.Tensor,  # [>= num_seqs, hidden_size] bf16: the final norm's output
+        logits: torch.Tensor | None = None,  # [>= num_seqs, vocab] float32
+        argmax_ids: torch.Tensor | None = None,  # [>= num_seqs] int64
+    ) -> None:
+        """The C step into `out`; with `logits` and `argmax_ids`, the LM head and the argmax
+        too."""
         model = self.model
         num_seqs = input_ids.shape[0]
         if not _fits(metadata, num_seqs):
@@ -233,8 +293,8 @@ class CpuDecodePath:
         step.max_blocks = block_tables.shape[1]
         step.num_threads = torch.get_num_threads()
         scratch = self._scratch
-        out = torch.empty(num_seqs, model.config.hidden_size, dtype=torch.bfloat16)
-        status = cpu_kernels.load_library().decode_step_bf16(
+        lib = cpu_kernels.load_library()
+        args = [
             ctypes.byref(self._model),
             ctypes.byref(step),
             token_ids.data_ptr(),
@@ -242,7 +302,11 @@ class CpuDecodePath:
             scratch["hidden"].data_ptr(),
             scratch["residual"].data_ptr(),
             out.data_ptr(),
-        )
+        ]
+        if argmax_ids is None:
+            status = lib.decode_step_bf16(*args)
+        else:
+            status = lib.decode_step_argmax_bf16(*args, logits.data_ptr(), argmax_ids.data_ptr())
         if status == -4:
             raise ValueError(
                 f"CpuDecodePath: a token id outside the vocabulary ({self._model.vocab_size}) "
@@ -250,4 +314,3 @@ class CpuDecodePath:
             )
         if status != 0:
             raise RuntimeError(f"decode_step_bf16 failed (status {status})")
-        return out

@@ -102,6 +102,20 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer(rotary, hidden, residual, metadata)
         return self.norm(hidden, residual)[0]
 
+    def argmax_tokens(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        metadata: AttentionMetadata,
+    ) -> list[int] | None:
+        """`compute_logits(forward(...)).argmax(-1)` for a decode-only step, in one C call on a
+        CPU (cpu_decode.py); None where that path does not take the step."""
+        if self.cpu_decode is None or not self.cpu_decode.takes_argmax(
+            metadata, input_ids.shape[0]
+        ):
+            return None
+        return self.cpu_decode.argmax_tokens(input_ids, positions, metadata)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # -> [n, vocab] float32
         if self.lm_head is None:  # tied to the embedding table
             return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()

@@ -207,6 +207,16 @@ class ModelRunner:
             kv_cache.copy_blocks(self.layers, output.block_copies)
         scheduled = output.scheduled
         input_ids, positions, metadata, first_rows = self._prepare(scheduled)
+        if (
+            self.cuda_graphs is None
+            and metadata.num_decodes == len(scheduled) == input_ids.shape[0]
+            and not output.forked
+            and all(_argmax_only(s) for s in scheduled)
+        ):
+            token_ids = self.model.argmax_tokens(input_ids, positions, metadata)
+            if token_ids is not None:  # a decode step, every token computed by the CPU path
+                sampled = {s.request.request_id: t for s, t in zip(scheduled, token_ids)}
+                return ModelRunnerOutput(sampled, {}, {})
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(metadata):
             hidden = self.cuda_graphs.run(input_ids, positions, metadata)  # [num_tokens, hidden]
         else:
@@ -285,6 +295,18 @@ class ModelRunner:
             ids, lps, ranks = compute_topk_logprobs(logits.log_softmax(-1), targets, k)
             result[request.request_id] = TopLogprobs(ids.tolist(), lps.tolist(), ranks.tolist())
         return result
+
+
+def _argmax_only(entry: ScheduledRequest) -> bool:
+    """Whether the entry samples, and its token is the argmax of the raw logits: no prompt
+    logprobs to compute, greedy, unpenalized, no logprobs, nothing banned."""
+    request = entry.request
+    return (
+        entry.samples
+        and request.prompt_logprobs_done
+        and request.sampling_params.argmax_only
+        and not _banned_tokens(request)
+    )
 
 
 def _banned_tokens(request) -> list[int]:

@@ -55,6 +55,8 @@ _SIGNATURES = {
     "argmax_f32": [_P, _I64, _I64, _P, _I32],
     # DecodeModel*, DecodeStep*, token ids, positions, hidden, residual, out.
     "decode_step_bf16": [_P] * 7,
+    # The same, then logits (float32) and the argmax ids (int64).
+    "decode_step_argmax_bf16": [_P] * 9,
 }
 
 

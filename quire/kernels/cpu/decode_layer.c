@@ -104,14 +104,17 @@ static int decode_layer_bf16(const DecodeLayer* L, const DecodeStep* S, uint16_t
     return gemv_bf16(S->act, I, L->down, NULL, hidden, NULL, H, B, H, I, L->down_k_block, threads);
 }
 
-// The model around the layers: the embedding table, the rotary tables and the final norm.
+// The model around the layers: the embedding table, the rotary tables, the final norm and the
+// LM head.
 typedef struct {
     const DecodeLayer* layers;
     const uint16_t* embedding;  // [vocab_size, hidden_size]
     const float* cos_cache;  // [max_position, head_dim], the float32 rotate-half tables
     const float* sin_cache;
     const uint16_t* final_norm;
-    int32_t num_layers, vocab_size, max_position;
+    const uint16_t* lm_head;  // GEMV-packed [vocab, hidden] (see gemv.c), or NULL
+    const uint16_t* lm_head_bias;  // [vocab] or NULL
+    int32_t num_layers, vocab_size, max_position, lm_head_k_block;
     float final_eps;
 } DecodeModel;
 
@@ -144,4 +147,22 @@ int decode_step_bf16(const DecodeModel* M, const DecodeStep* S, const int64_t* t
     }
     return add_rms_norm_bf16(hidden, H, residual, M->final_norm, out, B, H, M->final_eps,
                              S->num_threads);
+}
+
+// decode_step_bf16, then the LM head over its output and the argmax of each row: the step's
+// greedy tokens into next_ids [num_seqs], the logits (float32 holding the bf16-rounded values,
+// as `linear(...).float()` gives them) into logits [num_seqs, vocab_size]. The same kernels as
+// compute_logits and the sampler's argmax, in one call. Returns 0, -5 without an LM head, or
+// the failing stage's status.
+int decode_step_argmax_bf16(const DecodeModel* M, const DecodeStep* S, const int64_t* token_ids,
+                            const int64_t* positions, uint16_t* hidden, uint16_t* residual,
+                            uint16_t* out, float* logits, int64_t* next_ids) {
+    if (!M->lm_head) return -5;
+    const int B = S->num_seqs, H = M->layers[0].hidden_size, V = M->vocab_size;
+    int status = decode_step_bf16(M, S, token_ids, positions, hidden, residual, out);
+    if (status) return status;
+    status = gemv_bf16(out, H, M->lm_head, M->lm_head_bias, NULL, logits, V, B, V, H,
+                       M->lm_head_k_block, S->num_threads);
+    if (status) return status;
+    return argmax_f32(logits, B, V, next_ids, S->num_threads);
 }
