@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from quire.attention.backend import AttentionMetadata
@@ -93,6 +94,7 @@ class CpuDecodePath:
         self._layers = (_DecodeLayer * 0)()
         self._model = _DecodeModel()
         self._cache_ptr = 0  # the first layer's K cache the structs were built over
+        self._first_attention = model.layers[0].self_attn  # read each step: no module lookups
         cfg = model.config
         q_size = cfg.num_attention_heads * cfg.head_dim
         kv_size = cfg.num_key_value_heads * cfg.head_dim
@@ -114,7 +116,8 @@ class CpuDecodePath:
         # argmax_tokens' outputs, grown to the widest step seen.
         self._hidden_out = torch.empty(0, cfg.hidden_size, dtype=torch.bfloat16)
         self._logits = torch.empty(0, 0)
-        self._argmax_ids = torch.empty(0, dtype=torch.int64)
+        self._argmax_ids = np.zeros(0, np.int64)  # numpy: tolist() without a torch op
+        self._has_lm_head = self._lm_head_packed()  # read at every step: cached
 
     @staticmethod
     def supported(model: LlamaForCausalLM) -> bool:
@@ -150,7 +153,7 @@ class CpuDecodePath:
     def takes_argmax(self, metadata: AttentionMetadata, num_tokens: int) -> bool:
         """Whether `argmax_tokens` runs this step: `takes`, and an LM head the GEMV kernel
         holds."""
-        return self._lm_head_packed() and self.takes(metadata, num_tokens)
+        return self._has_lm_head and self.takes(metadata, num_tokens)
 
     def _build_layers(self) -> None:
         model, cfg = self.model, self.model.config
@@ -214,7 +217,7 @@ class CpuDecodePath:
             lm_head_k_block=0 if lm_head is None else lm_head.gemv_k_block,
             final_eps=model.norm.eps,
         )
-        self._cache_ptr = model.layers[0].self_attn.k_cache.data_ptr()
+        self._cache_ptr = self._first_attention.k_cache.data_ptr()
 
     def forward(
         self,
@@ -240,7 +243,7 @@ class CpuDecodePath:
         if self._argmax_ids.shape[0] < num_seqs:
             vocab_size = self.model.embed_tokens.weight.shape[0]
             self._logits = torch.empty(num_seqs, vocab_size, dtype=torch.float32)
-            self._argmax_ids = torch.empty(num_seqs, dtype=torch.int64)
+            self._argmax_ids = np.zeros(num_seqs, np.int64)
             self._hidden_out = torch.empty(
                 num_seqs, self._scratch_widths["x"], dtype=torch.bfloat16
             )
@@ -254,18 +257,17 @@ class CpuDecodePath:
         metadata: AttentionMetadata,
         out: torch.Tensor,  # [>= num_seqs, hidden_size] bf16: the final norm's output
         logits: torch.Tensor | None = None,  # [>= num_seqs, vocab] float32
-        argmax_ids: torch.Tensor | None = None,  # [>= num_seqs] int64
+        argmax_ids: np.ndarray | None = None,  # [>= num_seqs] int64
     ) -> None:
         """The C step into `out`; with `logits` and `argmax_ids`, the LM head and the argmax
         too."""
-        model = self.model
         num_seqs = input_ids.shape[0]
         if not _fits(metadata, num_seqs):
             raise ValueError(
                 f"CpuDecodePath runs decode-only steps of 1..{gemv.max_rows()} sequences, "
                 f"got {num_seqs} tokens for {metadata.num_seqs} sequences"
             )
-        if self._cache_ptr != model.layers[0].self_attn.k_cache.data_ptr():
+        if self._cache_ptr != self._first_attention.k_cache.data_ptr():
             self._build_layers()  # first step, or the KV cache was reallocated
         slots = _as(metadata.slot_mapping, torch.int64)
         block_tables = _as(metadata.block_tables, torch.int32)
@@ -306,7 +308,7 @@ class CpuDecodePath:
         if argmax_ids is None:
             status = lib.decode_step_bf16(*args)
         else:
-            status = lib.decode_step_argmax_bf16(*args, logits.data_ptr(), argmax_ids.data_ptr())
+            status = lib.decode_step_argmax_bf16(*args, logits.data_ptr(), argmax_ids.ctypes.data)
         if status == -4:
             raise ValueError(
                 f"CpuDecodePath: a token id outside the vocabulary ({self._model.vocab_size}) "
