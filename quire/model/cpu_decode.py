@@ -202,7 +202,7 @@ class CpuDecodePath:
             raise ValueError("CpuDecodePath: the rotary tables must be contiguous float32")
         if not embedding.is_contiguous():
             raise ValueError("CpuDecodePath: the embedding table must be contiguous")
-        lm_head = model.lm_head if self._lm_head_packed() else None
+        lm_head = model.lm_head if self._has_lm_head else None
         self._model = _DecodeModel(
             layers=ctypes.addressof(self._layers),
             embedding=_data(embedding),

@@ -287,7 +287,7 @@ class ModelRunner:
         if rows != list(range(hidden.shape[0])):  # every row samples, in order: a decode step
             hidden = hidden[torch.tensor(rows, device=self.device)]
         logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] float32
-        if all(r.sampling_params.argmax_only and not _banned_tokens(r) for r in requests):
+        if all(_takes_argmax(r) for r in requests):
             # The sampler would take the same argmax; its per-row batch costs ~0.1 ms of Python
             # with the caches cold from the weights, 1-2% of a batch-1 step on a CPU.
             result.sampled.update(zip([r.request_id for r in requests], greedy(logits).tolist()))
@@ -346,15 +346,15 @@ class ModelRunner:
 
 
 def _argmax_only(entry: ScheduledRequest) -> bool:
-    """Whether the entry samples, and its token is the argmax of the raw logits: no prompt
-    logprobs to compute, greedy, unpenalized, no logprobs, nothing banned."""
-    request = entry.request
-    return (
-        entry.samples
-        and request.prompt_logprobs_done
-        and request.sampling_params.argmax_only
-        and not _banned_tokens(request)
-    )
+    """Whether the entry samples, with no prompt logprobs to compute, and its token is the
+    argmax of the raw logits (`_takes_argmax`)."""
+    return entry.samples and entry.request.prompt_logprobs_done and _takes_argmax(entry.request)
+
+
+def _takes_argmax(request) -> bool:
+    """Whether the request's next token is the argmax of the raw logits: greedy, unpenalized,
+    no logprobs, nothing banned."""
+    return request.sampling_params.argmax_only and not _banned_tokens(request)
 
 
 def _banned_tokens(request) -> list[int]:
