@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable
 
@@ -13,6 +14,7 @@ import pytest
 
 from quire import LLM, SamplingParams
 from quire.config import EngineConfig
+from quire.engine import async_engine
 from quire.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
 from quire.engine.metrics import EngineMetrics
 
@@ -248,3 +250,36 @@ def test_each_request_and_the_periodic_stats_are_logged(tiny_llama, caplog):
     assert len(finished) == 1 and "64 output tokens" in finished[0] and "TTFT" in finished[0]
     stats = [m for m in messages if m.startswith("Engine: 1 running, 0 waiting; KV cache")]
     assert stats and all("tokens/s" in m for m in stats)
+
+
+def test_the_engine_is_built_on_the_engine_thread(tiny_llama, monkeypatch):
+    built_on: list[str] = []
+
+    class RecordingEngine(async_engine.LLMEngine):
+        def __init__(self, config: EngineConfig) -> None:
+            built_on.append(threading.current_thread().name)
+            super().__init__(config)
+
+    monkeypatch.setattr(async_engine, "LLMEngine", RecordingEngine)
+    llm = AsyncLLM.from_engine_config(engine_config(tiny_llama))
+    try:
+        assert built_on == ["quire-engine"]
+        assert llm.is_running
+        assert len(run(collect(llm, PROMPTS[0], greedy(4)))[-1].outputs[0].token_ids) == 4
+    finally:
+        llm.shutdown()
+
+
+def test_an_engine_that_fails_to_build_raises_in_the_caller(tmp_path):
+    with pytest.raises(Exception) as failure:
+        AsyncLLM.from_engine_config(EngineConfig(model=str(tmp_path / "missing")))
+    assert str(tmp_path / "missing") in str(failure.value)
+
+
+def test_an_engine_built_by_the_caller_is_served(tiny_llama, offline_token_ids):
+    llm = AsyncLLM(LLM.from_engine_config(engine_config(tiny_llama)).engine)
+    try:
+        outputs = run(collect(llm, PROMPTS[0], greedy(8)))
+    finally:
+        llm.shutdown()
+    assert outputs[-1].outputs[0].token_ids == offline_token_ids[0]

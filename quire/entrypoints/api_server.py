@@ -31,7 +31,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from quire import __version__
 from quire.config import DEFAULT_GGUF_NAME, EngineConfig
 from quire.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
-from quire.engine.llm_engine import LLMEngine
 from quire.engine.metrics import EngineMetrics
 from quire.entrypoints import openai_protocol as protocol
 from quire.entrypoints.openai_protocol import (
@@ -558,7 +557,7 @@ def serve(
     metrics = EngineMetrics(
         name, log_requests=log_requests, log_stats_interval_s=10.0 if log_stats else None
     )
-    engine = AsyncLLM(LLMEngine(config), metrics)
+    engine = AsyncLLM.from_engine_config(config, metrics)
     app = build_app(engine, name, api_key)
     logger.info("Serving %s at http://%s:%d/v1", name, host, port)
     try:
