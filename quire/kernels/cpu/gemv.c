@@ -50,17 +50,29 @@ static inline __m512 dot_pair(__m512 acc, __m512i w, __m512i x) {
 }
 
 // One panel (32 output columns) against MB (1..GEMV_GROUP) rows of x; out [MB][32] float32 sums.
-static inline __attribute__((always_inline)) void gemv_panel(const int MB, const uint16_t* x,
-                                                             int64_t x_stride, const uint16_t* p,
-                                                             int K, int k_block, float* out) {
+// STREAM: the panel is read once (the call's only pass over it), so it is prefetched
+// non-temporally: on this Zen 5 the weights then no longer push the rest of the step (the
+// Python around it, the KV cache, the small tensors) out of L2 and L3. SmolLM2 at batch 1,
+// blocks of steps interleaved in one process: 0.969-0.973x the step time (bits unchanged); no
+// change on Qwen3-0.6B's shape (1.006x), whose step is almost all weight reads. With several
+// passes over a panel (more than GEMV_GROUP rows) the later passes need it in cache: T0 there.
+static inline __attribute__((always_inline)) void gemv_panel(const int MB, const int STREAM,
+                                                             const uint16_t* x, int64_t x_stride,
+                                                             const uint16_t* p, int K,
+                                                             int k_block, float* out) {
     __m512 total[GEMV_GROUP][2], acc[GEMV_GROUP][2];
     for (int k0 = 0; k0 < K; k0 += k_block) {
         const int k1 = k0 + k_block < K ? k0 + k_block : K;
         for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
         const uint16_t* q = p + (int64_t)k0 * GEMV_PANEL;
         for (int k = k0; k < k1; k += 2, q += 2 * GEMV_PANEL) {
-            _mm_prefetch((const char*)q + PREFETCH_BYTES, _MM_HINT_T0);
-            _mm_prefetch((const char*)q + PREFETCH_BYTES + 64, _MM_HINT_T0);
+            if (STREAM) {
+                _mm_prefetch((const char*)q + PREFETCH_BYTES, _MM_HINT_NTA);
+                _mm_prefetch((const char*)q + PREFETCH_BYTES + 64, _MM_HINT_NTA);
+            } else {
+                _mm_prefetch((const char*)q + PREFETCH_BYTES, _MM_HINT_T0);
+                _mm_prefetch((const char*)q + PREFETCH_BYTES + 64, _MM_HINT_T0);
+            }
             const __m512i w0 = _mm512_loadu_si512(q), w1 = _mm512_loadu_si512(q + 32);
             for (int m = 0; m < MB; m++) {
                 int32_t pair;
@@ -127,16 +139,19 @@ int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const
                 const int m0 = (int)((int64_t)M * g / groups);
                 const int MB = (int)((int64_t)M * (g + 1) / groups) - m0;
                 const uint16_t* xg = x + (int64_t)m0 * x_stride;
+#define GEMV_CASE(N)                                                   \
+    case N:                                                            \
+        if (groups == 1)                                               \
+            gemv_panel(N, 1, xg, x_stride, p, K, k_block, out);        \
+        else                                                           \
+            gemv_panel(N, 0, xg, x_stride, p, K, k_block, out);        \
+        break;
                 switch (MB) {  // constant trip counts: the accumulators stay in registers
-                    case 1: gemv_panel(1, xg, x_stride, p, K, k_block, out); break;
-                    case 2: gemv_panel(2, xg, x_stride, p, K, k_block, out); break;
-                    case 3: gemv_panel(3, xg, x_stride, p, K, k_block, out); break;
-                    case 4: gemv_panel(4, xg, x_stride, p, K, k_block, out); break;
-                    case 5: gemv_panel(5, xg, x_stride, p, K, k_block, out); break;
-                    case 6: gemv_panel(6, xg, x_stride, p, K, k_block, out); break;
-                    case 7: gemv_panel(7, xg, x_stride, p, K, k_block, out); break;
-                    default: gemv_panel(8, xg, x_stride, p, K, k_block, out); break;
+                    GEMV_CASE(1) GEMV_CASE(2) GEMV_CASE(3) GEMV_CASE(4)
+                    GEMV_CASE(5) GEMV_CASE(6) GEMV_CASE(7)
+                    default: GEMV_CASE(8)
                 }
+#undef GEMV_CASE
                 store_panel(out, MB, m0, pi * GEMV_PANEL, N, bias, y_bf16, y_f32, y_stride);
             }
         }
