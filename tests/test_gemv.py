@@ -178,7 +178,8 @@ def gemv_calls(monkeypatch) -> list[int]:
 
 
 needs_onednn = pytest.mark.skipif(
-    not packed_linear_supported("cpu", torch.bfloat16), reason="torch has no oneDNN here"
+    not packed_linear_supported("cpu", torch.bfloat16),
+    reason="torch's oneDNN does not run bf16 on this CPU",
 )
 
 

@@ -13,7 +13,8 @@ from quire.kernels.cpu import gemv
 from quire.layers.linear import PackedLinear, pack_linear_layers, packed_linear_supported
 
 pytestmark = pytest.mark.skipif(
-    not packed_linear_supported("cpu", torch.bfloat16), reason="torch has no oneDNN here"
+    not packed_linear_supported("cpu", torch.bfloat16),
+    reason="torch's oneDNN does not run bf16 on this CPU",
 )
 
 

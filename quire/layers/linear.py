@@ -18,6 +18,7 @@ for bit, 1.8-2x faster GEMVs and 1.1-1.3x faster small-batch GEMMs. The packed t
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -27,15 +28,30 @@ from torch import nn
 from quire.kernels.cpu import gemv
 
 
+@functools.cache
+def onednn_runs_bf16() -> bool:
+    """Whether oneDNN's bf16 linear runs on this CPU. It needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT; on an AVX2-only CPU torch raises at the first reorder, and a bf16 `nn.Linear`
+    runs in torch's fallback GEMM there, about half as fast as float32 (docs/ARCHITECTURE.md)."""
+    if not (
+        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    ):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+    except RuntimeError:
+        return False
+    return True
+
+
 def packed_linear_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """True where packing pays: bfloat16 on a CPU build of torch with oneDNN. QUIRE_PACK_WEIGHTS=0
-    turns it off (to compare against plain `nn.Linear`)."""
+    """True where packing pays: bfloat16 on a CPU build of torch whose oneDNN runs bf16 on this
+    CPU. QUIRE_PACK_WEIGHTS=0 turns it off (to compare against plain `nn.Linear`)."""
     return (
         torch.device(device).type == "cpu"
         and dtype == torch.bfloat16
         and os.environ.get("QUIRE_PACK_WEIGHTS", "1") != "0"
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and onednn_runs_bf16()
     )
 
 
