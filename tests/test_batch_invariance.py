@@ -87,3 +87,28 @@ def test_preemption_by_recompute_keeps_each_request_its_bits(model_dir, monkeypa
     assert run(llm, prompts, max_tokens=40) == alone
     assert sum(n > 0 for n in preempted_outputs) >= 2, preempted_outputs
     assert max(replayed) > 1  # a replay of several generated tokens in one step
+
+
+def test_without_the_prefill_kernel_prompts_run_as_decodes_and_keep_their_bits(
+    model_dir, monkeypatch
+):
+    """On a CPU where the prefill kernel cannot run (AVX2 only), each bf16 prompt token runs as a
+    decode over its context, so chunking, batching and prefix-cache hits still leave a request
+    its bits alone."""
+    from quire.attention import torch_backend
+
+    monkeypatch.setattr(torch_backend.cpu_kernels, "supports_prefill_attention", lambda *a: False)
+    prefills = []
+    decoded_prefill = torch_backend.decoded_prefill
+    monkeypatch.setattr(
+        torch_backend,
+        "decoded_prefill",
+        lambda query, *args: prefills.append(len(query)) or decoded_prefill(query, *args),
+    )
+    prompts = token_prompts(LENGTHS)
+    llm = LLM(model_dir, dtype="bfloat16", enable_prefix_caching=False)
+    alone = [run(llm, [p])[0] for p in prompts]
+    assert prefills  # the path under test ran
+    llm = LLM(model_dir, dtype="bfloat16", max_num_batched_tokens=24, max_num_seqs=8)
+    assert run(llm, prompts) == alone
+    assert run(llm, prompts[::-1]) == alone[::-1]  # every full block is a prefix-cache hit now

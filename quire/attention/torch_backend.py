@@ -5,9 +5,11 @@ reads K/V through the block table, no gathered copy); otherwise as one padded ba
 decode sequence's blocks are gathered into a `[num_decodes, max_blocks * block_size,
 num_kv_heads, head_dim]` tensor and masked past its length.
 Prefill chunks likewise run in a C kernel when it can be built for the dtype (bf16 on CPUs with
-AVX-512 BF16: all chunks of a step in one call, K/V read through the block table); otherwise one
-request at a time with `scaled_dot_product_attention` over the gathered prefix plus the chunk,
-causal with the chunk's offset.
+AVX-512 BF16: all chunks of a step in one call, K/V read through the block table). Where it
+cannot and the dtype is bf16 (an AVX2-only CPU), each prompt token runs as a decode over its
+context in the decode kernel, so that its bits do not depend on chunking or batching; otherwise
+(float32, or no C kernels) one request at a time with `scaled_dot_product_attention` over the
+gathered prefix plus the chunk, causal with the chunk's offset.
 """
 
 from __future__ import annotations
@@ -113,7 +115,39 @@ class TorchAttentionBackend(AttentionBackend):
                 output[n:],
             )
             return
+        if (
+            query.device.type == "cpu"
+            and query.dtype == torch.bfloat16
+            and cpu_kernels.supports_paged_decode(
+                query.dtype, query.shape[1], k_cache.shape[2], query.shape[2]
+            )
+        ):
+            decoded_prefill(query, k_cache, v_cache, metadata, scale, output)
+            return
         gathered_prefill(query, k_cache, v_cache, metadata, scale, output)
+
+
+def decoded_prefill(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    output: torch.Tensor,
+) -> None:
+    """Prefill attention as one decode per prompt token, over the context up to it, in the paged
+    decode kernel: where the prefill kernel does not run (no AVX-512 BF16, or a head_dim it does
+    not take), a token's bits are then the same whatever chunk its prompt was cut into and
+    whatever else is in the batch, as in decode. Writes the prefill tokens' rows of `output`."""
+    n = metadata.num_decode_tokens
+    block_tables, query_start_loc, seq_lens = metadata.prefill_tables()
+    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    owner = torch.repeat_interleave(torch.arange(len(query_lens)), query_lens)  # request of token
+    offset = torch.arange(len(owner)) - query_start_loc[:-1].long()[owner]  # index in its chunk
+    token_seq_lens = (seq_lens.long()[owner] - query_lens[owner] + offset + 1).to(torch.int32)
+    output[n:] = cpu_kernels.paged_decode(
+        query[n:], k_cache, v_cache, block_tables[owner], token_seq_lens, scale
+    )
 
 
 def gathered_prefill(
