@@ -3,6 +3,10 @@
 Each has a pure-PyTorch twin in quire/attention/torch_backend.py; when no compiler is available
 (or QUIRE_CPU_KERNELS=0) the engine uses that instead. Builds are cached under
 ~/.cache/quire/kernels, keyed by the source, the flags and the machine.
+
+The library is built for this CPU (-march=native). QUIRE_CPU_MARCH names another target, e.g.
+x86-64-v3 (AVX2, no AVX-512) to run the portable paths on an AVX-512 machine, as on an AVX2-only
+CPU: every kernel has a plain-C branch, and the AVX-512 BF16-only ones report themselves absent.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ _SOURCE_DIR = os.path.dirname(__file__)
 # -ffast-math at compile time only (vectorized expf from libmvec, reassociated dot products; the
 # inputs are finite). Linking is a separate step without it: gcc would otherwise link
 # crtfastmath.o, which turns on flush-to-zero for the whole process when the library loads.
-_COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-ffast-math", "-c"]
+_COMPILE_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-ffast-math", "-c"]
 _LINK_FLAGS = ["-shared", "-fopenmp"]
 
 
@@ -76,7 +80,8 @@ def load_library() -> ctypes.CDLL | None:
         return None
     names = sorted(os.listdir(_SOURCE_DIR))
     sources = [os.path.join(_SOURCE_DIR, name) for name in names if name.endswith(".c")]
-    digest = hashlib.sha256(" ".join(_COMPILE_FLAGS + _LINK_FLAGS).encode())
+    compile_flags = [*_COMPILE_FLAGS, f"-march={os.environ.get('QUIRE_CPU_MARCH', 'native')}"]
+    digest = hashlib.sha256(" ".join(compile_flags + _LINK_FLAGS).encode())
     for name in names:
         if name.endswith((".c", ".h")):  # a header change must rebuild too
             with open(os.path.join(_SOURCE_DIR, name), "rb") as f:
@@ -90,7 +95,7 @@ def load_library() -> ctypes.CDLL | None:
             objects = [os.path.join(build, f"{i}.o") for i in range(len(sources))]
             lib = os.path.join(build, "kernels.so")
             commands = [
-                [compiler, *_COMPILE_FLAGS, source, "-o", obj]
+                [compiler, *compile_flags, source, "-o", obj]
                 for source, obj in zip(sources, objects, strict=True)
             ]
             commands.append([compiler, *_LINK_FLAGS, *objects, "-o", lib, "-lm"])
