@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
+
+from quire.layers.linear import onednn_runs_bf16
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -88,10 +93,18 @@ class EngineConfig:
 
     def resolve_dtype(self, config_dtype: str | None) -> torch.dtype:
         """`auto` takes the checkpoint's dtype; float32 checkpoints stay float32, and float16 on
-        CPU becomes bfloat16 (fast on AMX, same range as float32)."""
+        CPU becomes bfloat16 (fast on AVX-512 BF16 and AMX, same range as float32). On a CPU
+        where oneDNN cannot run bf16 (AVX2 only) a 16-bit checkpoint runs in float32 instead:
+        a prefill in torch's fallback bf16 GEMM ran at about half the float32 speed there."""
         if self.dtype != "auto":
             return _DTYPES[self.dtype]
         dtype = _DTYPES.get(str(config_dtype).removeprefix("torch."), torch.bfloat16)
-        if dtype == torch.float16 and self.device == "cpu":
-            return torch.bfloat16
-        return dtype
+        if self.device != "cpu" or dtype == torch.float32:
+            return dtype
+        if not onednn_runs_bf16():
+            logger.info(
+                "dtype auto: float32, as this CPU has no bf16 matmul in oneDNN (no AVX-512); "
+                "pass --dtype bfloat16 to run bf16 anyway"
+            )
+            return torch.float32
+        return torch.bfloat16
