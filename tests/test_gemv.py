@@ -5,6 +5,8 @@ gemv.max_rows(): oneDNN runs more)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 
 import pytest
@@ -128,6 +130,32 @@ def test_result_does_not_depend_on_the_thread_count(rows) -> None:
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
+
+
+_BOTH_LOOPS_CHECK = """
+import sys, torch, torch.nn.functional as F
+from quire.kernels.cpu import gemv, load_library
+assert load_library().gemv_bf16_uses_fma() == int(sys.argv[1])
+gen = torch.Generator().manual_seed(0)
+for k in (576, 1536, 3072):
+    x = torch.randn(19, k, generator=gen).bfloat16()
+    w = (torch.randn(130, k, generator=gen) / k**0.5).bfloat16()
+    b = torch.randn(130, generator=gen).bfloat16()
+    out = gemv.gemv(x, gemv.pack(w), b, 130, gemv.k_block_for(130, k, True))
+    assert torch.equal(out[1:], F.linear(x[1:], w, b)), k  # oneDNN's bits from two rows on
+    assert torch.equal(out[:1], gemv.gemv(x[:1], gemv.pack(w), b, 130, gemv.k_block_for(130, k, True)))
+"""
+
+
+@pytest.mark.parametrize("fma", ["0", "1"])
+def test_both_inner_loops_give_onednns_bits(fma) -> None:
+    """vdpbf16ps and its emulation by two FMAs (picked by a timing probe, forced here by
+    QUIRE_GEMV_FMA) give the same bits: oneDNN's from two rows on, a lone row's as in a batch."""
+    env = {**os.environ, "QUIRE_GEMV_FMA": fma}
+    done = subprocess.run(
+        [sys.executable, "-c", _BOTH_LOOPS_CHECK, fma], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
 
 
 def test_pack_holds_panels_of_32_outputs_by_column_pairs() -> None:

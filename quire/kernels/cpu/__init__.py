@@ -55,6 +55,7 @@ _SIGNATURES = {
     # k_block, threads.
     "gemv_bf16": [_P, _I64] + [_P] * 4 + [_I64] + [_I32] * 5,
     "gemv_bf16_available": [],
+    "gemv_bf16_uses_fma": [],
     # x, rows, cols, out, num_threads.
     "argmax_f32": [_P, _I64, _I64, _P, _I32],
     # DecodeModel*, DecodeStep*, token ids, positions, hidden, residual, out.
@@ -109,7 +110,7 @@ def load_library() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = ctypes.c_int  # a status (0: done), or 1 / 0 for the *_available checks
+        fn.restype = ctypes.c_int  # a status (0: done), or 1 / 0 for the yes/no queries
     return lib
 
 

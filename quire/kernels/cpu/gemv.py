@@ -152,6 +152,8 @@ def gemv(
         k_block,
         torch.get_num_threads(),
     )
+    if status == -3:
+        raise MemoryError(f"gemv: out of memory widening {rows} rows of x to float32")
     if status != 0:
         raise ValueError(
             f"gemv: {rows} rows x {in_features} columns (block {k_block}) is not supported "
