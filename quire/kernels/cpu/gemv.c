@@ -107,12 +107,23 @@ int gemv_bf16_uses_fma(void) {
     return fma_loop;
 }
 
+// Whether a panel read once (the call's only pass over it) is prefetched non-temporally. On AMD
+// (Zen 5 here) the weights then no longer push the rest of the step (the Python around it, the KV
+// cache, the small tensors) out of L2 and L3: SmolLM2 at batch 1, blocks of steps interleaved in
+// one process, 0.969-0.973x the step time; no change on Qwen3-0.6B's shape (1.006x), whose step
+// is almost all weight reads. On an Intel Xeon here NTA prefetches capped the read rate instead:
+// batch-1 decode at 51-52% of the memory roofline against 90-91% with T0. So AMD only.
+static int nta_streams(void) {
+    static int nta = -1;
+    if (nta < 0) {
+        __builtin_cpu_init();
+        nta = __builtin_cpu_is("amd");
+    }
+    return nta;
+}
+
 // One panel (32 output columns) against MB (1..GEMV_GROUP) rows of x; out [MB][32] float32 sums.
-// STREAM: the panel is read once (the call's only pass over it), so it is prefetched
-// non-temporally: on this Zen 5 the weights then no longer push the rest of the step (the
-// Python around it, the KV cache, the small tensors) out of L2 and L3. SmolLM2 at batch 1,
-// blocks of steps interleaved in one process: 0.969-0.973x the step time (bits unchanged); no
-// change on Qwen3-0.6B's shape (1.006x), whose step is almost all weight reads. With several
+// STREAM: the panel is read once, prefetched non-temporally (see nta_streams). With several
 // passes over a panel (more than GEMV_GROUP rows) the later passes need it in cache: T0 there.
 // FMA: the FMA loop, reading x widened to float32 (xf, K floats a row) instead of x.
 static inline __attribute__((always_inline)) void gemv_panel(const int MB, const int STREAM,
@@ -202,6 +213,7 @@ int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const
     const int threads = panels < 2 * num_threads ? 1 : num_threads;
     const int groups = (M + GEMV_GROUP - 1) / GEMV_GROUP;  // as even as can be: 9 = 5 + 4
     const int fma = M > 1 && gemv_bf16_uses_fma();  // one row: memory-bound either way
+    const int stream = groups == 1 && nta_streams();
     float* xf = NULL;  // [M, K] x widened for the FMA loop
     if (fma && !(xf = malloc((size_t)M * (size_t)K * sizeof(float))))
         return -3;
@@ -234,11 +246,11 @@ int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const
                 const float* xfg = fma ? xf + (int64_t)m0 * K : NULL;
 #define GEMV_CASE(N)                                                         \
     case N:                                                                  \
-        if (fma && groups == 1)                                              \
+        if (fma && stream)                                                   \
             gemv_panel(N, 1, 1, xg, x_stride, xfg, p, K, k_block, out);      \
         else if (fma)                                                        \
             gemv_panel(N, 0, 1, xg, x_stride, xfg, p, K, k_block, out);      \
-        else if (groups == 1)                                                \
+        else if (stream)                                                     \
             gemv_panel(N, 1, 0, xg, x_stride, xfg, p, K, k_block, out);      \
         else                                                                 \
             gemv_panel(N, 0, 0, xg, x_stride, xfg, p, K, k_block, out);      \
