@@ -75,17 +75,25 @@ def load_library() -> ctypes.CDLL | None:
     """The compiled kernel library, or None when it cannot be built here."""
     if os.environ.get("QUIRE_CPU_KERNELS", "1") == "0":
         return None
+    return build_library(_SOURCE_DIR)
+
+
+@functools.cache
+def build_library(source_dir: str) -> ctypes.CDLL | None:
+    """The library built from the .c and .h files of `source_dir` (this package's own for
+    load_library; another tree's for an A/B of two builds in one process, see
+    scripts/ab_kernels.py), or None when it cannot be built here."""
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         logger.warning("No C compiler found: using the PyTorch attention path on CPU")
         return None
-    names = sorted(os.listdir(_SOURCE_DIR))
-    sources = [os.path.join(_SOURCE_DIR, name) for name in names if name.endswith(".c")]
+    names = sorted(os.listdir(source_dir))
+    sources = [os.path.join(source_dir, name) for name in names if name.endswith(".c")]
     compile_flags = [*_COMPILE_FLAGS, f"-march={os.environ.get('QUIRE_CPU_MARCH', 'native')}"]
     digest = hashlib.sha256(" ".join(compile_flags + _LINK_FLAGS).encode())
     for name in names:
         if name.endswith((".c", ".h")):  # a header change must rebuild too
-            with open(os.path.join(_SOURCE_DIR, name), "rb") as f:
+            with open(os.path.join(source_dir, name), "rb") as f:
                 digest.update(f.read())
     digest.update(platform.node().encode())
     key = digest.hexdigest()
