@@ -142,9 +142,10 @@ int NAME(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_ta
 // Prefetch: the rows of chunk c + PREFETCH_CHUNKS are prefetched while chunk c runs, in address
 // order (per token, the task's KV heads are one contiguous range), a few tokens in each QK call
 // so that the requests are spread evenly over the computation. Into L2 (T1), not L1: on an AMD
-// EPYC (Zen 4) here, T0 held the kernel to 15-18 GB/s from memory and T1 reached 25-30 (the
-// kernel alone, SmolLM2's and Qwen3-0.6B's shapes, batch 1 to 32, 1.4-2.2x; a batch-32 decode
-// step 0.85x); on the Zen 5 host of an earlier session L2 prefetches were no better than L1.
+// EPYC (Zen 4) here, a batch-32 SmolLM2 decode step spent 20.8 ms in this kernel against 30.2
+// with T0 (0.85x the step time), and the kernel alone ran 1.04-1.36x faster at SmolLM2's and
+// Qwen3-0.6B's shapes, batch 1 to 32; on the Zen 5 host of an earlier session L2 prefetches
+// were no better than L1 ones.
 //
 // bf16 -> f32 without a shuffle: a 32-bit lane holds the bf16 pair (2i, 2i+1); shifting it left
 // by 16 gives element 2i as a float, masking off the low half gives element 2i+1. So for each
