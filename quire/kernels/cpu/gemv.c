@@ -126,11 +126,13 @@ static int nta_streams(void) {
 // STREAM: the panel is read once, prefetched non-temporally (see nta_streams). With several
 // passes over a panel (more than GEMV_GROUP rows) the later passes need it in cache: T0 there.
 // FMA: the FMA loop, reading x widened to float32 (xf, K floats a row) instead of x.
+// next: the panel after this one, prefetched into L2 line for line as this one is read, or NULL.
 static inline __attribute__((always_inline)) void gemv_panel(const int MB, const int STREAM,
                                                              const int FMA, const uint16_t* x,
                                                              int64_t x_stride, const float* xf,
                                                              const uint16_t* p, int K,
-                                                             int k_block, float* out) {
+                                                             int k_block, float* out,
+                                                             const uint16_t* next) {
     const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
     __m512 total[GEMV_GROUP][2], acc[GEMV_GROUP][2];
     for (int k0 = 0; k0 < K; k0 += k_block) {
@@ -144,6 +146,11 @@ static inline __attribute__((always_inline)) void gemv_panel(const int MB, const
             } else {
                 _mm_prefetch((const char*)q + PREFETCH_BYTES, _MM_HINT_T0);
                 _mm_prefetch((const char*)q + PREFETCH_BYTES + 64, _MM_HINT_T0);
+            }
+            if (next) {
+                const char* line = (const char*)(next + (q - p));
+                _mm_prefetch(line, _MM_HINT_T1);
+                _mm_prefetch(line + 64, _MM_HINT_T1);
             }
             const __m512i w0 = _mm512_loadu_si512(q), w1 = _mm512_loadu_si512(q + 32);
             if (FMA) {
@@ -203,7 +210,8 @@ static void store_panel(const float* out, int MB, int m0, int n0, int N, const u
 // Output row m: y_bf16 + m * y_stride (bf16), or when y_bf16 is NULL, y_f32 + m * y_stride
 // (float32 holding the bf16-rounded value, as `linear(...).float()` gives).
 // Each panel is read from memory once: its rows of x go through it GEMV_GROUP at a time (the
-// accumulators of a group fill the registers), the later groups finding it in cache.
+// accumulators of a group fill the registers), the later groups finding it in cache, the second
+// of them prefetching the next panel.
 int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const uint16_t* bias,
               uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M, int N, int K, int k_block,
               int num_threads) {
@@ -244,16 +252,20 @@ int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const
                 const int MB = (int)((int64_t)M * (g + 1) / groups) - m0;
                 const uint16_t* xg = x + (int64_t)m0 * x_stride;
                 const float* xfg = fma ? xf + (int64_t)m0 * K : NULL;
-#define GEMV_CASE(N)                                                         \
-    case N:                                                                  \
-        if (fma && stream)                                                   \
-            gemv_panel(N, 1, 1, xg, x_stride, xfg, p, K, k_block, out);      \
-        else if (fma)                                                        \
-            gemv_panel(N, 0, 1, xg, x_stride, xfg, p, K, k_block, out);      \
-        else if (stream)                                                     \
-            gemv_panel(N, 1, 0, xg, x_stride, xfg, p, K, k_block, out);      \
-        else                                                                 \
-            gemv_panel(N, 0, 0, xg, x_stride, xfg, p, K, k_block, out);      \
+                // The second pass over a panel, from cache, brings the thread's next panel into
+                // L2, so that its first pass does not wait on memory: 12-32 rows in 0.89-0.93x
+                // the time (a batch-16 decode step 0.92x), 256 rows and more unchanged.
+                const uint16_t* next = g == 1 && pi + 1 < p1 ? p + (int64_t)GEMV_PANEL * K : NULL;
+#define GEMV_CASE(N)                                                          \
+    case N:                                                                   \
+        if (fma && stream)                                                    \
+            gemv_panel(N, 1, 1, xg, x_stride, xfg, p, K, k_block, out, next); \
+        else if (fma)                                                         \
+            gemv_panel(N, 0, 1, xg, x_stride, xfg, p, K, k_block, out, next); \
+        else if (stream)                                                      \
+            gemv_panel(N, 1, 0, xg, x_stride, xfg, p, K, k_block, out, next); \
+        else                                                                  \
+            gemv_panel(N, 0, 0, xg, x_stride, xfg, p, K, k_block, out, next); \
         break;
                 switch (MB) {  // constant trip counts: the accumulators stay in registers
                     GEMV_CASE(1) GEMV_CASE(2) GEMV_CASE(3) GEMV_CASE(4)
