@@ -140,12 +140,14 @@ int NAME(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_ta
 // Lanes past the end of the context read the chunk's first row again; their scores are masked
 // to -1e30 and their numerators to 0, and PV stops at the last token.
 // Prefetch: the rows of chunk c + PREFETCH_CHUNKS are prefetched while chunk c runs, in address
-// order (per token, the task's KV heads are one contiguous range), a few tokens in each QK call
-// so that the requests are spread evenly over the computation. Into L2 (T1), not L1: on an AMD
-// EPYC (Zen 4) here, a batch-32 SmolLM2 decode step spent 20.8 ms in this kernel against 30.2
-// with T0 (0.85x the step time), and the kernel alone ran 1.04-1.36x faster at SmolLM2's and
-// Qwen3-0.6B's shapes, batch 1 to 32; on the Zen 5 host of an earlier session L2 prefetches
-// were no better than L1 ones.
+// order (per token, the task's KV heads are one contiguous range), a few tokens in each QK call so
+// that the requests are spread evenly over the computation; past a task's last chunk, the first
+// chunks of the task its thread runs next (each thread claims the task after its own when it starts
+// one, so the tasks still go to whichever thread is free, in order): a batch-32 decode step 0.946x,
+// batch 8 0.961x, batch 1 level. Into L2 (T1), not L1: on an AMD EPYC (Zen 4) here, a batch-32
+// SmolLM2 decode step spent 20.8 ms in this kernel against 30.2 with T0 (0.85x the step time), and
+// the kernel alone ran 1.04-1.36x faster at SmolLM2's and Qwen3-0.6B's shapes, batch 1 to 32; on
+// the Zen 5 host of an earlier session L2 prefetches were no better than L1 ones.
 //
 // bf16 -> f32 without a shuffle: a 32-bit lane holds the bf16 pair (2i, 2i+1); shifting it left
 // by 16 gives element 2i as a float, masking off the low half gives element 2i+1. So for each
@@ -355,6 +357,44 @@ static void merge_partitions(const float* partial, int64_t partial_stride, int p
     }
 }
 
+// What every task of one call shares.
+typedef struct {
+    const int32_t* block_tables;
+    const int32_t* seq_lens;
+    const int* unit_seq;  // per unit (request, partition): its request and partition
+    const int* unit_part;
+    const uint16_t* k_cache;
+    const uint16_t* v_cache;
+    int64_t block_stride, token_stride;
+    int max_blocks, block_size, head_dim, tasks_per_unit, heads_per_task;
+} CallShape;
+
+// One task: a partition [c0, c1) of a request's chunks and a range of its KV heads, with its
+// row offsets and the K/V rows of its first KV head (where its prefetches start).
+typedef struct {
+    int u, s, part, kvh0, len, c0, c1;
+    RowLocator rows;
+    const uint16_t* pk;
+    const uint16_t* pv;
+} TaskSpan;
+
+static inline void task_span(const CallShape* cs, int task, TaskSpan* t) {
+    t->u = task / cs->tasks_per_unit;
+    t->s = cs->unit_seq[t->u];
+    t->part = cs->unit_part[t->u];
+    t->kvh0 = (task % cs->tasks_per_unit) * cs->heads_per_task;
+    t->len = cs->seq_lens[t->s];
+    t->c0 = t->part * (PARTITION / CHUNK);
+    t->c1 = min_int((t->len + CHUNK - 1) / CHUNK, t->c0 + PARTITION / CHUNK);
+    t->rows = (RowLocator){.table = cs->block_tables + (int64_t)t->s * cs->max_blocks,
+                           .block_size = cs->block_size, .len = t->len,
+                           .block_stride = cs->block_stride, .token_stride = cs->token_stride,
+                           .located = t->c0, .block = t->c0 * CHUNK / cs->block_size,
+                           .in_block = t->c0 * CHUNK % cs->block_size};
+    t->pk = cs->k_cache + (int64_t)t->kvh0 * cs->head_dim;
+    t->pv = cs->v_cache + (int64_t)t->kvh0 * cs->head_dim;
+}
+
 static int paged_decode_bf16_avx512(const uint16_t* q, const uint16_t* k_cache,
                                     const uint16_t* v_cache, const int32_t* block_tables,
                                     const int32_t* seq_lens, uint16_t* out, int num_seqs,
@@ -398,98 +438,111 @@ static int paged_decode_bf16_avx512(const uint16_t* q, const uint16_t* k_cache,
     const int pf_lines = heads_per_task * nd;
     const int pf_per_unit = (CHUNK + heads_per_task - 1) / heads_per_task;
     const int pf_per_call = (pf_per_unit + group - 1) / group;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int task = 0; task < num_units * tasks_per_unit; task++) {
-        const int u = task / tasks_per_unit;
-        const int s = unit_seq[u], part = unit_part[u];
-        const int kvh0 = (task % tasks_per_unit) * heads_per_task;
-        const int h0 = kvh0 * group, nh = heads_per_task * group;
-        // acc[h] holds head h0 + h: per 32-dim slice, its 16 even dims then its 16 odd dims.
-        float acc[MAX_HEADS * MAX_HEAD_DIM] __attribute__((aligned(64)));
-        float p[MAX_HEADS * CHUNK] __attribute__((aligned(64)));  // softmax numerators
-        __m512 sum[MAX_HEADS];  // running softmax denominators, per lane
-        float running_max[MAX_HEADS], corr[MAX_HEADS];
-        for (int i = 0; i < nh * head_dim; i++) acc[i] = 0.0f;
-        for (int h = 0; h < nh; h++) running_max[h] = -1e30f, sum[h] = _mm512_setzero_ps();
-        const uint16_t* q_row = q + ((int64_t)s * num_heads + h0) * head_dim;
-        const int len = seq_lens[s];
-        const int num_chunks = (len + CHUNK - 1) / CHUNK;
-        const int c0 = part * (PARTITION / CHUNK);
-        const int c1 = min_int(num_chunks, c0 + PARTITION / CHUNK);
-        RowLocator rows = {.table = block_tables + (int64_t)s * max_blocks,
-                           .block_size = block_size, .len = len,
-                           .block_stride = block_stride, .token_stride = token_stride,
-                           .located = c0, .block = c0 * CHUNK / block_size,
-                           .in_block = c0 * CHUNK % block_size};
-        const uint16_t* pk = k_cache + (int64_t)kvh0 * head_dim;  // the task's rows to prefetch
-        const uint16_t* pv = v_cache + (int64_t)kvh0 * head_dim;
-        for (int c = c0; c < c0 + PREFETCH_CHUNKS && c < c1; c++)
-            prefetch_rows(pk, pv, chunk_rows(&rows, c), min_int(len - c * CHUNK, CHUNK), pf_lines);
-        for (int c = c0; c < c1; c++) {
-            const int n = min_int(len - c * CHUNK, CHUNK);
-            const __mmask16 valid = (__mmask16)((1u << n) - 1);
-            const int64_t* off = chunk_rows(&rows, c);
-            const int pf_chunk = c + PREFETCH_CHUNKS;
-            const int pf_len = pf_chunk < c1 ? min_int(len - pf_chunk * CHUNK, CHUNK) : 0;
-            const int64_t* pf_off = pf_len ? chunk_rows(&rows, pf_chunk) : off;
-            for (int kvh = kvh0; kvh < kvh0 + heads_per_task; kvh++) {
-                const int hb = (kvh - kvh0) * group;  // the group's first head in this task
-                const uint16_t* k = k_cache + (int64_t)kvh * head_dim;
-                const uint16_t* v = v_cache + (int64_t)kvh * head_dim;
-                // This unit's tokens of chunk pf_chunk to prefetch: [pf_begin, pf_end).
-                int pf_begin = min_int((kvh - kvh0) * pf_per_unit, pf_len);
-                const int pf_end = min_int(pf_begin + pf_per_unit, pf_len);
-                for (int h = hb; h < hb + group; h++) {
-                    const int npf = min_int(pf_end - pf_begin, pf_per_call);
-                    const __m512 sc = _mm512_mask_mul_ps(
-                        _mm512_set1_ps(-1e30f), valid,
-                        qk_scores(nd, q_row + h * head_dim, k, off, pk, pv, pf_off + pf_begin, npf,
-                                  pf_lines),
-                        _mm512_set1_ps(scale));
-                    pf_begin += npf;
-                    const float m = _mm512_reduce_max_ps(sc);
-                    corr[h] = 1.0f;
-                    if (m > running_max[h]) {
-                        corr[h] = _mm512_cvtss_f32(exp512(_mm512_set1_ps(running_max[h] - m)));
-                        sum[h] = _mm512_mul_ps(sum[h], _mm512_set1_ps(corr[h]));
-                        running_max[h] = m;
+    const CallShape cs = {.block_tables = block_tables, .seq_lens = seq_lens,
+                          .unit_seq = unit_seq, .unit_part = unit_part,
+                          .k_cache = k_cache, .v_cache = v_cache,
+                          .block_stride = block_stride, .token_stride = token_stride,
+                          .max_blocks = max_blocks, .block_size = block_size,
+                          .head_dim = head_dim, .tasks_per_unit = tasks_per_unit,
+                          .heads_per_task = heads_per_task};
+    const int num_tasks = num_units * tasks_per_unit;
+    int claimed = 0;  // tasks are taken in order, each thread holding the one after its own
+#pragma omp parallel num_threads(num_threads)
+    {
+        TaskSpan cur, nxt;
+        int task = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+        if (task < num_tasks) task_span(&cs, task, &cur);
+        while (task < num_tasks) {
+            const int next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+            if (next < num_tasks) task_span(&cs, next, &nxt);
+            const int s = cur.s, part = cur.part, u = cur.u, kvh0 = cur.kvh0, len = cur.len;
+            const int h0 = kvh0 * group, nh = heads_per_task * group;
+            // acc[h] holds head h0 + h: per 32-dim slice, its 16 even dims then its 16 odd dims.
+            float acc[MAX_HEADS * MAX_HEAD_DIM] __attribute__((aligned(64)));
+            float p[MAX_HEADS * CHUNK] __attribute__((aligned(64)));  // softmax numerators
+            __m512 sum[MAX_HEADS];  // running softmax denominators, per lane
+            float running_max[MAX_HEADS], corr[MAX_HEADS];
+            for (int i = 0; i < nh * head_dim; i++) acc[i] = 0.0f;
+            for (int h = 0; h < nh; h++) running_max[h] = -1e30f, sum[h] = _mm512_setzero_ps();
+            const uint16_t* q_row = q + ((int64_t)s * num_heads + h0) * head_dim;
+            const int c0 = cur.c0, c1 = cur.c1;
+            // The first chunks; in cache already when the previous task prefetched them.
+            for (int c = c0; c < c0 + PREFETCH_CHUNKS && c < c1; c++)
+                prefetch_rows(cur.pk, cur.pv, chunk_rows(&cur.rows, c),
+                              min_int(len - c * CHUNK, CHUNK), pf_lines);
+            for (int c = c0; c < c1; c++) {
+                const int n = min_int(len - c * CHUNK, CHUNK);
+                const __mmask16 valid = (__mmask16)((1u << n) - 1);
+                const int64_t* off = chunk_rows(&cur.rows, c);
+                // The chunk PREFETCH_CHUNKS ahead: this task's, or past its end the next task's.
+                TaskSpan* ahead = &cur;
+                int pf_chunk = c + PREFETCH_CHUNKS;
+                if (pf_chunk >= c1 && next < num_tasks)
+                    ahead = &nxt, pf_chunk = nxt.c0 + pf_chunk - c1;
+                const int pf_len = pf_chunk < ahead->c1
+                                       ? min_int(ahead->len - pf_chunk * CHUNK, CHUNK) : 0;
+                const int64_t* pf_off = pf_len ? chunk_rows(&ahead->rows, pf_chunk) : off;
+                for (int kvh = kvh0; kvh < kvh0 + heads_per_task; kvh++) {
+                    const int hb = (kvh - kvh0) * group;  // the group's first head in this task
+                    const uint16_t* k = k_cache + (int64_t)kvh * head_dim;
+                    const uint16_t* v = v_cache + (int64_t)kvh * head_dim;
+                    // This unit's tokens of chunk pf_chunk to prefetch: [pf_begin, pf_end).
+                    int pf_begin = min_int((kvh - kvh0) * pf_per_unit, pf_len);
+                    const int pf_end = min_int(pf_begin + pf_per_unit, pf_len);
+                    for (int h = hb; h < hb + group; h++) {
+                        const int npf = min_int(pf_end - pf_begin, pf_per_call);
+                        const __m512 sc = _mm512_mask_mul_ps(
+                            _mm512_set1_ps(-1e30f), valid,
+                            qk_scores(nd, q_row + h * head_dim, k, off, ahead->pk, ahead->pv,
+                                      pf_off + pf_begin, npf, pf_lines),
+                            _mm512_set1_ps(scale));
+                        pf_begin += npf;
+                        const float m = _mm512_reduce_max_ps(sc);
+                        corr[h] = 1.0f;
+                        if (m > running_max[h]) {
+                            corr[h] = _mm512_cvtss_f32(exp512(_mm512_set1_ps(running_max[h] - m)));
+                            sum[h] = _mm512_mul_ps(sum[h], _mm512_set1_ps(corr[h]));
+                            running_max[h] = m;
+                        }
+                        const __m512 e = _mm512_maskz_mov_ps(
+                            valid, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(running_max[h]))));
+                        sum[h] = _mm512_add_ps(sum[h], e);
+                        _mm512_store_ps(p + h * CHUNK, e);
                     }
-                    const __m512 e = _mm512_maskz_mov_ps(
-                        valid, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(running_max[h]))));
-                    sum[h] = _mm512_add_ps(sum[h], e);
-                    _mm512_store_ps(p + h * CHUNK, e);
-                }
-                for (int j = 0; j < group; j += PV_TILE_HEADS) {
-                    const int th = min_int(group - j, PV_TILE_HEADS);
-                    for (int sl = 0; sl < nd; sl += PV_TILE_SLICES) {
-                        const int ts = min_int(nd - sl, PV_TILE_SLICES);
-                        pv_update(ts, th, acc + (hb + j) * head_dim, head_dim, p + (hb + j) * CHUNK,
-                                  corr + hb + j, v, off, n, 32 * sl);
+                    for (int j = 0; j < group; j += PV_TILE_HEADS) {
+                        const int th = min_int(group - j, PV_TILE_HEADS);
+                        for (int sl = 0; sl < nd; sl += PV_TILE_SLICES) {
+                            const int ts = min_int(nd - sl, PV_TILE_SLICES);
+                            pv_update(ts, th, acc + (hb + j) * head_dim, head_dim,
+                                      p + (hb + j) * CHUNK, corr + hb + j, v, off, n, 32 * sl);
+                        }
                     }
                 }
             }
-        }
-        if (len > PARTITION) {  // a partial result; the last of the request's to finish merges
-            float* dst = partial + u * partial_stride;
-            for (int h = 0; h < nh; h++) {
-                float* row = dst + (int64_t)(h0 + h) * (head_dim + 2);
-                for (int d = 0; d < head_dim; d++) row[d] = acc[h * head_dim + d];
-                row[head_dim] = running_max[h];
-                row[head_dim + 1] = _mm512_reduce_add_ps(sum[h]);
+            if (len > PARTITION) {  // a partial result; the last of the request's to end merges
+                float* dst = partial + u * partial_stride;
+                for (int h = 0; h < nh; h++) {
+                    float* row = dst + (int64_t)(h0 + h) * (head_dim + 2);
+                    for (int d = 0; d < head_dim; d++) row[d] = acc[h * head_dim + d];
+                    row[head_dim] = running_max[h];
+                    row[head_dim + 1] = _mm512_reduce_add_ps(sum[h]);
+                }
+                const int parts = num_partitions(len);
+                int* count = done + (int64_t)s * tasks_per_unit + task % tasks_per_unit;
+                if (__atomic_add_fetch(count, 1, __ATOMIC_ACQ_REL) == parts)
+                    merge_partitions(partial + (u - part) * partial_stride, partial_stride, parts,
+                                     out + ((int64_t)s * num_heads + h0) * head_dim, h0, nh,
+                                     head_dim);
+            } else {
+                uint16_t* out_row = out + ((int64_t)s * num_heads + h0) * head_dim;
+                for (int h = 0; h < nh; h++) {
+                    const float total = _mm512_reduce_add_ps(sum[h]);
+                    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+                    store_head(out_row + h * head_dim, acc + h * head_dim, head_dim, inv);
+                }
             }
-            const int parts = num_partitions(len);
-            int* count = done + (int64_t)s * tasks_per_unit + task % tasks_per_unit;
-            if (__atomic_add_fetch(count, 1, __ATOMIC_ACQ_REL) == parts)
-                merge_partitions(partial + (u - part) * partial_stride, partial_stride, parts,
-                                 out + ((int64_t)s * num_heads + h0) * head_dim, h0, nh,
-                                 head_dim);
-            continue;
-        }
-        uint16_t* out_row = out + ((int64_t)s * num_heads + h0) * head_dim;
-        for (int h = 0; h < nh; h++) {
-            const float total = _mm512_reduce_add_ps(sum[h]);
-            const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-            store_head(out_row + h * head_dim, acc + h * head_dim, head_dim, inv);
+            task = next;
+            if (task < num_tasks) cur = nxt;
         }
     }
     if (buffer != stack_buffer) free(buffer);
