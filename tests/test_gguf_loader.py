@@ -220,3 +220,37 @@ def test_missing_file_names_the_path(tmp_path, load):
     path = str(tmp_path / "absent.gguf")
     with pytest.raises(FileNotFoundError, match=re.escape(path)):
         load(path)
+
+
+def _count_parses(monkeypatch) -> list[str]:
+    from quire.model import gguf_loader
+
+    parsed: list[str] = []
+    reader = gguf_loader.GGUFReader
+
+    def counting_reader(path: str):
+        parsed.append(path)
+        return reader(path)
+
+    monkeypatch.setattr(gguf_loader, "GGUFReader", counting_reader)
+    gguf_loader._parsed.cache_clear()
+    return parsed
+
+
+def test_config_then_weights_parse_the_file_once_and_release_it(tmp_path, monkeypatch):
+    parsed = _count_parses(monkeypatch)
+    path = _write_gguf(tmp_path / "llama.gguf", "llama", _attention_tensors())
+    load_gguf_config(path)
+    dict(iter_gguf_weights(path))
+    assert len(parsed) == 1
+    load_gguf_config(path)  # the weights were all read: the reader was let go
+    assert len(parsed) == 2
+
+
+def test_a_rewritten_file_is_parsed_again(tmp_path, monkeypatch):
+    parsed = _count_parses(monkeypatch)
+    path = tmp_path / "model.gguf"
+    for architecture in ("llama", "qwen2"):
+        config = load_gguf_config(_write_gguf(path, architecture, _attention_tensors()))
+        assert config["model_type"] == architecture
+    assert len(parsed) == 2

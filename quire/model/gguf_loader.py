@@ -5,6 +5,7 @@ architecture only, with the rows of q_proj and k_proj permuted so that each rota
 side. Both are undone here, so the weights drop into the same model code as a safetensors checkpoint.
 """
 
+import functools
 import os
 import re
 from collections.abc import Iterator
@@ -86,11 +87,20 @@ def _iter_weights(reader: GGUFReader, config: dict) -> Iterator[tuple[str, torch
             weights = _unpermute_rotary(weights, heads_for[gguf_kind])
         # an unquantized tensor is still a read-only view of the memory map: copy only that one
         yield name, torch.from_numpy(np.require(weights, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
+    _parsed.cache_clear()  # every weight is loaded: the file's memory map can go
 
 
 def _open(path: str) -> GGUFReader:
+    """The file's reader. The engine reads the config, then the weights: one parse of the
+    metadata serves both (2 s for SmolLM2's file, most of it the tokenizer's 49k strings)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
+    stat = os.stat(path)
+    return _parsed(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=1)
+def _parsed(path: str, mtime_ns: int, size: int) -> GGUFReader:
     return GGUFReader(path)
 
 
