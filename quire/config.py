@@ -49,6 +49,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     seed: int = 0
+    # Where the workers run: "uni" in the engine's process, "mp" one process per rank.
+    distributed_executor_backend: str = "uni"
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -73,6 +75,11 @@ class EngineConfig:
             )
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if self.device == "cuda" else "torch"
+        if self.distributed_executor_backend not in ("uni", "mp"):
+            raise ValueError(
+                "distributed_executor_backend must be 'uni' (in process) or 'mp' (a worker "
+                f"process per rank); got {self.distributed_executor_backend!r}."
+            )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")

@@ -84,7 +84,7 @@ def run_steps(args: argparse.Namespace, switch: KernelSwitch) -> None:
         [rng.randint(0, max_id) for _ in range(args.prompt_len)] for _ in range(args.batch_size)
     ]
     times: list[list[float]] = [[], []]
-    execute = engine.runner.execute
+    execute = engine.core.executor.worker.runner.execute
     num_decodes = 0
 
     def timed_execute(scheduler_output):
@@ -101,7 +101,7 @@ def run_steps(args: argparse.Namespace, switch: KernelSwitch) -> None:
             times[switch.side].append(elapsed)
         return output
 
-    engine.runner.execute = timed_execute
+    engine.core.executor.worker.runner.execute = timed_execute
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.decode_steps)
     llm.generate(prompts, params, use_tqdm=False)
     old, new = (t[args.block :] for t in times)  # the first turn of each side warms it up

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Sets up .venv (scripts/setup.sh) and runs the whole test suite on CPU.
+# Sets up .venv (scripts/setup.sh), checks style (ruff) and layering (import-linter), and runs
+# the whole test suite on CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+.venv/bin/ruff check quire tests scripts
+.venv/bin/lint-imports  # the layering contracts in pyproject.toml
 exec .venv/bin/python -m pytest -q "$@"

@@ -501,8 +501,8 @@ def test_clients_that_disconnect_have_their_requests_aborted(server, engine):
 
 def test_an_engine_failure_fails_only_the_live_requests(server, engine, client, monkeypatch):
     assert_idle_with_all_blocks_free(server, engine)  # the loop thread waits: safe to patch
-    runner = engine.engine.runner
-    execute = runner.execute
+    executor = engine.engine.core.executor
+    execute = executor.execute_model
     failures = [RuntimeError("simulated kernel failure")] * 2
 
     def fail_twice(scheduler_output):
@@ -510,7 +510,7 @@ def test_an_engine_failure_fails_only_the_live_requests(server, engine, client, 
             raise failures.pop()
         return execute(scheduler_output)
 
-    monkeypatch.setattr(runner, "execute", fail_twice)
+    monkeypatch.setattr(executor, "execute_model", fail_twice)
     with pytest.raises(openai.InternalServerError, match="simulated kernel failure"):
         client.completions.create(model=MODEL, prompt="Fail", max_tokens=4)
     stream = client.completions.create(model=MODEL, prompt="Fail", max_tokens=4, stream=True)

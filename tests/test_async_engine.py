@@ -178,8 +178,8 @@ def test_bad_input_raises_value_error_and_the_engine_keeps_serving(async_llm, pr
 
 def test_a_failing_step_fails_the_live_requests_and_the_loop_keeps_serving(async_llm, monkeypatch):
     assert_idle_with_all_blocks_free(async_llm)  # the loop thread is waiting: safe to patch
-    runner = async_llm.engine.runner
-    execute = runner.execute
+    executor = async_llm.engine.core.executor
+    execute = executor.execute_model
     calls = []
 
     def fail_once(scheduler_output):
@@ -188,7 +188,7 @@ def test_a_failing_step_fails_the_live_requests_and_the_loop_keeps_serving(async
             raise RuntimeError("simulated kernel failure")
         return execute(scheduler_output)
 
-    monkeypatch.setattr(runner, "execute", fail_once)
+    monkeypatch.setattr(executor, "execute_model", fail_once)
     with pytest.raises(RequestFailedError, match="simulated kernel failure"):
         run(collect(async_llm, PROMPTS[0], greedy(4)))
     assert_idle_with_all_blocks_free(async_llm)

@@ -78,7 +78,11 @@ def test_preemption_by_recompute_keeps_each_request_its_bits(model_dir, monkeypa
 
     def record_replays(self):
         output = schedule(self)
-        replayed.extend(s.num_new_tokens for s in output.scheduled if s.is_decode)
+        replayed.extend(
+            n
+            for i, n in output.num_scheduled_tokens.items()
+            if self.requests[i].num_computed_tokens >= self.requests[i].num_prompt_tokens
+        )
         return output
 
     monkeypatch.setattr(Scheduler, "_preempt", record_preemption)

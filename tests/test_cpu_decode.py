@@ -11,9 +11,10 @@ import torch
 from conftest import token_prompts
 
 from quire import LLM, SamplingParams
+from quire.attention.forward_context import forward_context
 from quire.kernels.cpu import gemv
 from quire.layers.linear import packed_linear_supported
-from quire.model.llama import LlamaForCausalLM
+from quire.worker.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(
     not (gemv.available() and packed_linear_supported("cpu", torch.bfloat16)),
@@ -29,46 +30,44 @@ def make_llm(model_dir: str, **kwargs) -> LLM:
     return LLM(model_dir, **kwargs)
 
 
-def model_of(llm: LLM) -> LlamaForCausalLM:
-    return llm.engine.runner.model
+def model_of(llm: LLM) -> ModelRunner:
+    """The runner of the LLM's in-process worker: its model, KV cache and CPU step path."""
+    return llm.engine.core.executor.worker.runner
 
 
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
-def stored_kv(model: LlamaForCausalLM, slots: torch.Tensor) -> list[torch.Tensor]:
+def stored_kv(runner: ModelRunner, slots: torch.Tensor) -> list[torch.Tensor]:
     """Every layer's K and V at `slots`, copied."""
     kv = []
-    for layer in model.attention_layers:
-        for cache in (layer.k_cache, layer.v_cache):
+    for layer in runner.kv_cache.layers:
+        for cache in layer:
             kv.append(cache.flatten(0, 1)[slots].clone())  # [num_slots, num_kv_heads, head_dim]
     return kv
 
 
-def check_each_fused_step(model: LlamaForCausalLM, monkeypatch) -> list[int]:
-    """Wraps `model.cpu_decode.forward` and `argmax_tokens` so that each step they run is run
+def check_each_fused_step(runner: ModelRunner, monkeypatch) -> list[int]:
+    """Wraps `runner.cpu_step.forward` and `argmax_tokens` so that each step they run is run
     again through the module path on the same inputs: the hidden states, the K/V the fused step
     stored, and (argmax_tokens) the tokens, the argmax of the module path's logits, must be equal
     bit for bit. Returns the list each checked step's request count is appended to."""
-    path = model.cpu_decode
+    path, model = runner.cpu_step, runner.model
     fused_forward, fused_argmax = path.forward, path.argmax_tokens
     steps: list[int] = []
 
     def module_path(input_ids, positions, metadata) -> torch.Tensor:
-        model.cpu_decode = None
-        try:
-            return model(input_ids, positions, metadata)
-        finally:
-            model.cpu_decode = path
+        with forward_context(metadata, runner.kv_cache.layers, runner.backend):
+            return model(input_ids, positions)
 
     def check(input_ids, positions, metadata, run) -> tuple:
         num_seqs = input_ids.shape[0]  # a decode-only step of at most max_rows() requests
         assert metadata.num_decodes == metadata.num_seqs == num_seqs <= gemv.max_rows()
         result = run()
-        fused_kv = stored_kv(model, metadata.slot_mapping)
+        fused_kv = stored_kv(runner, metadata.slot_mapping)
         expected = module_path(input_ids, positions, metadata)
-        for fused, module in zip(fused_kv, stored_kv(model, metadata.slot_mapping), strict=True):
+        for fused, module in zip(fused_kv, stored_kv(runner, metadata.slot_mapping), strict=True):
             assert torch.equal(fused, module)
         steps.append(num_seqs)
         return result, expected
@@ -97,11 +96,11 @@ def check_each_fused_step(model: LlamaForCausalLM, monkeypatch) -> list[int]:
     return steps
 
 
-def record_takes(model: LlamaForCausalLM, monkeypatch) -> list[tuple[int, int, int, bool]]:
-    """Wraps `model.cpu_decode.takes`: (num_tokens, num_decodes, num_seqs, taken) of every step.
+def record_takes(runner: ModelRunner, monkeypatch) -> list[tuple[int, int, int, bool]]:
+    """Wraps `runner.cpu_step.takes`: (num_tokens, num_decodes, num_seqs, taken) of every step.
     A step is taken exactly when it is decode only with at most gemv.max_rows() requests
     (asserted before the fused path would run a step it cannot)."""
-    path = model.cpu_decode
+    path = runner.cpu_step
     takes = path.takes
     seen: list[tuple[int, int, int, bool]] = []
 
@@ -127,7 +126,7 @@ def bf16_llms(tiny_models) -> dict[str, LLM]:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bf16_models_get_the_decode_path(bf16_llms, arch) -> None:
-    assert model_of(bf16_llms[arch]).cpu_decode is not None
+    assert model_of(bf16_llms[arch]).cpu_step is not None
 
 
 # Prompt lengths: within one block, across block boundaries (block_size 16), a 1-token prompt.
@@ -226,7 +225,7 @@ def test_no_decode_path_without_gemv_packed_bf16_weights(
 ) -> None:
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert model_of(make_llm(tiny_llama, dtype=dtype)).cpu_decode is None
+    assert model_of(make_llm(tiny_llama, dtype=dtype)).cpu_step is None
 
 
 def scaled_gate_checkpoint(src: str, dst: str, scale: float) -> str:
@@ -328,8 +327,8 @@ def test_a_token_id_or_position_outside_the_tables_is_a_value_error(bf16_llms, m
     """The C step checks every token id against the embedding table and every position against
     the rotary tables before computing anything, as the module path's indexing would."""
     llm = bf16_llms["llama"]
-    model = model_of(llm)
-    path = model.cpu_decode
+    runner = model_of(llm)
+    model, path = runner.model, runner.cpu_step
     fused_forward = path.forward
     inputs = []
 

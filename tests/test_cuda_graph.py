@@ -12,6 +12,7 @@ import torch
 
 from quire import LLM, SamplingParams
 from quire.attention.backend import AttentionMetadata
+from quire.attention.forward_context import forward_context
 from quire.config import EngineConfig
 from quire.worker import kv_cache
 from quire.worker.cuda_graph import (
@@ -41,6 +42,11 @@ def prompts_and_params() -> tuple[list[list[int]], list[SamplingParams]]:
 def greedy_tokens(llm: LLM) -> list[list[int]]:
     prompts, params = prompts_and_params()
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def runner_of(llm: LLM):
+    """The model runner of the LLM's in-process worker."""
+    return llm.engine.core.executor.worker.runner
 
 
 def tiny_llm(model: str, **kwargs) -> LLM:
@@ -90,7 +96,7 @@ def test_cuda_graphs_are_used_on_cuda_with_triton_unless_enforce_eager(tiny_llam
 
 
 def test_a_cpu_runner_has_no_cuda_graphs(tiny_llama):
-    assert tiny_llm(tiny_llama).engine.runner.cuda_graphs is None
+    assert runner_of(tiny_llm(tiny_llama)).cuda_graphs is None
 
 
 # ---- the static buffers ----------------------------------------------------------------------
@@ -175,14 +181,15 @@ class EagerPaddedRunner(CUDAGraphRunner):
 def install_checked_runner(llm: LLM, runner: CUDAGraphRunner) -> list[tuple[int, float]]:
     """Routes the engine's decode batches through `runner`, each checked against the eager
     forward. Returns (batch size, max |padded - eager|) per decode batch it ran."""
-    model_runner = llm.engine.runner
+    model_runner = runner_of(llm)
     model_runner.cuda_graphs = runner
     checks: list[tuple[int, float]] = []
     run = runner.run
 
     def checked_run(input_ids, positions, metadata):
         hidden = run(input_ids, positions, metadata).clone()
-        eager = model_runner.model(input_ids, positions, metadata)
+        with forward_context(metadata, model_runner.kv_cache.layers, model_runner.backend):
+            eager = model_runner.model(input_ids, positions)
         checks.append((metadata.num_seqs, (hidden - eager).abs().max().item()))
         return hidden
 
@@ -194,7 +201,14 @@ def test_padded_decode_forward_matches_eager_and_the_torch_backend_tokens(tiny_l
     pytest.importorskip("triton")
     expected = greedy_tokens(tiny_llm(tiny_llama, attention_backend="torch", device="cpu"))
     llm = tiny_llm(tiny_llama, attention_backend="triton", device="cpu", max_num_seqs=6)
-    runner = EagerPaddedRunner(llm.engine.runner.model, llm.engine.config, llm.engine.max_model_len)
+    model_runner = runner_of(llm)
+    runner = EagerPaddedRunner(
+        model_runner.model,
+        model_runner.kv_cache.layers,
+        model_runner.backend,
+        llm.engine.config,
+        llm.engine.max_model_len,
+    )
     checks = install_checked_runner(llm, runner)
     assert greedy_tokens(llm) == expected
     assert [size for size, _ in checks] == [5, 4, 3, 2, 1]  # padded to 6, 4, 4, 2, 1
@@ -205,15 +219,17 @@ def test_padded_decode_forward_matches_eager_and_the_torch_backend_tokens(tiny_l
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_dummy_step_runs_on_a_one_block_cache_and_rebinds_the_layers_caches(tiny_llama, backend):
+def test_dummy_step_runs_on_a_one_block_cache_and_leaves_the_kv_cache_alone(tiny_llama, backend):
     pytest.importorskip("triton")
     llm = tiny_llm(tiny_llama, attention_backend=backend, device="cpu", max_model_len=32)
-    model = llm.engine.runner.model
+    runner = runner_of(llm)
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_cache.layers]
     # 40 tokens > max_model_len 32: two requests, 32 and 8 tokens.
-    caches = [(layer.k_cache, layer.v_cache) for layer in model.attention_layers]
-    kv_cache.run_dummy_step(model, 16, torch.float32, num_tokens=40, max_num_sampled=4)
-    for layer, (k_cache, v_cache) in zip(model.attention_layers, caches):
-        assert layer.k_cache is k_cache and layer.v_cache is v_cache
+    kv_cache.run_dummy_step(
+        runner.model, runner.backend, 16, torch.float32, num_tokens=40, max_num_sampled=4
+    )
+    for (k, v), (old_k, old_v) in zip(runner.kv_cache.layers, before):
+        assert torch.equal(k, old_k) and torch.equal(v, old_v)
 
 
 def test_gpu_kv_budget_is_the_utilization_share_minus_memory_in_use_and_profiled_peak(
@@ -231,7 +247,7 @@ def test_gpu_kv_budget_is_the_utilization_share_minus_memory_in_use_and_profiled
     model_config = llm.engine.model_config
     num_blocks = kv_cache.num_kv_blocks(
         model_config, 16, torch.float32, "cuda", None, 0.9, 64,
-        model=llm.engine.runner.model, max_num_seqs=8,
+        model=runner_of(llm).model, backend=runner_of(llm).backend, max_num_seqs=8,
     )  # fmt: skip
     budget = 900 * mib - 300 * mib - 50 * mib  # share - in use - (peak - baseline)
     assert num_blocks == budget // kv_cache.bytes_per_block(model_config, 16, torch.float32)
@@ -244,20 +260,20 @@ def test_gpu_kv_budget_is_the_utilization_share_minus_memory_in_use_and_profiled
 @requires_cuda
 def test_cuda_runner_captures_every_size_of_the_ladder(tiny_llama):
     llm = tiny_llm(tiny_llama, device="cuda", max_num_seqs=12)
-    assert sorted(llm.engine.runner.cuda_graphs.graphs) == [1, 2, 4, 8, 12]
+    assert sorted(runner_of(llm).cuda_graphs.graphs) == [1, 2, 4, 8, 12]
 
 
 @pytest.mark.gpu
 @requires_cuda
 def test_enforce_eager_captures_no_graphs(tiny_llama):
-    assert tiny_llm(tiny_llama, device="cuda", enforce_eager=True).engine.runner.cuda_graphs is None
+    assert runner_of(tiny_llm(tiny_llama, device="cuda", enforce_eager=True)).cuda_graphs is None
 
 
 @pytest.mark.gpu
 @requires_cuda
 def test_graph_replay_matches_the_eager_forward(tiny_llama):
     llm = tiny_llm(tiny_llama, device="cuda", max_num_seqs=6)
-    checks = install_checked_runner(llm, llm.engine.runner.cuda_graphs)
+    checks = install_checked_runner(llm, runner_of(llm).cuda_graphs)
     greedy_tokens(llm)
     assert [size for size, _ in checks] == [5, 4, 3, 2, 1]
     # cuBLAS may pick other kernels for the padded row counts: float32 rounding apart.
@@ -269,7 +285,7 @@ def test_graph_replay_matches_the_eager_forward(tiny_llama):
 def test_cuda_greedy_tokens_match_the_cpu_torch_backend(tiny_llama):
     expected = greedy_tokens(tiny_llm(tiny_llama, attention_backend="torch", device="cpu"))
     llm = tiny_llm(tiny_llama, device="cuda", max_num_seqs=8)
-    assert llm.engine.runner.cuda_graphs is not None
+    assert runner_of(llm).cuda_graphs is not None
     assert greedy_tokens(llm) == expected
 
 
@@ -277,7 +293,9 @@ def test_cuda_greedy_tokens_match_the_cpu_torch_backend(tiny_llama):
 @requires_cuda
 def test_profiled_activations_cover_the_sampled_logits(tiny_llama):
     llm = tiny_llm(tiny_llama, device="cuda")
-    model = llm.engine.runner.model
+    runner = runner_of(llm)
     vocab_size = llm.engine.model_config.vocab_size
-    activations = kv_cache.profile_activation_bytes(model, 16, torch.float32, 512, 64)
+    activations = kv_cache.profile_activation_bytes(
+        runner.model, runner.backend, 16, torch.float32, 512, 64
+    )
     assert activations >= 64 * vocab_size * 4  # the float32 logits of 64 sampled rows

@@ -61,10 +61,15 @@ def test_several_partial_prefills_share_a_step(tiny_llama):
     for i, p in enumerate(PROMPTS[:3]):
         engine.add_request(str(i), p, greedy())
     schedule = engine.scheduler.schedule()
-    prefills = [s for s in schedule.scheduled if not s.samples]
-    assert schedule.num_batched_tokens == 40
-    assert len(schedule.scheduled) == 3 and len(prefills) >= 1
-    engine.runner.execute(schedule)
+    requests = engine.scheduler.requests
+    prefills = [
+        i
+        for i, n in schedule.num_scheduled_tokens.items()
+        if requests[i].num_computed_tokens + n < requests[i].num_tokens
+    ]
+    assert schedule.total_num_scheduled_tokens == 40
+    assert len(schedule.num_scheduled_tokens) == 3 and len(prefills) >= 1
+    engine.core.executor.execute_model(schedule)
 
 
 def test_prefix_cache_hit_gives_identical_outputs_and_reports_cached_tokens(tiny_llama, reference):

@@ -93,7 +93,8 @@ def test_the_engine_gives_the_same_tokens_with_and_without_huge_pages(tiny_llama
     with monkeypatch.context() as m:
         m.setattr(host_memory, "enabled", lambda: True)
         llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=64)
-        caches = [t for layer in llm.engine.runner.layers for t in (layer.k_cache, layer.v_cache)]
+        runner = llm.engine.core.executor.worker.runner
+        caches = [t for layer in runner.kv_cache.layers for t in layer]
         # The whole KV cache is one zeroed arena: every layer's K and V share its storage.
         assert len({t.untyped_storage().data_ptr() for t in caches}) == 1
         assert all(torch.count_nonzero(t) == 0 for t in caches)

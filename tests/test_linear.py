@@ -48,10 +48,10 @@ def test_packed_engine_outputs_equal_unpacked(tiny_models, arch, monkeypatch) ->
     for pack in ("1", "0"):
         monkeypatch.setenv("QUIRE_PACK_WEIGHTS", pack)
         llm = LLM(tiny_models[arch], dtype="bfloat16", num_kv_blocks=64)
-        model = llm.engine.runner.model
-        packed = any(isinstance(m, PackedLinear) for m in model.modules())
+        runner = llm.engine.core.executor.worker.runner
+        packed = any(isinstance(m, PackedLinear) for m in runner.model.modules())
         assert packed == (pack == "1")
-        assert (model.cpu_decode is not None) == (pack == "1" and gemv.available())
+        assert (runner.cpu_step is not None) == (pack == "1" and gemv.available())
         results[pack] = [
             (out.outputs[0].token_ids, out.outputs[0].cumulative_logprob)
             for out in llm.generate(

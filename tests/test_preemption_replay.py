@@ -26,8 +26,10 @@ from quire.config import EngineConfig
 from quire.engine.kv_manager import KVCacheManager
 from quire.engine.llm_engine import LLMEngine
 from quire.engine.request import Request
-from quire.engine.scheduler import ScheduledRequest, Scheduler
+from quire.engine.scheduler import Scheduler
 from quire.kernels import cpu as cpu_kernels
+from quire.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from quire.worker.input_batch import InputBatch
 from quire.worker.model_runner import ModelRunner
 
 LENGTHS = [20, 35, 9, 50, 27, 41]  # around the block size (16): partial and full last blocks
@@ -89,29 +91,35 @@ def log(monkeypatch) -> Log:
         )
         preempt(self, request)
 
-    def new_prompt_logprobs(s: ScheduledRequest) -> bool:
-        request = s.request
-        if request.prompt_logprobs_done:
+    def new_prompt_logprobs(request: Request, num_new: int) -> bool:
+        # Returned by the request's worker row: asked for, not a fork, not resumed after its
+        # prompt was done.
+        if (
+            request.sampling_params.prompt_logprobs is None
+            or request.index > 0
+            or request.num_output_tokens > 0
+        ):
             return False
-        end = min(request.num_computed_tokens + s.num_new_tokens, request.num_prompt_tokens - 1)
+        end = min(request.num_computed_tokens + num_new, request.num_prompt_tokens - 1)
         high = log.prompt_logprobs_high.get(request.request_id, 0)
         log.prompt_logprobs_high[request.request_id] = max(high, end)
         return end > max(high, request.num_computed_tokens)
 
     def record_schedule(self):
         output = schedule(self)
+        entries = [(self.requests[i], n) for i, n in output.num_scheduled_tokens.items()]
         log.steps.append(
             [
                 (
-                    s.request.request_id,
-                    s.request.num_computed_tokens,
-                    s.request.num_prompt_tokens,
-                    s.num_new_tokens,
-                    s.is_decode,
-                    s.samples,
-                    new_prompt_logprobs(s),
+                    r.request_id,
+                    r.num_computed_tokens,
+                    r.num_prompt_tokens,
+                    n,
+                    r.num_computed_tokens >= r.num_prompt_tokens,
+                    r.num_computed_tokens + n >= r.num_tokens,
+                    new_prompt_logprobs(r, n),
                 )
-                for s in output.scheduled
+                for r, n in entries
             ]
         )
         return output
@@ -410,24 +418,38 @@ def test_abort_mid_replay_frees_its_blocks_and_the_others_keep_their_bits(
 # ---- the runner's expansion, and the kernels it relies on ----------------------------------
 
 
-def _request(rid: str, prompt_len: int, generated: int, computed: int) -> Request:
-    request = Request(rid, list(range(100, 100 + prompt_len)), SamplingParams(), 64)
-    for t in range(generated):
-        request.append_token(500 + t)
-    request.num_computed_tokens = computed
-    return request
+def _runner_and_step(*entries: tuple[str, int, int, int, int, list[int]]):
+    """A runner stand-in (block size 8) whose InputBatch holds these requests, each given as
+    (id, prompt length, generated tokens, computed tokens, tokens to compute, block ids), and
+    the step that computes them."""
+    batch = InputBatch(max_num_reqs=4, max_blocks_per_req=4)
+    new_reqs = [
+        NewRequestData(
+            req_id=rid,
+            prompt_token_ids=list(range(100, 100 + prompt_len)),
+            output_token_ids=[500 + t for t in range(generated)],
+            sampling_params=SamplingParams(),
+            index=0,
+            block_ids=block_ids,
+            num_computed_tokens=computed,
+        )
+        for rid, prompt_len, generated, computed, _, block_ids in entries
+    ]
+    num_scheduled = {rid: n for rid, _, _, _, n, _ in entries}
+    step = batch.update(SchedulerOutput(new_reqs, [], num_scheduled, sum(num_scheduled.values())))
+    runner = SimpleNamespace(block_size=8, device=torch.device("cpu"), input_batch=batch)
+    return runner, step
 
 
 def test_prepare_expands_a_replay_into_one_decode_sequence_per_token():
     """A decode, a replay of 3 tokens from position 14 (crossing a block boundary at 16) and a
     prompt chunk, block size 8: each replayed token is a sequence of its own over the same
     block table; positions, slots and first rows are the entries' (flattened) ones."""
-    decode = ScheduledRequest(_request("d", 5, 2, 6), 1, [7])
-    replay = ScheduledRequest(_request("r", 10, 7, 14), 3, [3, 9, 4])
-    prefill = ScheduledRequest(_request("p", 12, 0, 4), 6, [5, 6])
-    assert decode.is_decode and replay.is_decode and not prefill.is_decode
-    runner = SimpleNamespace(block_size=8, device=torch.device("cpu"))
-    ids, positions, meta, first_rows = ModelRunner._prepare(runner, [decode, replay, prefill])
+    runner, step = _runner_and_step(
+        ("d", 5, 2, 6, 1, [7]), ("r", 10, 7, 14, 3, [3, 9, 4]), ("p", 12, 0, 4, 6, [5, 6])
+    )
+    assert [s.is_decode for s, _ in step] == [True, True, False]
+    ids, positions, meta, first_rows = ModelRunner._prepare(runner, step)
 
     assert ids.tolist() == [501, 504, 505, 506, *range(104, 110)]
     assert positions.tolist() == [6, 14, 15, 16, 4, 5, 6, 7, 8, 9]
@@ -459,10 +481,8 @@ def test_prepare_expands_a_replay_into_one_decode_sequence_per_token():
 
 
 def test_prepare_without_a_replay_keeps_one_sequence_per_entry():
-    decode = ScheduledRequest(_request("d", 5, 2, 6), 1, [7])
-    prefill = ScheduledRequest(_request("p", 12, 0, 4), 6, [5, 6])
-    runner = SimpleNamespace(block_size=8, device=torch.device("cpu"))
-    _, positions, meta, first_rows = ModelRunner._prepare(runner, [decode, prefill])
+    runner, step = _runner_and_step(("d", 5, 2, 6, 1, [7]), ("p", 12, 0, 4, 6, [5, 6]))
+    _, positions, meta, first_rows = ModelRunner._prepare(runner, step)
     assert positions.tolist() == [6, 4, 5, 6, 7, 8, 9]
     assert first_rows == meta.query_start_loc_cpu == [0, 1, 7]
     assert meta.num_decodes == 1 and meta.seq_lens_cpu == [7, 10]
@@ -513,10 +533,14 @@ def test_a_resumed_request_is_not_admitted_on_its_prompt_alone_to_preempt_itself
     preempted, b_tokens = [], 0
     while scheduler.requests:
         output = scheduler.schedule()
-        preempted += [r.request_id for r in output.preempted]
-        b_tokens += sum(s.num_new_tokens for s in output.scheduled if s.request is b)
-        sampled = {s.request.request_id: 7 for s in output.scheduled if s.samples}
-        scheduler.update(output, sampled)
+        preempted += output.preempted_req_ids
+        b_tokens += output.num_scheduled_tokens.get("b", 0)
+        sampled = {
+            i: [7]
+            for i, n in output.num_scheduled_tokens.items()
+            if scheduler.requests[i].num_computed_tokens + n >= scheduler.requests[i].num_tokens
+        }
+        scheduler.update(output, ModelRunnerOutput(sampled))
         kv.check_invariants()
     assert preempted == ["b"]
     # 3 + 5 tokens before the preemption (6 sampled); then its 9 known ones, and 6 more.

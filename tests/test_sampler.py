@@ -9,13 +9,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quire.layers.sampler import (
+from quire.sample.sampler import (
     Sampler,
     SamplingBatch,
     apply_banned_tokens,
     apply_penalties,
     apply_top_p,
     compute_topk_logprobs,
+    noise_seed,
     token_counts,
 )
 from quire.sampling_params import SamplingParams
@@ -33,7 +34,7 @@ def make_batch(
     *,
     outputs: list[list[int]] | None = None,
     prompts: list[list[int]] | None = None,
-    generators: list[torch.Generator | None] | None = None,
+    noise_seeds: list[int | None] | None = None,
     banned: list[list[int]] | None = None,
 ) -> SamplingBatch:
     num_rows = len(params)
@@ -41,7 +42,7 @@ def make_batch(
         params,
         output_token_ids=outputs or [[] for _ in range(num_rows)],
         prompt_token_ids=prompts or [[] for _ in range(num_rows)],
-        generators=generators or [None] * num_rows,
+        noise_seeds=noise_seeds or [None] * num_rows,
         banned_token_ids=banned or [[] for _ in range(num_rows)],
         device="cpu",
     )
@@ -66,13 +67,17 @@ def assert_follows(counts: torch.Tensor, weights: torch.Tensor) -> None:
 
 
 def draw_sequence(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list, steps: int = 20
+    logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None], steps: int = 20
 ) -> list[list[int]]:  # [steps][S]
+    """Tokens of `steps` consecutive positions; a seeded row's noise keyed by its position."""
     sampler = Sampler()
-    return [
-        sampler(logits, make_batch(params, generators=generators)).sampled_token_ids.tolist()
-        for _ in range(steps)
-    ]
+    draws = []
+    for position in range(steps):
+        keys = [None if seed is None else noise_seed(seed, 0, position) for seed in seeds]
+        draws.append(
+            sampler(logits, make_batch(params, noise_seeds=keys)).sampled_token_ids.tolist()
+        )
+    return draws
 
 
 # Greedy and random rows
@@ -117,8 +122,8 @@ def test_from_params_switches_off_the_filters_of_greedy_rows() -> None:
 def test_seeded_row_repeats_its_tokens_across_calls() -> None:
     logits = torch.randn(1, 64, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=1.0, seed=7)]
-    first = draw_sequence(logits, params, [torch.Generator().manual_seed(7)])
-    second = draw_sequence(logits, params, [torch.Generator().manual_seed(7)])
+    first = draw_sequence(logits, params, [7])
+    second = draw_sequence(logits, params, [7])
     assert first == second
     assert len({step[0] for step in first}) > 1
 
@@ -127,7 +132,7 @@ def test_seeded_row_ignores_batch_composition_and_row_position() -> None:
     logits = torch.randn(1, 64, generator=torch.Generator().manual_seed(1))
     others = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
     ours = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
-    alone = draw_sequence(logits, [ours], [torch.Generator().manual_seed(7)])
+    alone = draw_sequence(logits, [ours], [7])
 
     batch_params = [
         SamplingParams(temperature=1.0),
@@ -138,12 +143,12 @@ def test_seeded_row_ignores_batch_composition_and_row_position() -> None:
     last_row = draw_sequence(
         torch.cat([others, logits]),
         batch_params,
-        [None, torch.Generator().manual_seed(3), None, torch.Generator().manual_seed(7)],
+        [None, 3, None, 7],
     )
     first_row = draw_sequence(
         torch.cat([logits, others]),
         batch_params[3:] + batch_params[:3],
-        [torch.Generator().manual_seed(7), None, torch.Generator().manual_seed(3), None],
+        [7, None, 3, None],
     )
     assert [step[3] for step in last_row] == [step[0] for step in alone]
     assert [step[0] for step in first_row] == [step[0] for step in alone]
@@ -351,7 +356,7 @@ def sampling_rows(draw: st.DrawFn) -> tuple[torch.Tensor, SamplingBatch]:
     vocab_size = draw(st.integers(2, 12))
     num_rows = draw(st.integers(1, 4))
     token = st.integers(0, vocab_size - 1)
-    logits, params, outputs, prompts, banned, generators = [], [], [], [], [], []
+    logits, params, outputs, prompts, banned, keys = [], [], [], [], [], []
     for _ in range(num_rows):
         logits.append(draw(st.lists(st.floats(-10, 10), min_size=vocab_size, max_size=vocab_size)))
         seed = draw(st.none() | st.integers(0, 2**31))
@@ -371,10 +376,8 @@ def sampling_rows(draw: st.DrawFn) -> tuple[torch.Tensor, SamplingBatch]:
         outputs.append(draw(st.lists(token, max_size=6)))
         prompts.append(draw(st.lists(token, max_size=6)))
         banned.append(draw(st.lists(token, max_size=vocab_size - 1, unique=True)))
-        generators.append(None if seed is None else torch.Generator().manual_seed(seed))
-    batch = make_batch(
-        params, outputs=outputs, prompts=prompts, generators=generators, banned=banned
-    )
+        keys.append(None if seed is None else noise_seed(seed, 0, 0))
+    batch = make_batch(params, outputs=outputs, prompts=prompts, noise_seeds=keys, banned=banned)
     return torch.tensor(logits), batch
 
 

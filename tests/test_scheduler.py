@@ -14,8 +14,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from quire.engine.kv_manager import KVCacheManager
 from quire.engine.request import Request, RequestStatus
-from quire.engine.scheduler import Scheduler, SchedulerOutput
+from quire.engine.scheduler import Scheduler
+from quire.messages import ModelRunnerOutput, SchedulerOutput
 from quire.sampling_params import SamplingParams
+from quire.worker.input_batch import InputBatch
 
 EOS = 0
 BS = 4
@@ -42,21 +44,36 @@ def make_scheduler(
     return Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len)
 
 
-def sampling_ids(output: SchedulerOutput) -> list[str]:
+def samples(scheduler: Scheduler, request_id: str, num_new: int) -> bool:
+    """Whether the request samples this step (read before `update`): its known tokens are all
+    computed once this step's are."""
+    request = scheduler.requests[request_id]
+    return request.num_computed_tokens + num_new >= request.num_tokens
+
+
+def sampling_ids(scheduler: Scheduler, output: SchedulerOutput) -> list[str]:
     """The requests the model runner samples for: those whose known tokens are all computed
     after this step, and every fork (from its parent's logits)."""
-    ids = [s.request.request_id for s in output.scheduled if s.samples]
-    return ids + [child.request_id for child, _ in output.forked]
+    ids = [i for i, n in output.num_scheduled_tokens.items() if samples(scheduler, i, n)]
+    return ids + [fork.req_id for fork in output.forked_reqs]
+
+
+def sampled(request_ids, token_id: int = 7) -> ModelRunnerOutput:
+    return ModelRunnerOutput({request_id: [token_id] for request_id in request_ids})
 
 
 def step(scheduler: Scheduler, token_id: int = 7) -> SchedulerOutput:
     output = scheduler.schedule()
-    scheduler.update(output, dict.fromkeys(sampling_ids(output), token_id))
+    scheduler.update(output, sampled(sampling_ids(scheduler, output), token_id))
     return output
 
 
 def batch(output: SchedulerOutput) -> list[tuple[str, int]]:
-    return [(s.request.request_id, s.num_new_tokens) for s in output.scheduled]
+    return list(output.num_scheduled_tokens.items())
+
+
+def forks(output: SchedulerOutput) -> list[tuple[str, str]]:
+    return [(fork.req_id, fork.parent_req_id) for fork in output.forked_reqs]
 
 
 def ids(requests) -> list[str]:
@@ -89,12 +106,12 @@ def test_a_prompt_longer_than_the_budget_is_prefilled_in_chunks():
 def test_only_the_last_chunk_of_a_prompt_samples():
     scheduler = make_scheduler(max_num_batched_tokens=8)
     scheduler.add_request(make_request("a", prompt(100, 20)))
-    samples = []
+    samples_per_step = []
     for _ in range(3):
         output = scheduler.schedule()
-        samples.append(output.scheduled[0].samples)
-        scheduler.update(output, dict.fromkeys(sampling_ids(output), 7))
-    assert samples == [False, False, True]
+        samples_per_step.append(samples(scheduler, "a", output.num_scheduled_tokens["a"]))
+        scheduler.update(output, sampled(sampling_ids(scheduler, output)))
+    assert samples_per_step == [False, False, True]
 
 
 def test_waiting_requests_share_what_is_left_of_the_budget():
@@ -103,7 +120,7 @@ def test_waiting_requests_share_what_is_left_of_the_budget():
         scheduler.add_request(make_request(name, prompt(100 * (i + 1), 6)))
     output = step(scheduler)
     assert batch(output) == [("a", 6), ("b", 4)]
-    assert output.num_batched_tokens == 10
+    assert output.total_num_scheduled_tokens == 10
     assert ids(scheduler.waiting) == ["c"]
 
 
@@ -178,7 +195,7 @@ def run_into_preemption(enable_prefix_caching: bool = True) -> tuple[Scheduler, 
 def test_the_newest_running_request_is_preempted_when_blocks_run_out():
     scheduler, outputs = run_into_preemption()
     assert [batch(o) for o in outputs] == [[("a", 7), ("b", 7)], [("a", 1), ("b", 1)], [("a", 1)]]
-    assert ids(outputs[2].preempted) == ["b"]
+    assert outputs[2].preempted_req_ids == ["b"]
     assert ids(scheduler.running) == ["a"]
 
 
@@ -214,8 +231,9 @@ def test_a_preempted_request_resumes_from_its_cached_prefix_and_replays_its_outp
     # the last known one sampling.
     replay = scheduler.schedule()
     assert batch(replay) == [("b", 2), ("c", 1)]
-    assert [(s.is_decode, s.samples) for s in replay.scheduled] == [(True, True), (True, True)]
-    scheduler.update(replay, {"b": 7, "c": 7})
+    assert [samples(scheduler, i, n) for i, n in batch(replay)] == [True, True]
+    assert b.num_computed_tokens >= b.num_prompt_tokens  # generated tokens: decodes
+    scheduler.update(replay, sampled(["b", "c"]))
     assert b.num_computed_tokens == 9 and b.output_token_ids == [7, 7, 7]
 
 
@@ -233,7 +251,7 @@ def test_the_request_that_cannot_grow_is_itself_preempted_when_it_is_the_newest(
         output = step(scheduler)
     # "b" holds 3 blocks, "c" 1; "c" needs a second block and is the newest.
     assert batch(output) == [("b", 1)]
-    assert ids(output.preempted) == ["c"]
+    assert output.preempted_req_ids == ["c"]
     assert ids(scheduler.waiting) == ["c"]
 
 
@@ -248,7 +266,7 @@ def test_no_waiting_request_is_admitted_in_a_step_that_preempts():
     output = step(scheduler)
     # "b" gave back 2 blocks and "a" took 1: "b"'s next 1-token chunk would fit, but waits.
     assert batch(output) == [("a", 1)]
-    assert ids(output.preempted) == ["b"]
+    assert output.preempted_req_ids == ["b"]
     assert ids(scheduler.waiting) == ["b"]
     # And it keeps waiting while its 7 known tokens (2 blocks, one of them generated) do not fit:
     # admitted on its prompt alone, its replay would preempt it again as "a" grows. It resumes
@@ -266,7 +284,7 @@ def test_n_sequences_fork_at_the_end_of_the_prefill_and_share_its_blocks():
     scheduler = make_scheduler()
     scheduler.add_request(make_request("g", prompt(100, 6), n=3))
     output = step(scheduler)
-    assert [(c.request_id, p.request_id) for c, p in output.forked] == [
+    assert forks(output) == [
         ("g#1", "g#0"),
         ("g#2", "g#0"),
     ]
@@ -279,7 +297,7 @@ def test_n_sequences_fork_at_the_end_of_the_prefill_and_share_its_blocks():
 def test_no_fork_happens_before_the_prompt_is_computed():
     scheduler = make_scheduler(max_num_batched_tokens=4)
     scheduler.add_request(make_request("g", prompt(100, 6), n=3))
-    assert step(scheduler).forked == []
+    assert forks(step(scheduler)) == []
     assert ids(scheduler.running) == ["g#0"]
 
 
@@ -423,6 +441,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_model_len = data.draw(st.integers(2, num_blocks * block_size), label="max_model_len")
         self.kv = KVCacheManager(num_blocks, block_size, caching)
         self.scheduler = Scheduler(self.kv, max_num_seqs, budget, max_model_len)
+        self.worker_view = InputBatch(max_num_seqs, 1)  # grows as needed
         self.ended: list[Request] = []
         self.ids = itertools.count()
 
@@ -431,40 +450,75 @@ class SchedulerMachine(RuleBasedStateMachine):
         running_before = list(scheduler.running)
         waiting_before = list(scheduler.waiting)
         output = scheduler.schedule()
-        entries = output.scheduled
+        entries = [(scheduler.requests[i], n) for i, n in output.num_scheduled_tokens.items()]
+        spec = output.scheduled_spec_decode_tokens
 
-        assert output.num_batched_tokens <= scheduler.max_num_batched_tokens
-        assert all(s.num_new_tokens >= 1 for s in entries)
-        assert len({id(s.request) for s in entries}) == len(entries)
-        decodes = [s.is_decode for s in entries]
+        assert output.total_num_scheduled_tokens <= scheduler.max_num_batched_tokens
+        assert all(n >= 1 for _, n in entries)
+        decodes = [r.num_computed_tokens >= r.num_prompt_tokens for r, _ in entries]
         assert decodes == sorted(decodes, reverse=True), "decodes first"
-        for s in entries:  # a chunk is all prompt tokens (not a decode) or all generated ones
-            request = s.request
+        for request, n in entries:  # a chunk is all prompt tokens or all generated ones
             generated = request.num_computed_tokens >= request.num_prompt_tokens
-            assert s.is_decode == generated
+            proposals = spec.get(request.request_id, [])
             if not generated:
-                assert request.num_computed_tokens + s.num_new_tokens <= request.num_prompt_tokens
-            if generated and s.num_new_tokens > 1:  # only a resumed request replays
+                assert request.num_computed_tokens + n <= request.num_prompt_tokens
+                assert not proposals
+            if proposals:  # the last known token, then the proposals after it
+                assert request.num_computed_tokens == request.num_tokens - 1
+                assert n == 1 + len(proposals)
+                assert request.num_tokens + len(proposals) <= scheduler.max_model_len
+            elif generated and n > 1:  # only a resumed request replays
                 assert request.num_preemptions > 0
-        for s in entries:
-            covered = len(s.block_ids) * kv.block_size
-            assert covered >= s.request.num_computed_tokens + s.num_new_tokens
+        for request, n in entries:
+            covered = len(kv.get_block_ids(request.request_id)) * kv.block_size
+            assert covered >= request.num_computed_tokens + n
         # Victims are the newest running requests, newest first.
-        victims = running_before[::-1][: len(output.preempted)]
-        assert [id(r) for r in output.preempted] == [id(r) for r in victims]
-        admitted = [s for s in entries if any(s.request is w for w in waiting_before)]
+        victims = running_before[::-1][: len(output.preempted_req_ids)]
+        assert output.preempted_req_ids == [r.request_id for r in victims]
+        admitted = [r for r, _ in entries if any(r is w for w in waiting_before)]
         if admitted:
-            assert not output.preempted
-            scheduled = {id(s.request) for s in entries}
+            assert not output.preempted_req_ids
+            scheduled = {id(r) for r, _ in entries}
             assert all(id(r) in scheduled for r in running_before)
         assert len(scheduler.running) <= scheduler.max_num_seqs
-        for child, parent in output.forked:
-            assert kv.get_block_ids(child.request_id) == kv.get_block_ids(parent.request_id)
+        for child, parent in forks(output):
+            assert kv.get_block_ids(child) == kv.get_block_ids(parent)
 
-        sampled = {request_id: draw_token() for request_id in sampling_ids(output)}
-        updated = scheduler.update(output, sampled)
-        assert sorted(r.request_id for r in updated) == sorted(sampled)
-        self.ended += [r for r in updated if r.is_finished]
+        # The worker's copy, built from the messages alone, matches the scheduler's state.
+        self.worker_view.update(output)
+        for request_id in [*output.num_scheduled_tokens, *(c for c, _ in forks(output))]:
+            request = scheduler.requests[request_id]
+            state = self.worker_view.requests[request_id]
+            assert state.token_ids == request.token_ids
+            assert state.prompt_token_ids == request.prompt_token_ids
+            assert state.num_computed_tokens == request.num_computed_tokens
+            assert self.worker_view.block_ids(state) == kv.get_block_ids(request_id)
+            assert state.spec_token_ids == spec.get(request_id, [])
+
+        # The runner's answer: one token, or for a verification the accepted proposals and
+        # one token more (an invented accept count).
+        sampled = {}
+        for request_id in sampling_ids(scheduler, output):
+            proposals = spec.get(request_id, [])
+            num_accepted = draw_token() % (len(proposals) + 1)
+            sampled[request_id] = [*proposals[:num_accepted], draw_token()]
+        updated = scheduler.update(output, ModelRunnerOutput(sampled))
+        assert sorted(r.request_id for r, _ in updated) == sorted(sampled)
+        for request, kept in updated:
+            tokens = sampled[request.request_id]
+            assert kept == tokens[: len(kept)] and kept
+            assert len(kept) == len(tokens) or request.is_finished  # cut only at a stop
+            assert request.token_ids[-len(kept) :] == kept
+        self.ended += [r for r, _ in updated if r.is_finished]
+
+    @rule(data=st.data())
+    def propose(self, data) -> None:
+        """A proposer offers up to 3 speculative tokens to each running decode."""
+        for request in self.scheduler.running:
+            if request.num_prompt_tokens <= request.num_computed_tokens == request.num_tokens - 1:
+                request.spec_token_ids = data.draw(
+                    st.lists(st.integers(1, 3), max_size=3), label="proposals"
+                )
 
     @rule(data=st.data())
     def add(self, data) -> None:
@@ -550,3 +604,108 @@ SchedulerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_scheduler_random_traffic = SchedulerMachine.TestCase
+
+
+# ---- several tokens per step: speculative verification ---------------------------------------
+
+
+def decoding(scheduler: Scheduler, request: Request) -> None:
+    """Steps until the request decodes (its prompt computed, one token sampled)."""
+    while request.num_computed_tokens < request.num_prompt_tokens:
+        step(scheduler)
+
+
+def test_a_decode_with_proposals_computes_its_last_token_and_each_proposal():
+    scheduler = make_scheduler()
+    a = make_request("a", prompt(100, 5))
+    scheduler.add_request(a)
+    decoding(scheduler, a)
+    a.spec_token_ids = [11, 12, 13]
+    output = scheduler.schedule()
+    assert batch(output) == [("a", 4)]
+    assert output.scheduled_spec_decode_tokens == {"a": [11, 12, 13]}
+
+
+def test_accepted_proposals_are_appended_and_rejected_slots_given_back():
+    scheduler = make_scheduler()
+    a = make_request("a", prompt(100, 7))
+    scheduler.add_request(a)
+    decoding(scheduler, a)  # 8 known tokens, 7 computed: two blocks
+    a.spec_token_ids = [11, 12, 13]
+    output = scheduler.schedule()
+    assert len(scheduler.kv_manager.get_block_ids("a")) == 3  # slots 7..10
+    (updated,) = scheduler.update(output, ModelRunnerOutput({"a": [11, 5]}))
+    assert updated == (a, [11, 5])
+    assert a.output_token_ids == [7, 11, 5]
+    assert a.num_computed_tokens == 9  # the last known token and the accepted proposal
+    assert len(scheduler.kv_manager.get_block_ids("a")) == 3  # covers 9 computed tokens
+    assert a.spec_token_ids == []
+
+
+def test_every_proposal_rejected_keeps_only_the_known_tokens_blocks():
+    scheduler = make_scheduler()
+    a = make_request("a", prompt(100, 7))
+    scheduler.add_request(a)
+    decoding(scheduler, a)
+    a.spec_token_ids = [11, 12, 13, 14, 15]
+    output = scheduler.schedule()
+    assert len(scheduler.kv_manager.get_block_ids("a")) == 4  # slots 7..12
+    scheduler.update(output, ModelRunnerOutput({"a": [9]}))
+    assert a.num_computed_tokens == 8 and a.output_token_ids == [7, 9]
+    assert len(scheduler.kv_manager.get_block_ids("a")) == 2
+    scheduler.kv_manager.check_invariants()
+    assert scheduler.kv_manager.num_free_blocks == scheduler.kv_manager.num_blocks - 2
+
+
+def test_a_stop_token_inside_an_accepted_run_drops_the_tokens_after_it():
+    scheduler = make_scheduler()
+    a = make_request("a", prompt(100, 5))
+    scheduler.add_request(a)
+    decoding(scheduler, a)
+    a.spec_token_ids = [11, EOS, 13]
+    output = scheduler.schedule()
+    (updated,) = scheduler.update(output, ModelRunnerOutput({"a": [11, EOS, 13, 14]}))
+    assert updated == (a, [11, EOS])
+    assert a.output_token_ids == [7, 11, EOS]
+    assert a.status == RequestStatus.FINISHED_STOPPED
+    assert_all_blocks_free(scheduler)
+
+
+def test_max_tokens_inside_an_accepted_run_ends_the_request_there():
+    scheduler = make_scheduler()
+    a = make_request("a", prompt(100, 5), max_tokens=3)
+    scheduler.add_request(a)
+    decoding(scheduler, a)
+    a.spec_token_ids = [11, 12, 13]
+    output = scheduler.schedule()
+    # Room for two more tokens: one proposal is verified, the next token is the last.
+    assert output.scheduled_spec_decode_tokens == {"a": [11]}
+    (updated,) = scheduler.update(output, ModelRunnerOutput({"a": [11, 12]}))
+    assert updated == (a, [11, 12])
+    assert a.status == RequestStatus.FINISHED_LENGTH
+    assert_all_blocks_free(scheduler)
+
+
+def test_min_tokens_holds_back_a_stop_token_inside_an_accepted_run():
+    scheduler = make_scheduler()
+    a = make_request("a", prompt(100, 5), min_tokens=3)
+    scheduler.add_request(a)
+    decoding(scheduler, a)  # one output token
+    a.spec_token_ids = [EOS, 12]
+    output = scheduler.schedule()
+    scheduler.update(output, ModelRunnerOutput({"a": [EOS, 12, EOS]}))
+    # EOS as the second output token is below min_tokens; as the fourth, it stops.
+    assert a.output_token_ids == [7, EOS, 12, EOS]
+    assert a.status == RequestStatus.FINISHED_STOPPED
+
+
+def test_lookahead_slots_are_reserved_past_a_decode_and_never_hashed():
+    kv = KVCacheManager(64, BS, enable_prefix_caching=True)
+    scheduler = Scheduler(kv, 8, 64, 64, num_lookahead_tokens=4)
+    a = make_request("a", prompt(100, 7))
+    scheduler.add_request(a)
+    decoding(scheduler, a)  # 8 known tokens: blocks for 8, the prompt's first block hashed
+    scheduler.schedule()  # the decode of token 7, plus 4 slots
+    assert len(kv.get_block_ids("a")) == 3  # slots 0..11
+    hashed = [b.block_hash is not None for b in (kv.blocks[i] for i in kv.get_block_ids("a"))]
+    assert hashed == [True, True, False]

@@ -43,7 +43,6 @@ from dataclasses import dataclass
 from quire.config import EngineConfig
 from quire.engine.llm_engine import LLMEngine, PromptType
 from quire.engine.metrics import EngineMetrics
-from quire.engine.request import RequestStatus
 from quire.outputs import RequestOutput
 from quire.sampling_params import SamplingParams
 from quire.worker.host_threads import release_openmp_threads
@@ -340,11 +339,7 @@ class AsyncLLM:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
                 _call_soon(stream.loop, stream.queue.put_nowait, failure)
-        self.engine.abort_request(request_ids)
-        # Forks made by the failed step's schedule never joined their group: end them too.
-        scheduler = self.engine.scheduler
-        scheduler.finish_requests(list(scheduler.requests), RequestStatus.FINISHED_ABORTED)
-        self.engine.kv_manager.take_copies()  # copies scheduled for the failed step
+        self.engine.abort_all()
         self.metrics.record_aborted(request_ids, time.monotonic(), "error")
         self.metrics.update_gauges(self.engine)
 

@@ -98,14 +98,19 @@ class KVCacheManager:
 
     # ---- allocation ----------------------------------------------------------------------
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] = ()
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: list[KVBlock] = (),
+        num_lookahead: int = 0,
     ) -> bool:
         """Make `request`'s blocks cover its computed tokens, `computed_blocks` (prefix-cache
-        hits, only on first scheduling) and `num_new_tokens` more. Returns False, changing
-        nothing, when the pool has too few free blocks."""
+        hits, only on first scheduling), `num_new_tokens` more and `num_lookahead` slots past
+        them (for speculative tokens; never hashed). Returns False, changing nothing, when the
+        pool has too few free blocks."""
         blocks = self.req_blocks.setdefault(request.request_id, [])
         num_computed, num_needed, needs_cow, num_taken = self._demand(
-            blocks, request, num_new_tokens, computed_blocks
+            blocks, request, num_new_tokens + num_lookahead, computed_blocks
         )
         if num_taken > self.num_free_blocks:
             return False
@@ -129,6 +134,18 @@ class KVCacheManager:
         blocks = self.req_blocks.get(request.request_id, [])
         num_taken = self._demand(blocks, request, num_new_tokens, computed_blocks)[3]
         return num_taken <= self.num_free_blocks
+
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Gives back the blocks past the first `num_tokens` slots of `request` (the slots of
+        rejected speculative tokens). Only blocks of final tokens were ever hashed, so a given-back
+        block carries no hash."""
+        blocks = self.req_blocks[request.request_id]
+        keep = self.blocks_needed(num_tokens)
+        for block in reversed(blocks[keep:]):
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block.block_id] = block
+        del blocks[keep:]
 
     def _demand(
         self,

@@ -1,4 +1,9 @@
-"""LLMEngine: add_request / abort_request / step(). schedule -> execute -> update -> outputs."""
+"""LLMEngine, the front end: add_request / abort_request / step() -> RequestOutputs.
+
+It owns the text side (tokenizing prompts, detokenizing outputs, stop strings) and the caller's
+view of each request (its n sequences, their tokens, logprobs and finish reasons), and drives an
+EngineCore (engine/core.py) that schedules and runs steps on plain token ids.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +14,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from quire.config import EngineConfig
+from quire.engine.core import EngineCore, EngineCoreOutput
 from quire.engine.detokenizer import IncrementalDetokenizer
-from quire.engine.kv_manager import KVCacheManager
 from quire.engine.request import Request, RequestStatus
-from quire.engine.scheduler import Scheduler, SchedulerOutput
+from quire.messages import TopLogprobs
 from quire.model.loader import load_model_config
 from quire.model.tokenizer import load_tokenizer
 from quire.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from quire.sampling_params import SamplingParams
-from quire.worker.model_runner import ModelRunner, ModelRunnerOutput, TopLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -29,9 +31,20 @@ PromptType = str | list[int] | dict[str, Any]
 
 @dataclass
 class _Sequence:
-    request: Request
+    """One completion as the caller sees it."""
+
+    req_id: str  # the core's id of this sequence
     detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)  # generated
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
     text: str = ""  # released so far (never a prefix of a stop string that may still match)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
 
 
 @dataclass
@@ -46,14 +59,22 @@ class RequestGroup:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
 
     @property
     def finished(self) -> bool:
         return len(self.sequences) == self.params.n and all(
-            s.request.is_finished for s in self.sequences.values()
+            s.is_finished for s in self.sequences.values()
         )
+
+    @property
+    def sequence_ids(self) -> list[str]:
+        """The core's ids of all n sequences, forked yet or not."""
+        if self.params.n == 1:
+            return [self.request_id]
+        return [f"{self.request_id}#{i}" for i in range(self.params.n)]
 
 
 class LLMEngine:
@@ -69,30 +90,29 @@ class LLMEngine:
                 f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                 f"({model_config.max_position_embeddings}); pass a smaller max_model_len."
             )
-        torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config, model_config, self.dtype, max_model_len)
-        pool_tokens = self.runner.num_blocks * config.block_size
-        if max_model_len > pool_tokens:
-            logger.warning(
-                "max_model_len %d does not fit in the KV pool (%d tokens); using %d",
-                max_model_len,
-                pool_tokens,
-                pool_tokens,
-            )
-            max_model_len = pool_tokens
-        self.max_model_len = max_model_len
-        self.kv_manager = KVCacheManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(
-            self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens, max_model_len
-        )
+        self.core = EngineCore(config, model_config, self.dtype, max_model_len)
+        self.max_model_len = self.core.max_model_len
         eos = set(model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
         self.groups: dict[str, RequestGroup] = {}
-        self.num_steps = 0
+
+    @property
+    def scheduler(self):  # in-process inspection (metrics, tests)
+        return self.core.scheduler
+
+    @property
+    def kv_manager(self):
+        return self.core.kv_manager
+
+    @property
+    def num_steps(self) -> int:
+        return self.core.num_steps
+
+    def shutdown(self) -> None:
+        """Ends the engine's worker processes (if any); the engine cannot run afterwards."""
+        self.core.shutdown()
 
     # ---- requests --------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -121,9 +141,10 @@ class LLMEngine:
         if request_id in self.groups:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         params = (params or SamplingParams()).clone()
-        if params.n > self.scheduler.max_num_seqs:
+        max_num_seqs = self.config.max_num_seqs
+        if params.n > max_num_seqs:
             raise ValueError(
-                f"n ({params.n}) must be <= max_num_seqs ({self.scheduler.max_num_seqs}): the n "
+                f"n ({params.n}) must be <= max_num_seqs ({max_num_seqs}): the n "
                 "sequences of a request run together; lower n or raise max_num_seqs."
             )
         prompt_text, token_ids = self.tokenize_prompt(prompt)
@@ -143,11 +164,9 @@ class LLMEngine:
             max_tokens=max_tokens,
             group_id=request_id,
             arrival_time=group.arrival_time,
-            device=self.config.device,
         )
-        self._add_sequence(group, request)
         self.groups[request_id] = group
-        self.scheduler.add_request(request)
+        self.core.add_request(request)
 
     def _validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -164,25 +183,20 @@ class LLMEngine:
                 "or raise max_model_len."
             )
 
-    def _add_sequence(self, group: RequestGroup, request: Request) -> None:
-        detokenizer = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, request.sampling_params
-        )
-        group.sequences[request.index] = _Sequence(request, detokenizer)
-
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Ends requests (by the caller's ids) at once and frees their KV blocks."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for request_id in request_ids:
             group = self.groups.pop(request_id, None)
-            if group is None:
-                continue
-            seq_ids = [s.request.request_id for s in group.sequences.values()]
-            self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
-            # Sequences not forked yet never will be: the parent is gone.
-            for seq in group.sequences.values():
-                seq.request.status = RequestStatus.FINISHED_ABORTED
+            if group is not None:
+                self.core.abort_requests(group.sequence_ids)
+
+    def abort_all(self) -> None:
+        """Ends every request, including sequences a failed step forked (their group never
+        heard of them), and leaves the engine empty and ready for new requests."""
+        self.groups.clear()
+        self.core.abort_all()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -194,54 +208,36 @@ class LLMEngine:
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One engine iteration. Returns an output for every request that made progress."""
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            return []
-        runner_output = self.runner.execute(scheduler_output)
-        self.num_steps += 1
-        return self._process(scheduler_output, runner_output)
+        return self._process(self.core.step())
 
-    def _process(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[RequestOutput]:
+    def _process(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
         now = time.monotonic()
         touched: dict[str, RequestGroup] = {}
-        for child, parent in sched.forked:
-            group = self.groups[parent.group_id]
-            self._add_sequence(group, child)
-        for request_id, top in out.prompt_logprobs.items():
-            request = self.scheduler.requests[request_id]
-            group = self.groups[request.group_id]
-            # Preempted mid-prompt, a request recomputes from the start: skip positions returned.
-            num_returned = len(group.prompt_logprobs) - 1 - request.num_computed_tokens
-            group.prompt_logprobs.extend(self._logprob_dicts(top)[max(num_returned, 0) :])
-
-        updated = self.scheduler.update(sched, out.sampled)
-        for entry in sched.scheduled:
-            request = entry.request
-            if request.num_computed_tokens >= request.num_prompt_tokens:
-                request.prompt_logprobs_done = True
         stopped: list[str] = []
-        for request in updated:
-            group = self.groups[request.group_id]
+        for out in core_outputs:
+            group = self.groups.get(out.group_id)
+            if group is None:
+                continue
+            seq = group.sequences.get(out.index)
+            if seq is None:  # the first output of this sequence (a fork's, or the first's)
+                seq = group.sequences[out.index] = self._new_sequence(group, out.req_id)
+            if group.first_scheduled_time is None:
+                group.first_scheduled_time = out.first_scheduled_time
+            if out.prompt_logprobs is not None:
+                # Preempted mid-prompt, a request recomputes from the start: skip positions
+                # already returned.
+                num_returned = len(group.prompt_logprobs) - 1 - out.prompt_logprobs_start
+                dicts = self._logprob_dicts(out.prompt_logprobs)
+                group.prompt_logprobs.extend(dicts[max(num_returned, 0) :])
+            if not out.new_token_ids:
+                continue
             touched[group.request_id] = group
             if group.first_token_time is None:
                 group.first_token_time = now
-                group.num_cached_tokens = max(request.num_cached_tokens, 0)
-            request_id = request.request_id
-            if request.logprobs is not None:
-                top = out.logprobs[request_id]
-                request.cumulative_logprob += top.logprobs[0][0]  # column 0: the new token
-                request.logprobs.extend(self._logprob_dicts(top))
-            if request.status == RequestStatus.FINISHED_STOPPED:
-                continue  # ended by a stop token (EOS, stop_token_ids): not part of the text
-            seq = group.sequences[request.index]
-            stop = seq.detokenizer.update([request.token_ids[-1]], request.num_output_tokens)
-            if stop is not None:
-                request.stop_reason = stop
-                if request.is_finished:  # max_tokens reached on the same token
-                    request.status = RequestStatus.FINISHED_STOPPED
-                else:
-                    stopped.append(request_id)
-        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+                group.num_cached_tokens = out.num_cached_tokens
+            if self._append(seq, out):
+                stopped.append(seq.req_id)
+        self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
 
         outputs = []
         for group in touched.values():
@@ -250,6 +246,32 @@ class LLMEngine:
                 group.finished_time = now
                 del self.groups[group.request_id]
         return outputs
+
+    def _new_sequence(self, group: RequestGroup, req_id: str) -> _Sequence:
+        detokenizer = IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids, group.params)
+        logprobs = [] if group.params.logprobs is not None else None
+        return _Sequence(req_id, detokenizer, logprobs=logprobs)
+
+    def _append(self, seq: _Sequence, out: EngineCoreOutput) -> bool:
+        """Takes a step's new tokens into the sequence, one by one into the detokenizer; True
+        when a stop string ended it (the core must then end it too)."""
+        seq.token_ids.extend(out.new_token_ids)
+        seq.status, seq.stop_reason = out.status, out.stop_reason
+        if seq.logprobs is not None and out.logprobs is not None:
+            seq.cumulative_logprob += sum(row[0] for row in out.logprobs.logprobs)  # column 0
+            seq.logprobs.extend(self._logprob_dicts(out.logprobs))
+        text_ids = out.new_token_ids
+        if out.status == RequestStatus.FINISHED_STOPPED:
+            text_ids = text_ids[:-1]  # ended by a stop token (EOS, stop_token_ids): not text
+        num_before = len(seq.token_ids) - len(out.new_token_ids)
+        for i, token_id in enumerate(text_ids, start=1):
+            stop = seq.detokenizer.update([token_id], num_before + i)
+            if stop is not None:
+                seq.stop_reason = stop
+                was_finished = seq.is_finished  # max_tokens reached on the same token
+                seq.status = RequestStatus.FINISHED_STOPPED
+                return not was_finished
+        return False
 
     def _logprob_dicts(self, top: TopLogprobs) -> list[PositionLogprobs]:
         dicts = []
@@ -265,26 +287,24 @@ class LLMEngine:
         completions = []
         for index in sorted(group.sequences):
             seq = group.sequences[index]
-            request = seq.request
-            finished = request.is_finished
+            finished = seq.is_finished
             seq.text += seq.detokenizer.get_delta_text(finished)
             completions.append(
                 CompletionOutput(
                     index=index,
                     text=seq.text,
-                    token_ids=request.output_token_ids,  # a fresh slice
+                    token_ids=list(seq.token_ids),
                     cumulative_logprob=(
-                        request.cumulative_logprob if request.logprobs is not None else None
+                        seq.cumulative_logprob if seq.logprobs is not None else None
                     ),
-                    logprobs=request.logprobs,
-                    finish_reason=request.status.finish_reason,
-                    stop_reason=request.stop_reason,
+                    logprobs=seq.logprobs,
+                    finish_reason=seq.status.finish_reason,
+                    stop_reason=seq.stop_reason,
                 )
             )
         metrics = {"arrival_time": group.arrival_time}
-        first_scheduled_time = group.sequences[0].request.first_scheduled_time
-        if first_scheduled_time is not None:
-            metrics["first_scheduled_time"] = first_scheduled_time
+        if group.first_scheduled_time is not None:
+            metrics["first_scheduled_time"] = group.first_scheduled_time
         if group.first_token_time is not None:
             metrics["first_token_time"] = group.first_token_time
         return RequestOutput(

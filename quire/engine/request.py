@@ -6,8 +6,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from quire.outputs import PositionLogprobs
 from quire.sampling_params import SamplingParams
 
@@ -53,7 +51,6 @@ class Request:
     group_id: str = ""  # the id of the caller's request; forks share it
     index: int = 0  # which of the group's n completions this is
     arrival_time: float = field(default_factory=time.monotonic)
-    device: str = "cpu"  # where a seeded request's generator draws its noise (the logits' device)
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id
@@ -69,11 +66,9 @@ class Request:
         self.logprobs: list[PositionLogprobs] | None = (
             [] if self.sampling_params.logprobs is not None else None
         )
-        self.prompt_logprobs_done = self.sampling_params.prompt_logprobs is None
-        self.generator: torch.Generator | None = None
-        if self.sampling_params.seed is not None:
-            self.generator = torch.Generator(device=self.device)
-            self.generator.manual_seed(self.sampling_params.seed + self.index)
+        # Proposed tokens to verify after the last known one (speculative decoding); never part
+        # of token_ids until accepted.
+        self.spec_token_ids: list[int] = []
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
 
@@ -106,13 +101,11 @@ class Request:
             group_id=self.group_id,
             index=index,
             arrival_time=self.arrival_time,
-            device=self.device,
         )
         child.token_ids = list(self.token_ids)
         child.status = self.status
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.num_forks_pending = 0
-        child.prompt_logprobs_done = True
         child.first_scheduled_time = self.first_scheduled_time
         return child

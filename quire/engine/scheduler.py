@@ -1,11 +1,17 @@
 """Scheduler: continuous batching under one token budget per step.
 
 Each step, running requests are served first, in arrival order: a decode takes one token of the
-budget (a replay, below, several), an unfinished prefill takes the next chunk of its prompt. When
-the pool has no block for a running request, the newest running request is preempted (its blocks
-are freed, it goes back to the front of the waiting queue and is recomputed later, reusing
-whatever prefix stayed cached). Then, if nothing was preempted, waiting requests are admitted in
-order with chunked prefill until the token budget or `max_num_seqs` is spent.
+budget (plus its speculative tokens, if a proposer gave it some; a replay, below, several), an
+unfinished prefill takes the next chunk of its prompt. When the pool has no block for a running
+request, the newest running request is preempted (its blocks are freed, it goes back to the front
+of the waiting queue and is recomputed later, reusing whatever prefix stayed cached). Then, if
+nothing was preempted, waiting requests are admitted in order with chunked prefill until the token
+budget or `max_num_seqs` is spent.
+
+What the step computes goes to the worker as plain data (`quire.messages.SchedulerOutput`): a
+request the worker does not hold yet in full, one it holds as a delta (new tokens, block-table
+changes, computed count). The scheduler remembers what it sent each request (`_SentState`), so a
+delta is exact whatever happened in between (copy-on-write, blocks given back).
 
 Recompute replays: a resumed request computes the rest of its prompt in chunks, as any prompt,
 then its generated tokens in chunks of their own (`num_new_tokens`), which the runner runs as one
@@ -17,6 +23,10 @@ sequences than a full decode batch), and a resumed request is only admitted when
 tokens fit in the pool: admitted on its prompt alone, its replay would preempt it again.
 Each replayed token reads its whole context, as a decode does, where a prompt chunk shares the
 reads: the price of the bits, paid only after a preemption.
+
+`update` takes each request's list of new tokens (several when speculative tokens were verified),
+appends them one by one under the stop rules (tokens after a stop are dropped), and gives back the
+slots of rejected speculative tokens.
 """
 
 from __future__ import annotations
@@ -24,51 +34,30 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from quire.engine.kv_manager import KVCacheManager
 from quire.engine.request import Request, RequestStatus
+from quire.messages import (
+    CachedRequestData,
+    ForkedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 
 
 @dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
+class _SentState:
+    """What the worker holds of a request: its first `num_tokens` tokens and this block table."""
+
+    num_tokens: int
     block_ids: list[int]
-
-    @property
-    def is_decode(self) -> bool:
-        """Generated tokens to compute: one (a decode), or several when a resumed request
-        replays them; each runs as a decode of its own. A prompt chunk, even of one token, is
-        not a decode: prompt tokens always go through the prefill kernels, so a prompt's K/V and
-        first token do not depend on where chunking or a prefix-cache hit left its last chunk."""
-        return self.request.num_computed_tokens >= self.request.num_prompt_tokens
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step computes the request's last known token, so it samples a new one."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]  # decodes first, then prefill chunks
-    forked: list[tuple[Request, Request]]  # (child, parent): child samples from parent's logits
-    block_copies: list[tuple[int, int]]  # (src, dst) copy-on-write block copies, before forward
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 def num_new_tokens(request: Request, num_computed: int, budget: int, max_replay: int) -> int:
-    """How many of a request's tokens to compute this step, from `num_computed` on, up to the
-    budget: a chunk never holds both prompt and generated tokens, and a replay of generated
+    """How many of a request's known tokens to compute this step, from `num_computed` on, up to
+    the budget: a chunk never holds both prompt and generated tokens, and a replay of generated
     tokens is at most `max_replay` of them (see the module docstring)."""
     if num_computed < request.num_prompt_tokens:
         return min(request.num_prompt_tokens - num_computed, budget)
@@ -82,15 +71,21 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        num_lookahead_tokens: int = 0,
     ):
         self.kv_manager = kv_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        # Slots reserved past a decode's tokens each step, for the speculative tokens that a
+        # proposer may add before the next one (its KV lands there when verified).
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._sent: dict[str, _SentState] = {}
+        self._finished_ids: list[str] = []  # dropped since the last step, for the worker
 
     # ---- admission and removal -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -110,6 +105,8 @@ class Scheduler:
                 self.waiting.remove(request)
             request.status = status
             self.kv_manager.free(request)
+            if self._sent.pop(request_id, None) is not None:
+                self._finished_ids.append(request_id)
             finished.append(request)
         return finished
 
@@ -120,8 +117,8 @@ class Scheduler:
     # ---- the step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
-        forked: list[tuple[Request, Request]] = []
+        scheduled: list[tuple[Request, int]] = []
+        forked: list[tuple[Request, Request]] = []  # (child, parent)
         preempted: list[Request] = []
 
         index = 0
@@ -130,14 +127,18 @@ class Scheduler:
             num_new = num_new_tokens(
                 request, request.num_computed_tokens, budget, self.max_num_seqs
             )
-            while not self.kv_manager.allocate_slots(request, num_new):
+            is_decode = request.num_prompt_tokens <= request.num_computed_tokens
+            if is_decode:
+                num_new += self._trim_spec_tokens(request, budget - num_new)
+            lookahead = self.num_lookahead_tokens if is_decode else 0
+            while not self.kv_manager.allocate_slots(request, num_new, num_lookahead=lookahead):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
             else:
-                scheduled.append(self._scheduled(request, num_new, forked))
+                self._schedule(request, num_new, scheduled, forked)
                 budget -= num_new
                 index += 1
                 continue
@@ -147,13 +148,25 @@ class Scheduler:
             budget = self._admit_waiting(budget, scheduled, forked)
 
         self.running.extend(child for child, _ in forked)
-        scheduled.sort(key=lambda s: not s.is_decode)  # decodes first (stable)
-        return SchedulerOutput(scheduled, forked, self.kv_manager.take_copies(), preempted)
+        # Decodes first (stable): the runner lays a step out as decodes, then prompt chunks.
+        scheduled.sort(key=lambda entry: entry[0].num_computed_tokens < entry[0].num_prompt_tokens)
+        return self._message(scheduled, forked, preempted)
+
+    def _trim_spec_tokens(self, request: Request, budget: int) -> int:
+        """Cuts the request's speculative tokens to what the budget, max_model_len and its
+        max_tokens leave room for; returns how many stay."""
+        room = min(
+            budget,
+            self.max_model_len - request.num_tokens,
+            request.max_tokens - request.num_output_tokens - 1,
+        )
+        del request.spec_token_ids[max(room, 0) :]
+        return len(request.spec_token_ids)
 
     def _admit_waiting(
         self,
         budget: int,
-        scheduled: list[ScheduledRequest],
+        scheduled: list[tuple[Request, int]],
         forked: list[tuple[Request, Request]],
     ) -> int:
         while self.waiting and budget > 0:
@@ -178,50 +191,141 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append(self._scheduled(request, num_new, forked))
+            self._schedule(request, num_new, scheduled, forked)
             budget -= num_new
         return budget
 
-    def _scheduled(
-        self, request: Request, num_new: int, forked: list[tuple[Request, Request]]
-    ) -> ScheduledRequest:
-        entry = ScheduledRequest(
-            request, num_new, self.kv_manager.get_block_ids(request.request_id)
-        )
-        if entry.samples and request.num_forks_pending:
+    def _schedule(
+        self,
+        request: Request,
+        num_new: int,
+        scheduled: list[tuple[Request, int]],
+        forked: list[tuple[Request, Request]],
+    ) -> None:
+        """Adds the request to the step; when this step samples its first token, forks the other
+        n - 1 sequences of its group (they share its blocks and sample from its logits)."""
+        scheduled.append((request, num_new))
+        samples = request.num_computed_tokens + num_new >= request.num_tokens
+        if samples and request.num_forks_pending:
             for i in range(1, request.num_forks_pending + 1):
                 child = request.fork(request.index + i)
                 self.kv_manager.fork(request, child)
                 self.requests[child.request_id] = child
                 forked.append((child, request))
             request.num_forks_pending = 0
-        return entry
 
     def _preempt(self, request: Request) -> None:
         self.kv_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advances computed-token counts, appends each sampled token and applies the stop rules
-        that need no text (EOS, stop ids, max_tokens, max_model_len). Returns the requests that
-        got a new token; finished ones are already removed and their blocks freed."""
-        for entry in output.scheduled:
-            entry.request.num_computed_tokens += entry.num_new_tokens
-        for child, parent in output.forked:
+    def _message(
+        self,
+        scheduled: list[tuple[Request, int]],
+        forked: list[tuple[Request, Request]],
+        preempted: list[Request],
+    ) -> SchedulerOutput:
+        """The step as plain data, each request as new or as a delta from what was sent."""
+        preempted_ids = [r.request_id for r in preempted if self._sent.pop(r.request_id, None)]
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        num_scheduled: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
+        for request, num_new in scheduled:
+            request_id = request.request_id
+            num_scheduled[request_id] = num_new
+            if request.spec_token_ids:
+                spec_tokens[request_id] = list(request.spec_token_ids)
+            block_ids = self.kv_manager.get_block_ids(request_id)
+            sent = self._sent.get(request_id)
+            if sent is None:
+                new_reqs.append(
+                    NewRequestData(
+                        req_id=request_id,
+                        prompt_token_ids=request.prompt_token_ids,
+                        output_token_ids=request.output_token_ids,
+                        sampling_params=request.sampling_params,
+                        index=request.index,
+                        block_ids=block_ids,
+                        num_computed_tokens=request.num_computed_tokens,
+                    )
+                )
+                self._sent[request_id] = _SentState(request.num_tokens, block_ids)
+                continue
+            start = _first_difference(sent.block_ids, block_ids)
+            cached_reqs.append(
+                CachedRequestData(
+                    req_id=request_id,
+                    new_token_ids=request.token_ids[sent.num_tokens :],
+                    block_ids_start=start,
+                    new_block_ids=block_ids[start:],
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            )
+            sent.num_tokens, sent.block_ids = request.num_tokens, block_ids
+        forks = []
+        for child, parent in forked:
+            parent_sent = self._sent[parent.request_id]
+            self._sent[child.request_id] = _SentState(
+                parent_sent.num_tokens, list(parent_sent.block_ids)
+            )
+            forks.append(ForkedRequestData(child.request_id, parent.request_id, child.index))
+        finished_ids, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            forked_reqs=forks,
+            scheduled_spec_decode_tokens=spec_tokens,
+            block_copies=self.kv_manager.take_copies(),
+            finished_req_ids=finished_ids,
+            preempted_req_ids=preempted_ids,
+        )
+
+    def update(
+        self, output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[tuple[Request, list[int]]]:
+        """Advances computed-token counts, then appends each request's new tokens one by one,
+        applying the stop rules that need no text (EOS, stop ids, max_tokens, max_model_len) to
+        each: tokens after a stop are dropped. A request that verified speculative tokens keeps
+        the KV of the accepted ones and gives back the slots of the rest. Returns each request
+        that got tokens with the tokens it kept; finished ones are already removed and freed."""
+        for request_id, num_new in output.num_scheduled_tokens.items():
+            self.requests[request_id].num_computed_tokens += num_new
+        for fork in output.forked_reqs:
+            child, parent = self.requests[fork.req_id], self.requests[fork.parent_req_id]
             child.num_computed_tokens = parent.num_computed_tokens
         updated = []
-        for request_id, token_id in sampled.items():
+        for request_id, token_ids in runner_output.sampled_token_ids.items():
             request = self.requests[request_id]
-            request.append_token(token_id)
-            updated.append(request)
-            status = self._check_stop(request, token_id)
+            num_spec = len(output.scheduled_spec_decode_tokens.get(request_id, ()))
+            if num_spec:
+                # Verified 1 + num_spec positions; the last accepted token's KV is computed next.
+                request.num_computed_tokens -= num_spec + 1 - len(token_ids)
+                request.spec_token_ids = []
+            kept, status = self._append_tokens(request, token_ids)
+            updated.append((request, kept))
             if status is not None:
                 self.finish_requests([request_id], status)
+            elif num_spec:
+                self.kv_manager.truncate(request, request.num_computed_tokens)
         return updated
+
+    def _append_tokens(
+        self, request: Request, token_ids: list[int]
+    ) -> tuple[list[int], RequestStatus | None]:
+        """Appends tokens up to and including the first that stops the request."""
+        for i, token_id in enumerate(token_ids):
+            request.append_token(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                return token_ids[: i + 1], status
+        return token_ids, None
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -238,3 +342,11 @@ class Scheduler:
         ):
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def _first_difference(old: list[int], new: list[int]) -> int:
+    """The first index where the two block tables differ (the shorter one's length if none)."""
+    n = len(old)
+    if len(new) >= n and new[:n] == old:
+        return n  # the usual case: unchanged, or blocks appended
+    return next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(n, len(new)))

@@ -1,11 +1,14 @@
-"""Attention layer: projections, q/k norm, rotary, then the backend over the paged KV cache."""
+"""Attention layer: projections, q/k norm, rotary, then the backend over the paged KV cache.
+
+The cache, the step's metadata and the backend come from the forward context
+(quire/attention/forward_context.py); the layer holds only its weights and its index."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from quire.attention.backend import AttentionBackend, AttentionMetadata
+from quire.attention.forward_context import get_forward_context
 from quire.kernels.cpu import pointwise
 from quire.layers.norm import RMSNorm
 from quire.layers.rotary import apply_rotary
@@ -14,6 +17,7 @@ from quire.layers.rotary import apply_rotary
 class Attention(nn.Module):
     def __init__(
         self,
+        layer_idx: int,
         hidden_size: int,
         num_heads: int,
         num_kv_heads: int,
@@ -22,6 +26,7 @@ class Attention(nn.Module):
         qk_norm_eps: float | None = None,
     ):
         super().__init__()
+        self.layer_idx = layer_idx  # which (K, V) of the forward context's caches it uses
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -32,16 +37,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, hidden_size, bias=False)
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
-        # Bound by the worker once the KV pool is allocated.
-        self.backend: AttentionBackend | None = None
-        self.k_cache = torch.empty(0)  # [num_blocks, block_size, num_kv_heads, head_dim]
-        self.v_cache = torch.empty(0)
 
     def forward(
         self,
         rotary: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [num_tokens, 1, head_dim]
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
-        metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)  # [T, Hq + 2 Hkv, D]
@@ -55,5 +55,7 @@ class Attention(nn.Module):
         else:
             qk = apply_rotary(qk, cos, sin)  # queries and keys in one pass
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, metadata, self.scale)
+        context = get_forward_context()
+        k_cache, v_cache = context.kv_caches[self.layer_idx]
+        out = context.backend.forward(q, k, v, k_cache, v_cache, context.metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))

@@ -11,13 +11,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from quire.attention.backend import AttentionMetadata
 from quire.layers.activation import silu_and_mul
 from quire.layers.attention import Attention
-from quire.layers.linear import PackedLinear, pack_linear_layers
+from quire.layers.linear import PackedLinear
 from quire.layers.norm import RMSNorm
 from quire.layers.rotary import RotaryEmbedding
-from quire.model.cpu_decode import CpuDecodePath
 from quire.model.model_config import ModelConfig
 
 
@@ -32,9 +30,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, config: ModelConfig, layer_idx: int, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         self.self_attn = Attention(
+            layer_idx,
             config.hidden_size,
             config.num_attention_heads,
             config.num_key_value_heads,
@@ -51,14 +50,13 @@ class DecoderLayer(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor],
         hidden: torch.Tensor,
         residual: torch.Tensor | None,  # None before the first layer: hidden is the embedding
-        metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # this layer's output and the residual stream
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rotary, hidden, metadata)
+        hidden = self.self_attn(rotary, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -73,15 +71,14 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, max_position, config.rope)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, self.qkv_bias, self.qk_norm)
-            for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, i, self.qkv_bias, self.qk_norm)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.cpu_decode: CpuDecodePath | None = None  # set by pack_weights where it runs
 
     @property
     def attention_layers(self) -> list[Attention]:
@@ -91,30 +88,13 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
-        metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        if self.cpu_decode is not None and self.cpu_decode.takes(metadata, input_ids.shape[0]):
-            return self.cpu_decode.forward(input_ids, positions, metadata)
         hidden = self.embed_tokens(input_ids)
         rotary = self.rotary(positions, hidden.dtype)
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(rotary, hidden, residual, metadata)
+            hidden, residual = layer(rotary, hidden, residual)
         return self.norm(hidden, residual)[0]
-
-    def argmax_tokens(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens]
-        metadata: AttentionMetadata,
-    ) -> list[int] | None:
-        """`compute_logits(forward(...)).argmax(-1)` for a decode-only step, in one C call on a
-        CPU (cpu_decode.py); None where that path does not take the step."""
-        if self.cpu_decode is None or not self.cpu_decode.takes_argmax(
-            metadata, input_ids.shape[0]
-        ):
-            return None
-        return self.cpu_decode.argmax_tokens(input_ids, positions, metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # -> [n, vocab] float32
         if self.lm_head is None:  # tied to the embedding table
@@ -122,16 +102,6 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(self.lm_head, PackedLinear):
             return self.lm_head(hidden, out_dtype=torch.float32)
         return self.lm_head(hidden).float()
-
-    def pack_weights(self) -> None:
-        """Packs every matmul weight for oneDNN and the GEMV kernel (see quire/layers/linear.py)
-        and turns on the one-call-per-layer decode path where it runs. A tied LM head gets its
-        own packed copy: the embedding lookup keeps the plain table."""
-        pack_linear_layers(self)
-        if self.lm_head is None:
-            self.lm_head = PackedLinear(self.embed_tokens.weight, None)
-        if CpuDecodePath.supported(self):
-            self.cpu_decode = CpuDecodePath(self)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies checkpoint tensors (Hugging Face names) into the fused parameters. Raises

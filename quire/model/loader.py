@@ -14,7 +14,7 @@ from safetensors import safe_open
 from torch import nn
 
 from quire.config import EngineConfig
-from quire.layers.linear import packed_linear_supported
+from quire.layers.linear import PackedLinear, pack_linear_layers, packed_linear_supported
 from quire.layers.rotary import RotaryEmbedding
 from quire.model.gguf_loader import iter_gguf_weights, load_gguf_config
 from quire.model.model_config import ModelConfig, architecture_of, read_hf_config
@@ -49,6 +49,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+def pack_weights(model: nn.Module) -> None:
+    """Packs every matmul weight for oneDNN and the GEMV kernel (quire/layers/linear.py). A tied
+    LM head gets its own packed copy: the embedding lookup keeps the plain table."""
+    pack_linear_layers(model)
+    if model.lm_head is None:
+        model.lm_head = PackedLinear(model.embed_tokens.weight, None)
+
+
 def load_model(
     config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_position: int
 ) -> nn.Module:
@@ -71,7 +79,7 @@ def load_model(
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
     if packed_linear_supported(config.device, dtype):
-        model.pack_weights()
+        pack_weights(model)
     logger.info(
         "Loaded %s (%.1fM params, %s) in %.1f s",
         model_config.architecture,

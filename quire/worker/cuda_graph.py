@@ -1,8 +1,8 @@
 """CUDA graphs for decode-only batches: the model forward captured once per batch size, replayed.
 
 A decode step runs the same kernels on the same shapes every step, and on a small model its time
-goes mostly to launching them from Python. `CUDAGraphRunner` captures `model(input_ids, positions,
-metadata)` for a ladder of batch sizes (1, 2, 4, 8, 16, 24, ... up to min(max_num_seqs, 256), as
+goes mostly to launching them from Python. `CUDAGraphRunner` captures `model(input_ids, positions)`
+(in a forward context of the step's metadata and the worker's KV cache) for a ladder of batch sizes (1, 2, 4, 8, 16, 24, ... up to min(max_num_seqs, 256), as
 in vLLM), every graph reading the same static input buffers and writing one static output buffer,
 all sharing one memory pool (captured largest first, so the smaller graphs fit in its blocks).
 
@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from quire.attention.backend import AttentionMetadata
+from quire.attention.backend import AttentionBackend, AttentionMetadata
+from quire.attention.forward_context import forward_context
 from quire.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -141,8 +142,17 @@ class CUDAGraphRunner:
     replays the smallest one that holds a decode batch. Build it after the KV cache is allocated:
     the graphs write into those cache tensors."""
 
-    def __init__(self, model: nn.Module, config: EngineConfig, max_model_len: int):
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        backend: AttentionBackend,
+        config: EngineConfig,
+        max_model_len: int,
+    ):
         self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
         self.sizes = capture_sizes(config.max_num_seqs)
         self.max_seq_len = max_model_len
         param = next(model.parameters())
@@ -179,7 +189,8 @@ class CUDAGraphRunner:
     def _forward(self, size: int) -> None:
         """The work a graph of `size` captures: the model over the first `size` buffer rows."""
         metadata = self.buffers.metadata(size, self.max_seq_len)
-        hidden = self.model(self.buffers.input_ids[:size], self.buffers.positions[:size], metadata)
+        with forward_context(metadata, self.kv_caches, self.backend):
+            hidden = self.model(self.buffers.input_ids[:size], self.buffers.positions[:size])
         self.output[:size] = hidden
 
     def _replay(self, size: int) -> None:

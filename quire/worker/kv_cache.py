@@ -1,19 +1,28 @@
-"""Sizes and allocates the physical KV cache and binds it to the model's attention layers."""
+"""The physical KV cache: `KVCache` (per-layer K and V tensors, block copies, a request's blocks
+read and written as data), how many blocks fit the memory budget, and the profiling step.
+
+Layout, for every layer: K and V are each `[num_blocks, block_size, num_kv_heads, head_dim]`
+tensors of the KV dtype (num_kv_heads is this rank's share under tensor parallelism). Logical
+position p of a request lives in block `block_table[p // block_size]` at offset
+`p % block_size`; one slot index is `block * block_size + offset`. Block 0..num_blocks-1 are the
+same ids the engine's KVCacheManager hands out.
+"""
 
 from __future__ import annotations
 
 import itertools
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from quire.attention.backend import AttentionMetadata
-from quire.layers.attention import Attention
+from quire.attention.backend import AttentionBackend, AttentionMetadata
+from quire.attention.forward_context import forward_context
 from quire.layers.rotary import RotaryEmbedding
-from quire.layers.sampler import Sampler, SamplingBatch
 from quire.model.model_config import ModelConfig
+from quire.sample.sampler import Sampler, SamplingBatch
 from quire.sampling_params import SamplingParams
 from quire.worker import host_memory
 
@@ -64,6 +73,7 @@ def gpu_kv_bytes(gpu_memory_utilization: float, activation_bytes: int, device: s
 
 def profile_activation_bytes(
     model: nn.Module,
+    backend: AttentionBackend,
     block_size: int,
     dtype: torch.dtype,
     max_num_batched_tokens: int,
@@ -76,7 +86,7 @@ def profile_activation_bytes(
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     baseline = torch.cuda.memory_allocated()
-    run_dummy_step(model, block_size, dtype, max_num_batched_tokens, max_num_seqs)
+    run_dummy_step(model, backend, block_size, dtype, max_num_batched_tokens, max_num_seqs)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - baseline
     torch.cuda.empty_cache()
@@ -86,6 +96,7 @@ def profile_activation_bytes(
 @torch.inference_mode()
 def run_dummy_step(
     model: nn.Module,
+    backend: AttentionBackend,
     block_size: int,
     dtype: torch.dtype,
     num_tokens: int,
@@ -93,8 +104,8 @@ def run_dummy_step(
 ) -> None:
     """The largest step's work on made-up input: a forward of `num_tokens` prompt tokens (requests
     of at most the model's max length), then logits and the costliest sampling for
-    min(max_num_sampled, num_tokens) rows. Every token's K/V goes to a one-block cache bound to
-    the layers for the call (block tables of zeros); their own caches are bound back after it."""
+    min(max_num_sampled, num_tokens) rows. Every token's K/V goes to a one-block cache per layer
+    (block tables of zeros)."""
     layers = model.attention_layers
     device = next(model.parameters()).device
     max_len = next(m.max_position for m in model.modules() if isinstance(m, RotaryEmbedding))
@@ -114,24 +125,20 @@ def run_dummy_step(
         num_decodes=0,
         num_decode_tokens=0,
     )
-    caches = [(layer.k_cache, layer.v_cache) for layer in layers]
+    caches = []
     for layer in layers:
         shape = (1, block_size, layer.num_kv_heads, layer.head_dim)
-        layer.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-    try:
-        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
-        hidden = model(input_ids, positions, metadata)  # [num_tokens, hidden_size]
-        num_sampled = min(max_num_sampled, num_tokens)
-        logits = model.compute_logits(hidden[:num_sampled])  # [num_sampled, vocab_size]
-        rows = [[0]] * num_sampled
-        batch = SamplingBatch.from_params(
-            [_PROFILE_SAMPLING] * num_sampled, rows, rows, [None] * num_sampled, rows, device
-        )
-        Sampler()(logits, batch)
-    finally:
-        for layer, (k_cache, v_cache) in zip(layers, caches):
-            layer.k_cache, layer.v_cache = k_cache, v_cache
+        caches.append(tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in "kv"))
+    input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    with forward_context(metadata, caches, backend):
+        hidden = model(input_ids, positions)  # [num_tokens, hidden_size]
+    num_sampled = min(max_num_sampled, num_tokens)
+    logits = model.compute_logits(hidden[:num_sampled])  # [num_sampled, vocab_size]
+    rows = [[0]] * num_sampled
+    batch = SamplingBatch.from_params(
+        [_PROFILE_SAMPLING] * num_sampled, rows, rows, [None] * num_sampled, rows, device
+    )
+    Sampler()(logits, batch)
 
 
 def num_kv_blocks(
@@ -143,6 +150,7 @@ def num_kv_blocks(
     gpu_memory_utilization: float,
     max_num_batched_tokens: int,
     model: nn.Module | None = None,
+    backend: AttentionBackend | None = None,
     max_num_seqs: int = 256,
 ) -> int:
     """Blocks that fit the budget: `kv_cache_memory` if given; on CUDA, what
@@ -156,7 +164,7 @@ def num_kv_blocks(
             activations = max_num_batched_tokens * _GPU_ACTIVATION_BYTES_PER_TOKEN
         else:
             activations = profile_activation_bytes(
-                model, block_size, dtype, max_num_batched_tokens, max_num_seqs
+                model, backend, block_size, dtype, max_num_batched_tokens, max_num_seqs
             )
         budget = gpu_kv_bytes(gpu_memory_utilization, activations, device)
     else:
@@ -170,34 +178,99 @@ def num_kv_blocks(
     return int(num_blocks)
 
 
-def allocate_kv_cache(
-    layers: list[Attention],
-    num_blocks: int,
-    block_size: int,
-    dtype: torch.dtype,
-    device: str,
-) -> None:
-    """One K and one V tensor `[num_blocks, block_size, num_kv_heads, head_dim]` per layer; on
-    CPU all of them in one arena of huge pages (host_memory.py)."""
-    specs = [
-        ((num_blocks, block_size, layer.num_kv_heads, layer.head_dim), dtype)
-        for layer in layers
-        for _ in "kv"
-    ]
-    if torch.device(device).type == "cpu":
-        caches = host_memory.zeros(specs)
-    else:
-        caches = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in specs]
-    for i, layer in enumerate(layers):
-        layer.k_cache, layer.v_cache = caches[2 * i], caches[2 * i + 1]
-    total = 2 * sum(layer.k_cache.nbytes for layer in layers)
-    logger.info("KV cache: %d blocks of %d tokens, %.0f MiB", num_blocks, block_size, total / 2**20)
+@dataclass
+class KVBlocks:
+    """Some blocks of a KV cache as data, to move between instances or ranks.
+
+    `data` is `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]` (K then V) in
+    the cache's dtype; `scales` holds a quantized cache's scales in the same block order (None
+    for bf16/fp32 caches)."""
+
+    data: torch.Tensor
+    scales: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + (0 if self.scales is None else self.scales.nbytes)
 
 
-def copy_blocks(layers: list[Attention], copies: list[tuple[int, int]]) -> None:
-    """Copy-on-write: duplicates block src into block dst in every layer."""
-    src = torch.tensor([s for s, _ in copies], device=layers[0].k_cache.device)
-    dst = torch.tensor([d for _, d in copies], device=layers[0].k_cache.device)
-    for layer in layers:
-        layer.k_cache[dst] = layer.k_cache[src]
-        layer.v_cache[dst] = layer.v_cache[src]
+class KVCache:
+    """Per-layer K and V tensors in the layout of the module docstring, owned by the worker and
+    handed to attention through the forward context (`layers`)."""
+
+    def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.layers = layers  # per layer: (K, V)
+        k = layers[0][0]
+        self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = k.shape
+        self.dtype = k.dtype
+        self.device = k.device
+
+    @classmethod
+    def allocate(
+        cls,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str | torch.device,
+    ) -> KVCache:
+        """Zeroed tensors; on CPU all of them in one arena of huge pages (host_memory.py)."""
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        specs = [(shape, dtype)] * (2 * num_layers)
+        if torch.device(device).type == "cpu":
+            tensors = host_memory.zeros(specs)
+        else:
+            tensors = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in specs]
+        cache = cls([(tensors[2 * i], tensors[2 * i + 1]) for i in range(num_layers)])
+        logger.info(
+            "KV cache: %d blocks of %d tokens, %.0f MiB",
+            num_blocks,
+            block_size,
+            cache.nbytes / 2**20,
+        )
+        return cache
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.layers)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicates block src into block dst in every layer."""
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for k, v in self.layers:
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+    def read_blocks(self, block_ids: list[int], layers: range | None = None) -> KVBlocks:
+        """A copy of these blocks of every layer (or of `layers` only, to move KV layer by
+        layer)."""
+        index = torch.tensor(block_ids, device=self.device)
+        chosen = self.layers if layers is None else [self.layers[i] for i in layers]
+        data = torch.stack([torch.stack([k[index], v[index]]) for k, v in chosen])
+        return KVBlocks(data)
+
+    def write_blocks(
+        self, block_ids: list[int], blocks: KVBlocks, layers: range | None = None
+    ) -> None:
+        """Writes `blocks` (as `read_blocks` made them) into these block ids."""
+        chosen = range(self.num_layers) if layers is None else layers
+        expected = (len(chosen), 2, len(block_ids), self.block_size, self.num_kv_heads)
+        if tuple(blocks.data.shape[:5]) != expected or blocks.data.dtype != self.dtype:
+            raise ValueError(
+                f"KV blocks of shape {tuple(blocks.data.shape)} and {blocks.data.dtype} do not "
+                f"fit {len(block_ids)} blocks of this cache ({self.dtype}, "
+                f"{self.num_kv_heads} KV heads x {self.head_dim}, block size {self.block_size})"
+            )
+        index = torch.tensor(block_ids, device=self.device)
+        data = blocks.data.to(self.device)
+        for i, layer in enumerate(chosen):
+            k, v = self.layers[layer]
+            k[index] = data[i, 0]
+            v[index] = data[i, 1]

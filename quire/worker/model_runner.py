@@ -1,51 +1,47 @@
 """ModelRunner: turns a SchedulerOutput into one flattened forward pass and samples.
 
-All scheduled tokens of a step are flattened into one batch (decodes first). Attention writes their
-K/V into the paged cache through `slot_mapping` and attends over each request's context. Only the
-rows that sample (the last token of a request whose known tokens are then all computed) and rows
-whose prompt logprobs were asked for go through the LM head.
+The runner moves its InputBatch forward with the step's deltas, then flattens every scheduled
+token into one batch (decodes first). Attention writes their K/V into the paged cache through
+`slot_mapping` and attends over each request's context. Only the rows that sample go through the
+LM head: the last token of a request whose known tokens are then all computed, every position of
+a request verifying speculative tokens, and rows whose prompt logprobs were asked for.
+
+Speculative tokens are verified position by position: the token sampled after the known tokens
+and the first j proposals is kept if every proposal before it matched what was sampled at its
+position. Each position samples with its own noise (sample/sampler.py, `noise_seed`) and sees
+the proposals before it as generated tokens (penalties, min_tokens), so a request gets the tokens
+it would get without speculation.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from quire.attention.backend import AttentionBackend, AttentionMetadata
+from quire.attention.forward_context import forward_context
 from quire.config import EngineConfig
-from quire.engine.scheduler import ScheduledRequest, SchedulerOutput
-from quire.layers.sampler import Sampler, SamplingBatch, compute_topk_logprobs, greedy
+from quire.messages import ModelRunnerOutput, SchedulerOutput, TopLogprobs
 from quire.model.loader import load_model
 from quire.model.model_config import ModelConfig
+from quire.sample.sampler import (
+    Sampler,
+    SamplingBatch,
+    apply_token_bitmask,
+    compute_topk_logprobs,
+    greedy,
+    noise_seed,
+)
 from quire.worker import host_memory, kv_cache
+from quire.worker.cpu_step import CpuStepRunner, StepWeights
 from quire.worker.cuda_graph import CUDAGraphRunner, use_cuda_graphs
+from quire.worker.input_batch import TABLE_WIDTH_STEP, InputBatch, RequestState
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class TopLogprobs:
-    """Per position: column 0 the chosen token, then the top-k alternatives."""
-
-    token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    ranks: list[int]  # rank of the chosen token, 1 = most likely
-
-
-@dataclass
-class ModelRunnerOutput:
-    sampled: dict[str, int]  # request id -> new token
-    # For requests that asked for logprobs (raw distribution); column 0 is the new token.
-    logprobs: dict[str, TopLogprobs]
-    prompt_logprobs: dict[str, TopLogprobs]  # prompt positions computed this step
-
-
-# Block tables of decode steps are this many blocks wide, or a multiple: the host arrays are
-# then rebuilt once every 256 tokens of a growing context, not at each new block.
-_TABLE_WIDTH_STEP = 16
+Step = list[tuple[RequestState, int]]  # the step's requests and tokens to compute, in order
 
 
 class _DecodeInputs:
@@ -94,12 +90,8 @@ class ModelRunner:
         self.model = load_model(config, model_config, dtype, max_model_len)
         if self.device.type == "cpu":
             host_memory.move_to_huge_pages(self.model)
-        self.layers = self.model.attention_layers
         self.backend = make_backend(config.attention_backend)
-        for layer in self.layers:
-            layer.backend = self.backend
         self.sampler = Sampler()
-        self._decode_inputs: _DecodeInputs | None = None
         self.num_blocks = config.num_kv_blocks or kv_cache.num_kv_blocks(
             model_config,
             config.block_size,
@@ -109,43 +101,59 @@ class ModelRunner:
             config.gpu_memory_utilization,
             config.max_num_batched_tokens,
             model=self.model,
+            backend=self.backend,
             max_num_seqs=config.max_num_seqs,
         )
-        kv_cache.allocate_kv_cache(
-            self.layers, self.num_blocks, config.block_size, dtype, config.device
+        self.kv_cache = kv_cache.KVCache.allocate(
+            model_config.num_hidden_layers,
+            self.num_blocks,
+            config.block_size,
+            model_config.num_key_value_heads,
+            model_config.head_dim,
+            dtype,
+            config.device,
+        )
+        weights = StepWeights.from_model(self.model)
+        self.cpu_step = (
+            CpuStepRunner(weights, self.kv_cache)
+            if CpuStepRunner.supported(weights, self.kv_cache)
+            else None
         )
         self.cuda_graphs = (
-            CUDAGraphRunner(self.model, config, max_model_len) if use_cuda_graphs(config) else None
+            CUDAGraphRunner(self.model, self.kv_cache.layers, self.backend, config, max_model_len)
+            if use_cuda_graphs(config)
+            else None
         )
+        self.input_batch = InputBatch(config.max_num_seqs, -(-max_model_len // self.block_size))
+        self._decode_inputs: _DecodeInputs | None = None
 
     # ---- batch preparation -----------------------------------------------------------------
     def _prepare(
-        self, scheduled: list[ScheduledRequest]
+        self, step: Step
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """The step's flattened inputs, its attention metadata, and each scheduled request's
         first row (plus the total at the end).
 
         Attention sees one sequence per prefill chunk and one per generated token: a decode is
-        one token, and a resumed request replaying its generated tokens (scheduler.py) has each
-        of them attend as a decode of its own, over the context up to it, so that it gets the
-        bits the decode kernels gave it the first time."""
-        if all(s.num_new_tokens == 1 and s.is_decode for s in scheduled):
-            return self._prepare_decodes(scheduled)
-        num_entries = len(scheduled)
-        starts = np.fromiter(
-            (s.request.num_computed_tokens for s in scheduled), np.int64, num_entries
-        )
-        new_tokens = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, num_entries)
-        decode = np.fromiter((s.is_decode for s in scheduled), bool, num_entries)
+        one token, and a request computing several generated tokens (a replay after preemption,
+        scheduler.py, or speculative tokens to verify) has each of them attend as a decode of
+        its own, over the context up to it, so that it gets the bits the decode kernels give a
+        plain decode."""
+        if all(n == 1 and s.is_decode for s, n in step):
+            return self._prepare_decodes(step)
+        num_entries = len(step)
+        starts = np.fromiter((s.num_computed_tokens for s, _ in step), np.int64, num_entries)
+        new_tokens = np.fromiter((n for _, n in step), np.int64, num_entries)
+        decode = np.fromiter((s.is_decode for s, _ in step), bool, num_entries)
         first_rows = np.zeros(num_entries + 1, np.int64)
         np.cumsum(new_tokens, out=first_rows[1:])
         num_tokens = int(first_rows[-1])
 
         input_ids: list[int] = []
-        for s, start in zip(scheduled, starts.tolist()):
-            input_ids.extend(s.request.token_ids[start : start + s.num_new_tokens])
-        # Attention sequences: entry i gives new_tokens[i] of them when it decodes (a replay
-        # when more than one), else one. Without a replay, the usual step, they are the entries.
+        for s, n in step:
+            input_ids.extend(s.input_token_ids(n))
+        # Attention sequences: entry i gives new_tokens[i] of them when it decodes (several
+        # when more than one), else one. In the usual step they are the entries.
         entry_of_seq = None
         seq_starts, query_lens, cu_query = starts, new_tokens, first_rows
         if (decode & (new_tokens > 1)).any():
@@ -166,10 +174,10 @@ class ModelRunner:
         seq_index = np.repeat(np.arange(num_seqs), query_lens)
         positions = np.arange(num_tokens) - cu_query[:-1][seq_index] + seq_starts[seq_index]
 
-        max_blocks = max(len(s.block_ids) for s in scheduled)
-        block_tables = np.zeros((num_entries, max_blocks), np.int32)
-        for i, s in enumerate(scheduled):
-            block_tables[i, : len(s.block_ids)] = s.block_ids
+        batch = self.input_batch
+        rows = np.fromiter((s.row for s, _ in step), np.int64, num_entries)
+        max_blocks = int(batch.num_blocks[rows].max())
+        block_tables = batch.block_table[rows, :max_blocks]
         if entry_of_seq is not None:
             block_tables = block_tables[entry_of_seq]
         slot_mapping = (
@@ -194,34 +202,31 @@ class ModelRunner:
         return ids, torch.from_numpy(positions).to(dev), metadata, first_rows.tolist()
 
     def _prepare_decodes(
-        self, scheduled: list[ScheduledRequest]
+        self, step: Step
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """`_prepare` for the usual step of a running batch, every entry one decode token: the
-        same inputs, written into host arrays kept from step to step (`_DecodeInputs`) instead
-        of new tensors."""
-        block_size, n = self.block_size, len(scheduled)
-        positions = [s.request.num_computed_tokens for s in scheduled]
-        slots = [
-            s.block_ids[p // block_size] * block_size + p % block_size
-            for s, p in zip(scheduled, positions)
-        ]
-        seq_lens = [p + 1 for p in positions]
-        width = -(-max(len(s.block_ids) for s in scheduled) // _TABLE_WIDTH_STEP)
+        same inputs, written into host arrays kept from step to step (`_DecodeInputs`), the
+        block tables taken from the InputBatch's rows."""
+        block_size, n = self.block_size, len(step)
+        batch = self.input_batch
+        rows = [s.row for s, _ in step]
+        positions = [s.num_computed_tokens for s, _ in step]
+        width = -(-int(batch.num_blocks[rows].max()) // TABLE_WIDTH_STEP) * TABLE_WIDTH_STEP
         inputs = self._decode_inputs
-        if inputs is None or inputs.block_tables.shape != (n, width * _TABLE_WIDTH_STEP):
-            inputs = self._decode_inputs = _DecodeInputs(n, width * _TABLE_WIDTH_STEP)
-        inputs.ints[0] = [s.request.token_ids[p] for s, p in zip(scheduled, positions)]
-        inputs.ints[1] = positions
-        inputs.ints[2] = slots
-        inputs.seq_lens[:] = seq_lens
+        if inputs is None or inputs.block_tables.shape != (n, width):
+            inputs = self._decode_inputs = _DecodeInputs(n, width)
         tables = inputs.block_tables
-        tables.fill(0)
-        for i, s in enumerate(scheduled):
-            tables[i, : len(s.block_ids)] = s.block_ids
+        np.take(batch.block_table[:, :width], rows, axis=0, out=tables)
+        inputs.ints[0] = [s.token_ids[p] for (s, _), p in zip(step, positions)]
+        inputs.ints[1] = positions
+        pos = inputs.ints[1]
+        inputs.ints[2] = tables[np.arange(n), pos // block_size] * block_size + pos % block_size
+        np.add(pos, 1, out=inputs.seq_lens, casting="unsafe")
         ids, positions_t, slots_t, seq_lens_t, tables_t, query_start_loc = (
             t.to(self.device) for t in inputs.tensors
         )
         first_rows = list(range(n + 1))
+        seq_lens = [p + 1 for p in positions]
         metadata = AttentionMetadata(
             slot_mapping=slots_t,
             query_start_loc=query_start_loc,
@@ -238,129 +243,216 @@ class ModelRunner:
 
     # ---- the step --------------------------------------------------------------------------
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        step = self.input_batch.update(output)
         if output.block_copies:
             with torch.inference_mode():
-                kv_cache.copy_blocks(self.layers, output.block_copies)
-        scheduled = output.scheduled
-        input_ids, positions, metadata, first_rows = self._prepare(scheduled)
+                self.kv_cache.copy_blocks(output.block_copies)
+        if not step:
+            return ModelRunnerOutput({})
+        input_ids, positions, metadata, first_rows = self._prepare(step)
         if (
-            self.cuda_graphs is None
-            and metadata.num_decodes == len(scheduled) == input_ids.shape[0]
-            and not output.forked
-            and all(_argmax_only(s) for s in scheduled)
+            self.cpu_step is not None
+            and metadata.num_decodes == metadata.num_seqs
+            and not output.forked_reqs
+            and output.grammar_bitmask is None
+            and all(_argmax_only(s, n) for s, n in step)
+            and self.cpu_step.takes_argmax(metadata, input_ids.shape[0])
         ):
-            token_ids = self.model.argmax_tokens(input_ids, positions, metadata)
-            if token_ids is not None:  # a decode step, every token computed by the CPU path
-                sampled = {s.request.request_id: t for s, t in zip(scheduled, token_ids)}
-                return ModelRunnerOutput(sampled, {}, {})
+            # A decode-only step, every row's token the argmax: one C call (cpu_step.py).
+            row_tokens = self.cpu_step.argmax_tokens(input_ids, positions, metadata)
+            return ModelRunnerOutput(_accept(step, first_rows, row_tokens))
         with torch.inference_mode():  # entered only here: ~20 us each way with the caches cold
-            return self._forward_and_sample(output, input_ids, positions, metadata, first_rows)
+            return self._forward_and_sample(
+                output, step, input_ids, positions, metadata, first_rows
+            )
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        if self.cpu_step is not None and self.cpu_step.takes(metadata, input_ids.shape[0]):
+            return self.cpu_step.forward(input_ids, positions, metadata)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(metadata):
+            return self.cuda_graphs.run(input_ids, positions, metadata)
+        with forward_context(metadata, self.kv_cache.layers, self.backend):
+            return self.model(input_ids, positions)
 
     def _forward_and_sample(
         self,
         output: SchedulerOutput,
+        step: Step,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         metadata: AttentionMetadata,
         first_rows: list[int],
     ) -> ModelRunnerOutput:
-        scheduled = output.scheduled
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(metadata):
-            hidden = self.cuda_graphs.run(input_ids, positions, metadata)  # [num_tokens, hidden]
-        else:
-            hidden = self.model(input_ids, positions, metadata)  # [num_tokens, hidden]
+        hidden = self._forward(input_ids, positions, metadata)  # [num_tokens, hidden]
+        result = ModelRunnerOutput({}, {}, self._prompt_logprobs(step, hidden, first_rows))
 
-        # Rows that sample: each request's last new token; a fork samples from its parent's row.
-        row_of: dict[str, int] = {}
-        for i, s in enumerate(scheduled):
-            if s.samples:
-                row_of[s.request.request_id] = first_rows[i + 1] - 1
-        requests = [s.request for s in scheduled if s.samples]
-        for child, parent in output.forked:
-            row_of[child.request_id] = row_of[parent.request_id]
-            requests.append(child)
-
-        result = ModelRunnerOutput({}, {}, self._prompt_logprobs(scheduled, hidden, first_rows))
-        if not requests:
+        # Sampled rows: (request, hidden row, offset past its known tokens). A request samples
+        # at its last new token, or at every position it verifies; a fork from its parent's row.
+        sampled: list[tuple[RequestState, int, int]] = []
+        last_row: dict[str, int] = {}
+        for i, (s, n) in enumerate(step):
+            if s.spec_token_ids:
+                sampled.extend((s, first_rows[i] + j, j) for j in range(n))
+            elif s.num_computed_tokens + n >= s.num_tokens:
+                last_row[s.req_id] = first_rows[i + 1] - 1
+                sampled.append((s, first_rows[i + 1] - 1, 0))
+        requests = self.input_batch.requests
+        for fork in output.forked_reqs:
+            sampled.append((requests[fork.req_id], last_row[fork.parent_req_id], 0))
+        if not sampled:
             return result
-        rows = [row_of[r.request_id] for r in requests]
+        rows = [row for _, row, _ in sampled]
         if rows != list(range(hidden.shape[0])):  # every row samples, in order: a decode step
             hidden = hidden[torch.tensor(rows, device=self.device)]
         logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] float32
-        if all(_takes_argmax(r) for r in requests):
+        if output.grammar_bitmask is not None:
+            logits = self._apply_grammar(output, sampled, logits)
+        if output.grammar_bitmask is None and all(
+            _takes_argmax(s, offset) for s, _, offset in sampled
+        ):
             # The sampler would take the same argmax; its per-row batch costs ~0.1 ms of Python
             # with the caches cold from the weights, 1-2% of a batch-1 step on a CPU.
-            result.sampled.update(zip([r.request_id for r in requests], greedy(logits).tolist()))
+            token_ids = greedy(logits).tolist()
+            result.sampled_token_ids.update(_accept_rows(sampled, token_ids))
             return result
         batch = SamplingBatch.from_params(
-            [r.sampling_params for r in requests],
+            [s.sampling_params for s, _, _ in sampled],
             # Only penalized rows read their history: no per-step copy of every output.
-            [r.output_token_ids if r.sampling_params.uses_penalties else [] for r in requests],
-            [r.prompt_token_ids for r in requests],
-            [r.generator for r in requests],
-            [_banned_tokens(r) for r in requests],
+            [_seen_outputs(s, offset) for s, _, offset in sampled],
+            [s.prompt_token_ids for s, _, _ in sampled],
+            [_noise_key(s, offset) for s, _, offset in sampled],
+            [_banned_tokens(s, offset) for s, _, offset in sampled],
             self.device,
         )
-        sampled = self.sampler(logits, batch)
-        token_ids = sampled.sampled_token_ids.tolist()
-        for i, r in enumerate(requests):
-            result.sampled[r.request_id] = token_ids[i]
-        if sampled.logprob_token_ids is not None:
-            all_ids = sampled.logprob_token_ids.tolist()
-            all_lps = sampled.logprobs.tolist()
-            ranks = sampled.sampled_ranks.tolist()
-            for i, r in enumerate(requests):
-                k = r.sampling_params.logprobs
-                if k is not None:
-                    result.logprobs[r.request_id] = TopLogprobs(
-                        [all_ids[i][: k + 1]], [all_lps[i][: k + 1]], [ranks[i]]
-                    )
+        out = self.sampler(logits, batch)
+        token_ids = out.sampled_token_ids.tolist()
+        accepted = _accept_rows(sampled, token_ids)
+        result.sampled_token_ids.update(accepted)
+        if out.logprob_token_ids is not None:
+            self._sampled_logprobs(result, sampled, accepted, out)
         return result
+
+    def _apply_grammar(
+        self,
+        output: SchedulerOutput,
+        sampled: list[tuple[RequestState, int, int]],
+        logits: torch.Tensor,  # [num_sampled, vocab]
+    ) -> torch.Tensor:
+        """Masks the tokens each structured-output row's grammar forbids."""
+        first_mask_row = output.structured_output_request_ids
+        logit_rows, mask_rows = [], []
+        for i, (s, _, offset) in enumerate(sampled):
+            first = first_mask_row.get(s.req_id)
+            if first is not None:
+                logit_rows.append(i)
+                mask_rows.append(first + offset)
+        bitmask = torch.from_numpy(output.grammar_bitmask[mask_rows]).to(self.device)
+        return apply_token_bitmask(logits, bitmask, logit_rows)
+
+    def _sampled_logprobs(
+        self,
+        result: ModelRunnerOutput,
+        sampled: list[tuple[RequestState, int, int]],
+        accepted: dict[str, list[int]],
+        out,
+    ) -> None:
+        all_ids = out.logprob_token_ids.tolist()
+        all_lps = out.logprobs.tolist()
+        ranks = out.sampled_ranks.tolist()
+        for i, (s, _, offset) in enumerate(sampled):
+            k = s.sampling_params.logprobs
+            if k is None or offset >= len(accepted[s.req_id]):
+                continue
+            top = result.logprobs.setdefault(s.req_id, TopLogprobs([], [], []))
+            top.token_ids.append(all_ids[i][: k + 1])
+            top.logprobs.append(all_lps[i][: k + 1])
+            top.ranks.append(ranks[i])
 
     def _prompt_logprobs(
         self,
-        scheduled: list[ScheduledRequest],
+        step: Step,
         hidden: torch.Tensor,
         first_rows: list[int],  # of each scheduled request
     ) -> dict[str, TopLogprobs]:
         """Logprobs of prompt tokens 1.. given their prefix, for the chunk computed this step."""
         result = {}
-        for i, s in enumerate(scheduled):
-            request = s.request
-            if request.prompt_logprobs_done:
+        for i, (s, n) in enumerate(step):
+            if not s.returns_prompt_logprobs:
                 continue
-            start = request.num_computed_tokens
-            # Position p predicts prompt token p + 1; the last prompt position predicts no prompt token.
-            end = min(start + s.num_new_tokens, request.num_prompt_tokens - 1)
+            start = s.num_computed_tokens
+            # Position p predicts prompt token p + 1; the last prompt position predicts none.
+            end = min(start + n, s.num_prompt_tokens - 1)
             if end <= start:
                 continue
             first_row = first_rows[i]
             logits = self.model.compute_logits(hidden[first_row : first_row + end - start])
-            targets = torch.tensor(
-                request.prompt_token_ids[start + 1 : end + 1], device=self.device
-            )
-            k = request.sampling_params.prompt_logprobs
+            targets = torch.tensor(s.prompt_token_ids[start + 1 : end + 1], device=self.device)
+            k = s.sampling_params.prompt_logprobs
             ids, lps, ranks = compute_topk_logprobs(logits.log_softmax(-1), targets, k)
-            result[request.request_id] = TopLogprobs(ids.tolist(), lps.tolist(), ranks.tolist())
+            result[s.req_id] = TopLogprobs(ids.tolist(), lps.tolist(), ranks.tolist())
         return result
 
 
-def _argmax_only(entry: ScheduledRequest) -> bool:
-    """Whether the entry samples, with no prompt logprobs to compute, and its token is the
-    argmax of the raw logits (`_takes_argmax`)."""
-    return entry.samples and entry.request.prompt_logprobs_done and _takes_argmax(entry.request)
+def _accept(step: Step, first_rows: list[int], row_tokens: list[int]) -> dict[str, list[int]]:
+    """Each request's new tokens from a decode-only step whose every row sampled."""
+    sampled = []
+    for i, (s, n) in enumerate(step):
+        sampled.extend((s, first_rows[i] + j, j) for j in range(n))
+    return _accept_rows(sampled, [row_tokens[row] for _, row, _ in sampled])
 
 
-def _takes_argmax(request) -> bool:
-    """Whether the request's next token is the argmax of the raw logits: greedy, unpenalized,
-    no logprobs, nothing banned."""
-    return request.sampling_params.argmax_only and not _banned_tokens(request)
+def _accept_rows(
+    sampled: list[tuple[RequestState, int, int]], token_ids: list[int]
+) -> dict[str, list[int]]:
+    """Each request's new tokens from its sampled rows: the token after its known tokens, then,
+    while the token sampled at a position equals the proposal there, the token after that."""
+    accepted: dict[str, list[int]] = {}
+    done: set[str] = set()  # requests whose proposal at an earlier position was rejected
+    for (s, _, offset), token_id in zip(sampled, token_ids):
+        if s.req_id in done:
+            continue
+        accepted.setdefault(s.req_id, []).append(token_id)
+        if offset >= len(s.spec_token_ids) or token_id != s.spec_token_ids[offset]:
+            done.add(s.req_id)
+    return accepted
 
 
-def _banned_tokens(request) -> list[int]:
+def _argmax_only(state: RequestState, num_new: int) -> bool:
+    """Whether the entry samples at each of its rows (a decode, or a verification), with no
+    prompt logprobs to compute, and each token is the argmax of the raw logits
+    (`_takes_argmax`)."""
+    return (
+        (num_new == 1 or bool(state.spec_token_ids))
+        and state.num_computed_tokens + num_new >= state.num_tokens
+        and not state.returns_prompt_logprobs
+        and all(_takes_argmax(state, j) for j in range(num_new))
+    )
+
+
+def _takes_argmax(state: RequestState, offset: int) -> bool:
+    """Whether the request's token `offset` positions past its known ones is the argmax of the
+    raw logits: greedy, unpenalized, no logprobs, nothing banned."""
+    return state.sampling_params.argmax_only and not _banned_tokens(state, offset)
+
+
+def _seen_outputs(state: RequestState, offset: int) -> list[int]:
+    """The generated tokens a penalized row sees: its outputs, then the proposals before it."""
+    if not state.sampling_params.uses_penalties:
+        return []
+    return state.token_ids[state.num_prompt_tokens :] + state.spec_token_ids[:offset]
+
+
+def _noise_key(state: RequestState, offset: int) -> int | None:
+    seed = state.sampling_params.seed
+    return None if seed is None else noise_seed(seed, state.index, state.num_tokens + offset)
+
+
+def _banned_tokens(state: RequestState, offset: int) -> list[int]:
     """Below min_tokens, EOS and the stop token ids cannot be sampled."""
-    params = request.sampling_params
-    if request.num_output_tokens >= params.min_tokens:
+    params = state.sampling_params
+    if state.num_output_tokens + offset >= params.min_tokens:
         return []
     banned = set(params.stop_token_ids)
     if not params.ignore_eos:

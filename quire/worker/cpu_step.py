@@ -1,11 +1,13 @@
-"""Decode-only steps on CPU, the whole model up to the LM head in one C call.
+"""Decode-only steps on CPU, the whole model up to the LM head in one C call: with
+worker/cuda_graph.py, one of the two ways the worker runs a step faster than module by module.
 
 A batch-1 decode step of SmolLM2-135M reads ~270 MB of weights: ~6 ms at this machine's bandwidth.
 Run as modules, the same step issues ~20 torch ops and C calls per layer, and their dispatch
-costs ~5 ms on its own (and ~6 ms of a 28 ms step at batch 16). `CpuDecodePath` runs the step as
+costs ~5 ms on its own (and ~6 ms of a 28 ms step at batch 16). `CpuStepRunner` runs the step as
 one call of quire/kernels/cpu/decode_layer.c instead (`decode_step_bf16`: the embedding rows, the
 rotary tables, every layer, the final norm), over the GEMV-packed weights the layers'
-PackedLinear modules already hold (see quire/layers/linear.py). Even the few torch ops left
+PackedLinear modules already hold (see quire/layers/linear.py), named once in `StepWeights`, and
+the worker's KVCache. Even the few torch ops left
 around the layers cost ~50-100 us each here: the weights streaming through leave the
 interpreter's data cold in the caches at every step.
 
@@ -18,18 +20,17 @@ Results: the module path's, computed in the same order with the same rounding.
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import nn
 
 from quire.attention.backend import AttentionMetadata
 from quire.kernels import cpu as cpu_kernels
 from quire.kernels.cpu import gemv, pointwise
 from quire.layers.linear import PackedLinear
-
-if TYPE_CHECKING:
-    from quire.model.llama import DecoderLayer, LlamaForCausalLM
+from quire.worker.kv_cache import KVCache
 
 _ptr = ctypes.c_void_p
 
@@ -81,59 +82,136 @@ def _fits(metadata: AttentionMetadata, num_tokens: int) -> bool:
     return metadata.num_decodes == metadata.num_seqs == num_tokens <= gemv.max_rows()
 
 
-def _projections(layer: DecoderLayer) -> list[PackedLinear]:
-    attn, mlp = layer.self_attn, layer.mlp
-    return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+@dataclass
+class LayerWeights:
+    """What the C step reads of one decoder layer."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor | None  # Qwen3's per-head q/k norms
+    k_norm: torch.Tensor | None
+    qkv: nn.Module  # PackedLinear with a GEMV copy, when the path runs
+    o: nn.Module
+    gate_up: nn.Module
+    down: nn.Module
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    qk_eps: float
+    scale: float
+
+    @property
+    def projections(self) -> list[nn.Module]:
+        return [self.qkv, self.o, self.gate_up, self.down]
 
 
-class CpuDecodePath:
-    """Runs `LlamaForCausalLM.forward` for decode-only steps; see the module docstring."""
+@dataclass
+class StepWeights:
+    """Every tensor the C step reads, named once: the only place that knows where they sit in
+    the Llama-family module tree (quire/model/llama.py)."""
 
-    def __init__(self, model: LlamaForCausalLM):
-        self.model = model
-        self._layers = (_DecodeLayer * 0)()
-        self._model = _DecodeModel()
-        self._cache_ptr = 0  # the first layer's K cache the structs were built over
-        self._first_attention = model.layers[0].self_attn  # read each step: no module lookups
-        cfg = model.config
-        q_size = cfg.num_attention_heads * cfg.head_dim
-        kv_size = cfg.num_key_value_heads * cfg.head_dim
+    layers: list[LayerWeights]
+    embedding: torch.Tensor  # [vocab, hidden]
+    cos_cache: torch.Tensor  # [max_position, head_dim] float32
+    sin_cache: torch.Tensor
+    final_norm: torch.Tensor
+    final_eps: float
+    lm_head: nn.Module | None  # PackedLinear; None when tied and not packed
+    hidden_size: int
+    intermediate_size: int
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> StepWeights:
+        layers = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(
+                LayerWeights(
+                    input_norm=layer.input_layernorm.weight,
+                    post_norm=layer.post_attention_layernorm.weight,
+                    q_norm=None if attn.q_norm is None else attn.q_norm.weight,
+                    k_norm=None if attn.k_norm is None else attn.k_norm.weight,
+                    qkv=attn.qkv_proj,
+                    o=attn.o_proj,
+                    gate_up=mlp.gate_up_proj,
+                    down=mlp.down_proj,
+                    num_heads=attn.num_heads,
+                    num_kv_heads=attn.num_kv_heads,
+                    head_dim=attn.head_dim,
+                    eps=layer.input_layernorm.eps,
+                    qk_eps=0.0 if attn.q_norm is None else attn.q_norm.eps,
+                    scale=attn.scale,
+                )
+            )
+        return cls(
+            layers=layers,
+            embedding=model.embed_tokens.weight,
+            cos_cache=model.rotary.cos_cache,
+            sin_cache=model.rotary.sin_cache,
+            final_norm=model.norm.weight,
+            final_eps=model.norm.eps,
+            lm_head=model.lm_head,
+            hidden_size=model.config.hidden_size,
+            intermediate_size=model.config.intermediate_size,
+        )
+
+
+def _gemv_packed(linear: nn.Module | None) -> bool:
+    return isinstance(linear, PackedLinear) and linear.gemv_weight is not None
+
+
+class CpuStepRunner:
+    """Runs the model's forward for decode-only steps; see the module docstring."""
+
+    def __init__(self, weights: StepWeights, kv_cache: KVCache):
+        if kv_cache.dtype != torch.bfloat16 or not all(
+            k.is_contiguous() and v.is_contiguous() for k, v in kv_cache.layers
+        ):
+            raise ValueError("CpuStepRunner: the KV cache must be contiguous bf16")
+        if not all(t.dtype == torch.float32 for t in (weights.cos_cache, weights.sin_cache)):
+            raise ValueError("CpuStepRunner: the rotary tables must be float32")
+        self.weights = weights
+        self.vocab_size = weights.embedding.shape[0]
+        first = weights.layers[0]
+        q_size = first.num_heads * first.head_dim
+        kv_size = first.num_kv_heads * first.head_dim
         # Scratch row widths; the rows grow to the widest step seen, shared by a step's layers.
         self._scratch_widths = {
-            "hidden": cfg.hidden_size,
-            "residual": cfg.hidden_size,
-            "cos": cfg.head_dim,
-            "sin": cfg.head_dim,
-            "x": cfg.hidden_size,
+            "hidden": weights.hidden_size,
+            "residual": weights.hidden_size,
+            "cos": first.head_dim,
+            "sin": first.head_dim,
+            "x": weights.hidden_size,
             "qkv": q_size + 2 * kv_size,
             "q": q_size,
             "attn": q_size,
-            "gate_up": 2 * cfg.intermediate_size,
-            "act": cfg.intermediate_size,
+            "gate_up": 2 * weights.intermediate_size,
+            "act": weights.intermediate_size,
         }
         self._scratch: dict[str, torch.Tensor] = {}
         self._step = _DecodeStep()  # over the scratch rows; rebuilt when they grow
         # argmax_tokens' outputs, grown to the widest step seen.
-        self._hidden_out = torch.empty(0, cfg.hidden_size, dtype=torch.bfloat16)
+        self._hidden_out = torch.empty(0, weights.hidden_size, dtype=torch.bfloat16)
         self._logits = torch.empty(0, 0)
         self._argmax_ids = np.zeros(0, np.int64)  # numpy: tolist() without a torch op
-        self._has_lm_head = self._lm_head_packed()  # read at every step: cached
+        lm_head = weights.lm_head
+        self.has_lm_head = _gemv_packed(lm_head) and lm_head.out_features == self.vocab_size
+        self._layers = self._layer_structs(weights, kv_cache)
+        self._model = self._model_struct(weights)
 
     @staticmethod
-    def supported(model: LlamaForCausalLM) -> bool:
-        """Whether the model can run this path: bf16 on CPU, every projection GEMV-packed, and
-        an attention shape the paged-decode kernel takes."""
-        cfg = model.config
+    def supported(weights: StepWeights, kv_cache: KVCache) -> bool:
+        """Whether the path runs: bf16 on CPU, every projection GEMV-packed, and an attention
+        shape the paged-decode kernel takes."""
+        first = weights.layers[0]
         return (
-            model.embed_tokens.weight.device.type == "cpu"
-            and model.embed_tokens.weight.dtype == torch.bfloat16
-            and all(
-                isinstance(p, PackedLinear) and p.gemv_weight is not None
-                for layer in model.layers
-                for p in _projections(layer)
-            )
+            weights.embedding.device.type == "cpu"
+            and weights.embedding.dtype == torch.bfloat16
+            and kv_cache.dtype == torch.bfloat16
+            and all(_gemv_packed(p) for layer in weights.layers for p in layer.projections)
             and cpu_kernels.supports_paged_decode(
-                torch.bfloat16, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+                torch.bfloat16, first.num_heads, first.num_kv_heads, first.head_dim
             )
         )
 
@@ -142,82 +220,63 @@ class CpuDecodePath:
         `gemv.max_rows()` sequences."""
         return _fits(metadata, num_tokens)
 
-    def _lm_head_packed(self) -> bool:
-        lm_head = self.model.lm_head
-        return (
-            isinstance(lm_head, PackedLinear)
-            and lm_head.gemv_weight is not None
-            and lm_head.out_features == self.model.embed_tokens.weight.shape[0]
-        )
-
     def takes_argmax(self, metadata: AttentionMetadata, num_tokens: int) -> bool:
         """Whether `argmax_tokens` runs this step: `takes`, and an LM head the GEMV kernel
         holds."""
-        return self._has_lm_head and self.takes(metadata, num_tokens)
+        return self.has_lm_head and self.takes(metadata, num_tokens)
 
-    def _build_layers(self) -> None:
-        model, cfg = self.model, self.model.config
-        layers = []
-        for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            k_cache, v_cache = attn.k_cache, attn.v_cache
-            if k_cache.dtype != torch.bfloat16 or not (
-                k_cache.is_contiguous() and v_cache.is_contiguous()
-            ):
-                raise ValueError("CpuDecodePath: the KV cache must be contiguous bf16")
-            layers.append(
+    def _layer_structs(self, weights: StepWeights, kv_cache: KVCache) -> ctypes.Array:
+        structs = []
+        for layer, (k_cache, v_cache) in zip(weights.layers, kv_cache.layers):
+            structs.append(
                 _DecodeLayer(
-                    input_norm=_data(layer.input_layernorm.weight),
-                    post_norm=_data(layer.post_attention_layernorm.weight),
-                    q_norm=_data(None if attn.q_norm is None else attn.q_norm.weight),
-                    k_norm=_data(None if attn.k_norm is None else attn.k_norm.weight),
-                    qkv=_data(attn.qkv_proj.gemv_weight),
-                    qkv_bias=_data(attn.qkv_proj.bias),
-                    o=_data(attn.o_proj.gemv_weight),
-                    gate_up=_data(mlp.gate_up_proj.gemv_weight),
-                    down=_data(mlp.down_proj.gemv_weight),
+                    input_norm=_data(layer.input_norm),
+                    post_norm=_data(layer.post_norm),
+                    q_norm=_data(layer.q_norm),
+                    k_norm=_data(layer.k_norm),
+                    qkv=_data(layer.qkv.gemv_weight),
+                    qkv_bias=_data(layer.qkv.bias),
+                    o=_data(layer.o.gemv_weight),
+                    gate_up=_data(layer.gate_up.gemv_weight),
+                    down=_data(layer.down.gemv_weight),
                     k_cache=_data(k_cache),
                     v_cache=_data(v_cache),
-                    hidden_size=cfg.hidden_size,
-                    num_heads=attn.num_heads,
-                    num_kv_heads=attn.num_kv_heads,
-                    head_dim=attn.head_dim,
-                    intermediate_size=cfg.intermediate_size,
-                    block_size=k_cache.shape[1],
-                    qkv_k_block=attn.qkv_proj.gemv_k_block,
-                    o_k_block=attn.o_proj.gemv_k_block,
-                    gate_up_k_block=mlp.gate_up_proj.gemv_k_block,
-                    down_k_block=mlp.down_proj.gemv_k_block,
-                    eps=layer.input_layernorm.eps,
-                    qk_eps=0.0 if attn.q_norm is None else attn.q_norm.eps,
-                    scale=attn.scale,
+                    hidden_size=weights.hidden_size,
+                    num_heads=layer.num_heads,
+                    num_kv_heads=layer.num_kv_heads,
+                    head_dim=layer.head_dim,
+                    intermediate_size=weights.intermediate_size,
+                    block_size=kv_cache.block_size,
+                    qkv_k_block=layer.qkv.gemv_k_block,
+                    o_k_block=layer.o.gemv_k_block,
+                    gate_up_k_block=layer.gate_up.gemv_k_block,
+                    down_k_block=layer.down.gemv_k_block,
+                    eps=layer.eps,
+                    qk_eps=layer.qk_eps,
+                    scale=layer.scale,
                 )
             )
-        self._layers = (_DecodeLayer * len(layers))(*layers)
-        rotary, embedding = model.rotary, model.embed_tokens.weight
-        if not all(
-            t.dtype == torch.float32 and t.is_contiguous()
-            for t in (rotary.cos_cache, rotary.sin_cache)
-        ):
-            raise ValueError("CpuDecodePath: the rotary tables must be contiguous float32")
-        if not embedding.is_contiguous():
-            raise ValueError("CpuDecodePath: the embedding table must be contiguous")
-        lm_head = model.lm_head if self._has_lm_head else None
-        self._model = _DecodeModel(
+        return (_DecodeLayer * len(structs))(*structs)
+
+    def _model_struct(self, weights: StepWeights) -> _DecodeModel:
+        for name in ("embedding", "cos_cache", "sin_cache"):
+            if not getattr(weights, name).is_contiguous():
+                raise ValueError(f"CpuStepRunner: {name} must be contiguous")
+        lm_head = weights.lm_head if self.has_lm_head else None
+        return _DecodeModel(
             layers=ctypes.addressof(self._layers),
-            embedding=_data(embedding),
-            cos_cache=_data(rotary.cos_cache),
-            sin_cache=_data(rotary.sin_cache),
-            final_norm=_data(model.norm.weight),
+            embedding=_data(weights.embedding),
+            cos_cache=_data(weights.cos_cache),
+            sin_cache=_data(weights.sin_cache),
+            final_norm=_data(weights.final_norm),
             lm_head=None if lm_head is None else _data(lm_head.gemv_weight),
             lm_head_bias=None if lm_head is None else _data(lm_head.bias),
-            num_layers=len(layers),
-            vocab_size=embedding.shape[0],
-            max_position=rotary.cos_cache.shape[0],
+            num_layers=len(self._layers),
+            vocab_size=self.vocab_size,
+            max_position=weights.cos_cache.shape[0],
             lm_head_k_block=0 if lm_head is None else lm_head.gemv_k_block,
-            final_eps=model.norm.eps,
+            final_eps=weights.final_eps,
         )
-        self._cache_ptr = self._first_attention.k_cache.data_ptr()
 
     def forward(
         self,
@@ -225,7 +284,7 @@ class CpuDecodePath:
         positions: torch.Tensor,  # [num_seqs]
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_seqs, hidden_size], after the final norm
-        out = torch.empty(input_ids.shape[0], self.model.config.hidden_size, dtype=torch.bfloat16)
+        out = torch.empty(input_ids.shape[0], self.weights.hidden_size, dtype=torch.bfloat16)
         self._run(input_ids, positions, metadata, out)
         return out
 
@@ -241,8 +300,7 @@ class CpuDecodePath:
         weights, ~3% of a batch-1 step together)."""
         num_seqs = input_ids.shape[0]
         if self._argmax_ids.shape[0] < num_seqs:
-            vocab_size = self.model.embed_tokens.weight.shape[0]
-            self._logits = torch.empty(num_seqs, vocab_size, dtype=torch.float32)
+            self._logits = torch.empty(num_seqs, self.vocab_size, dtype=torch.float32)
             self._argmax_ids = np.zeros(num_seqs, np.int64)
             self._hidden_out = torch.empty(
                 num_seqs, self._scratch_widths["x"], dtype=torch.bfloat16
@@ -264,11 +322,9 @@ class CpuDecodePath:
         num_seqs = input_ids.shape[0]
         if not _fits(metadata, num_seqs):
             raise ValueError(
-                f"CpuDecodePath runs decode-only steps of 1..{gemv.max_rows()} sequences, "
+                f"CpuStepRunner runs decode-only steps of 1..{gemv.max_rows()} sequences, "
                 f"got {num_seqs} tokens for {metadata.num_seqs} sequences"
             )
-        if self._cache_ptr != self._first_attention.k_cache.data_ptr():
-            self._build_layers()  # first step, or the KV cache was reallocated
         slots = _as(metadata.slot_mapping, torch.int64)
         block_tables = _as(metadata.block_tables, torch.int32)
         seq_lens = _as(metadata.seq_lens, torch.int32)
@@ -311,7 +367,7 @@ class CpuDecodePath:
             status = lib.decode_step_argmax_bf16(*args, logits.data_ptr(), argmax_ids.ctypes.data)
         if status == -4:
             raise ValueError(
-                f"CpuDecodePath: a token id outside the vocabulary ({self._model.vocab_size}) "
+                f"CpuStepRunner: a token id outside the vocabulary ({self._model.vocab_size}) "
                 f"or a position outside the rotary tables ({self._model.max_position})"
             )
         if status != 0:

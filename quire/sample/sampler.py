@@ -3,8 +3,11 @@
 Rows of a batch have independent SamplingParams; every step is batched over rows. Per row, in order:
 banned tokens -> repetition penalty -> frequency and presence penalties -> greedy rows take the
 argmax; random rows divide by their temperature, then apply top-k, top-p and min-p, and draw with
-the exponential race `argmax(probs / q)`, q ~ Exp(1). A row with its own generator draws its noise
-from it alone, so a seeded request samples the same tokens whatever else shares its batch.
+the exponential race `argmax(probs / q)`, q ~ Exp(1). A seeded row draws its noise from a generator
+seeded with a key of (seed, completion index, position of the token): the noise for a position
+does not depend on what else shares the batch, on how many tokens earlier steps computed, or on
+whether the token is sampled in a plain decode, after a preemption, or in a speculative
+verification (`noise_seed`).
 
 Returned logprobs follow vLLM v1: they are of the raw model distribution (log_softmax of the
 unmodified logits), not of the penalized or filtered one.
@@ -38,8 +41,8 @@ class SamplingBatch:
     presence_penalties: list[float]
     frequency_penalties: list[float]
     repetition_penalties: list[float]
-    # Per row; None draws from torch's default RNG. On the logits' device.
-    generators: list[torch.Generator | None]
+    # Per row: the key of its noise (`noise_seed`), or None to draw from torch's default RNG.
+    noise_seeds: list[int | None]
     output_token_ids: list[list[int]]  # generated so far, per row (all penalties)
     prompt_token_ids: list[list[int]]  # per row (repetition penalty, with the output)
     banned_token_ids: list[list[int]]  # per row, never sampled (e.g. EOS below min_tokens)
@@ -91,7 +94,7 @@ class SamplingBatch:
         params: list[SamplingParams],
         output_token_ids: list[list[int]],
         prompt_token_ids: list[list[int]],
-        generators: list[torch.Generator | None],
+        noise_seeds: list[int | None],
         banned_token_ids: list[list[int]],
         device: torch.device | str,
     ) -> SamplingBatch:
@@ -112,7 +115,7 @@ class SamplingBatch:
             presence_penalties=presence,
             frequency_penalties=frequency,
             repetition_penalties=repetition,
-            generators=generators,
+            noise_seeds=noise_seeds,
             output_token_ids=output_token_ids,
             prompt_token_ids=prompt_token_ids,
             banned_token_ids=banned_token_ids,
@@ -244,7 +247,7 @@ def sample_random(
     probs = logits.softmax(dim=-1)
     if batch.any_min_p:
         probs = apply_min_p(probs, batch.min_p)
-    return exponential_race(probs, batch.generators)
+    return exponential_race(probs, batch.noise_seeds)
 
 
 def apply_top_k(
@@ -283,23 +286,62 @@ def apply_min_p(
     return probs.masked_fill(probs < threshold, 0.0)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def noise_seed(seed: int, index: int, position: int) -> int:
+    """The key of a seeded request's sampling noise for the token at `position` of completion
+    `index`: splitmix64 over the three, so nearby keys give unrelated streams."""
+    x = (seed * 0x9E3779B97F4A7C15 + index * 0xD1B54A32D192ED03 + position) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+@functools.cache
+def _noise_generator(device: torch.device) -> torch.Generator:
+    """One generator per device, reseeded for every seeded row."""
+    return torch.Generator(device=device)
+
+
 def exponential_race(
     probs: torch.Tensor,  # [S, V], need not be normalized
-    generators: list[torch.Generator | None],
+    noise_seeds: list[int | None],
 ) -> torch.Tensor:  # [S] int64
     """Draws token i with probability probs[i] / sum(probs): argmax(probs / q), q ~ Exp(1).
 
-    Unseeded rows share one draw from the default RNG; each seeded row draws from its generator.
+    Unseeded rows share one draw from the default RNG; each seeded row draws from a generator
+    seeded with its key.
     """
     q = torch.empty_like(probs)
-    seeded = [(row, g) for row, g in enumerate(generators) if g is not None]
-    if len(seeded) < len(generators):
+    seeded = [(row, key) for row, key in enumerate(noise_seeds) if key is not None]
+    if len(seeded) < len(noise_seeds):
         q.exponential_()
-    for row, generator in seeded:
-        q[row].exponential_(generator=generator)
+    if seeded:
+        generator = _noise_generator(probs.device)
+        for row, key in seeded:
+            generator.manual_seed(key)
+            q[row].exponential_(generator=generator)
     # q can round to 0; a tiny floor keeps 0 / 0 (a filtered token) from becoming NaN.
     q.clamp_min_(torch.finfo(q.dtype).tiny)
     return probs.div(q).argmax(dim=-1)
+
+
+def apply_token_bitmask(
+    logits: torch.Tensor,  # [S, V]
+    bitmask: torch.Tensor,  # [R, ceil(V / 32)] int32: bit j of word w allows token 32 w + j
+    rows: list[int],  # the R rows of logits the masks apply to
+) -> torch.Tensor:  # [S, V], forbidden tokens of those rows at -inf
+    """Structured outputs: each masked row keeps only the tokens its grammar allows."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)  # [R, 32 * words]
+    vocab_size = logits.shape[-1]
+    if allowed.shape[1] < vocab_size:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
+    logits = logits.clone()
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed[:, :vocab_size], float("-inf"))
+    return logits
 
 
 def compute_topk_logprobs(

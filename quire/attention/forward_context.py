@@ -1,0 +1,48 @@
+"""The per-step forward context: what attention layers read during one forward pass.
+
+The worker sets it around the model call; each `Attention` layer takes its KV cache tensors (by
+its layer index), the step's metadata and the backend from it. Nothing of a step is stored on the
+modules, so the same model serves any KV cache (a dummy one for profiling, another rank's shapes)
+and the model's forward reads `forward(input_ids, positions)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from quire.attention.backend import AttentionBackend, AttentionMetadata
+
+
+@dataclass
+class ForwardContext:
+    metadata: AttentionMetadata
+    # Per layer: (K, V), each [num_blocks, block_size, num_kv_heads, head_dim]
+    kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    backend: AttentionBackend
+
+
+_current: ForwardContext | None = None
+
+
+@contextlib.contextmanager
+def forward_context(
+    metadata: AttentionMetadata,
+    kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    backend: AttentionBackend,
+) -> Iterator[ForwardContext]:
+    global _current
+    previous, _current = _current, ForwardContext(metadata, kv_caches, backend)
+    try:
+        yield _current
+    finally:
+        _current = previous
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("The model runs inside forward_context(...): it holds the KV cache.")
+    return _current

@@ -1,0 +1,139 @@
+"""EngineCore: schedule -> executor.execute_model -> scheduler.update, and nothing else.
+
+It takes tokenized `Request`s and gives back, per step, plain `EngineCoreOutput`s (new token ids,
+logprobs, finish status) for each sequence that made progress. Text (tokenizing, detokenizing,
+stop strings) belongs to the front end (llm_engine.py), which only calls `add_request`,
+`abort_requests` and `step`, so the core can run in a process of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from quire.config import EngineConfig
+from quire.engine.kv_manager import KVCacheManager
+from quire.engine.request import Request, RequestStatus
+from quire.engine.scheduler import Scheduler
+from quire.executor.base import make_executor
+from quire.messages import TopLogprobs
+from quire.model.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one sequence got from one step."""
+
+    req_id: str
+    group_id: str
+    index: int  # which of its group's n completions
+    new_token_ids: list[int]
+    logprobs: TopLogprobs | None  # one row per new token, when asked for
+    prompt_logprobs: TopLogprobs | None  # for the prompt chunk computed this step
+    prompt_logprobs_start: int  # the prompt position that chunk starts at
+    status: RequestStatus
+    stop_reason: int | str | None
+    num_cached_tokens: int
+    first_scheduled_time: float | None
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        dtype: torch.dtype,
+        max_model_len: int,
+    ):
+        self.executor = make_executor(config, model_config, dtype, max_model_len)
+        pool_tokens = self.executor.num_kv_blocks * config.block_size
+        if max_model_len > pool_tokens:
+            logger.warning(
+                "max_model_len %d does not fit in the KV pool (%d tokens); using %d",
+                max_model_len,
+                pool_tokens,
+                pool_tokens,
+            )
+            max_model_len = pool_tokens
+        self.max_model_len = max_model_len
+        self.kv_manager = KVCacheManager(
+            self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens, max_model_len
+        )
+        self.num_steps = 0
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(
+        self, req_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> None:
+        """Ends these sequences (ids unknown to the core are skipped) and frees their blocks."""
+        self.scheduler.finish_requests(req_ids, status)
+
+    def abort_all(self) -> None:
+        """Ends every sequence, and drops the block copies of a step that failed."""
+        self.scheduler.finish_requests(
+            list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED
+        )
+        self.kv_manager.take_copies()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[EngineCoreOutput]:
+        """One iteration; an output for every sequence that made progress (none when nothing
+        could be scheduled)."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        runner_output = self.executor.execute_model(scheduler_output)
+        self.num_steps += 1
+        requests = self.scheduler.requests
+        # Where each prompt-logprob chunk starts, read before update advances the counts.
+        prompt_starts = {
+            req_id: requests[req_id].num_computed_tokens for req_id in runner_output.prompt_logprobs
+        }
+        updated = self.scheduler.update(scheduler_output, runner_output)
+        outputs: dict[str, EngineCoreOutput] = {}
+        for request, token_ids in updated:
+            outputs[request.request_id] = self._output(request, token_ids, runner_output.logprobs)
+        for req_id, top in runner_output.prompt_logprobs.items():
+            request = requests.get(req_id)
+            if request is None:  # finished by this very step: its output is already there
+                output = outputs[req_id]
+            else:
+                output = outputs.setdefault(req_id, self._output(request, [], {}))
+            output.prompt_logprobs, output.prompt_logprobs_start = top, prompt_starts[req_id]
+        return list(outputs.values())
+
+    @staticmethod
+    def _output(
+        request: Request, token_ids: list[int], logprobs: dict[str, TopLogprobs]
+    ) -> EngineCoreOutput:
+        top = logprobs.get(request.request_id) if token_ids else None
+        if top is not None and len(top.ranks) > len(token_ids):  # tokens after a stop dropped
+            n = len(token_ids)
+            top = TopLogprobs(top.token_ids[:n], top.logprobs[:n], top.ranks[:n])
+        return EngineCoreOutput(
+            req_id=request.request_id,
+            group_id=request.group_id,
+            index=request.index,
+            new_token_ids=token_ids,
+            logprobs=top,
+            prompt_logprobs=None,
+            prompt_logprobs_start=0,
+            status=request.status,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            first_scheduled_time=request.first_scheduled_time,
+        )
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

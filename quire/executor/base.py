@@ -1,0 +1,39 @@
+"""Executor: owns the workers and runs a step on all of them; the engine core sees only this.
+
+`uni` keeps the one worker in the engine's process (no copies, no IPC: the default on one
+device). `mp` runs each rank's worker in a process of its own and sends it the step as a
+message; rank 0's output is returned (executor/multiproc.py).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from quire.config import EngineConfig
+from quire.messages import ModelRunnerOutput, SchedulerOutput
+from quire.model.model_config import ModelConfig
+
+
+class Executor(ABC):
+    num_kv_blocks: int  # the KV pool of each worker, in blocks
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Ends the workers; the executor cannot run steps afterwards."""
+
+
+def make_executor(
+    config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int
+) -> Executor:
+    if config.distributed_executor_backend == "mp":
+        from quire.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config, model_config, dtype, max_model_len)
+    from quire.executor.uniproc import UniprocExecutor
+
+    return UniprocExecutor(config, model_config, dtype, max_model_len)

@@ -1,0 +1,54 @@
+"""The multiprocess executor: the worker in a process of its own gives the in-process worker's
+tokens; a worker that dies fails the step with a clear error, fast; shutdown ends it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from quire import LLM, SamplingParams
+from quire.executor.multiproc import WorkerDiedError
+
+PROMPTS = [{"prompt_token_ids": [5, 9, 200, 17, 3]}, {"prompt_token_ids": list(range(50, 90))}]
+
+
+def tokens(llm: LLM, params: SamplingParams) -> list[list[list[int]]]:
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def mp_llm(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=64, distributed_executor_backend="mp")
+    yield llm
+    llm.engine.shutdown()
+
+
+def test_a_worker_process_gives_the_in_process_workers_tokens(tiny_llama, mp_llm):
+    params = SamplingParams(temperature=0.7, seed=3, n=2, max_tokens=12, ignore_eos=True)
+    uni = LLM(tiny_llama, dtype="float32", num_kv_blocks=64)
+    assert tokens(mp_llm, params) == tokens(uni, params)
+    kv = mp_llm.engine.kv_manager
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_a_killed_worker_fails_the_step_within_seconds(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=64, distributed_executor_backend="mp")
+    (process,) = llm.engine.core.executor._processes
+    os.kill(process.pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="rank 0 died"):
+        llm.generate(PROMPTS, SamplingParams(max_tokens=4), use_tqdm=False)
+    assert time.monotonic() - start < 5
+    llm.engine.shutdown()
+
+
+def test_shutdown_ends_the_worker_process(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=64, distributed_executor_backend="mp")
+    (process,) = llm.engine.core.executor._processes
+    assert process.is_alive()
+    llm.engine.shutdown()
+    assert not process.is_alive()
