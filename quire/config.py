@@ -51,6 +51,9 @@ class EngineConfig:
     seed: int = 0
     # Where the workers run: "uni" in the engine's process, "mp" one process per rank.
     distributed_executor_backend: str = "uni"
+    # Run the engine core (scheduler, KV manager, workers) in a process of its own, apart from
+    # the front end that tokenizes, detokenizes and serves.
+    engine_core_process: bool = False
 
     def __post_init__(self) -> None:
         if self.model is None:

@@ -172,7 +172,8 @@ class AsyncLLM:
             self._commands.put(_Abort(ids))
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
-        """Stops the step loop; live requests end with EngineDeadError."""
+        """Stops the step loop and the engine's processes; live requests end with
+        EngineDeadError."""
         self._commands.put(_SHUTDOWN)
         self._thread.join(timeout)
 
@@ -236,6 +237,7 @@ class AsyncLLM:
         else:
             self._dead = EngineDeadError("the engine was shut down")
         self._end_all_streams(EngineDeadError(f"The engine has stopped: {self._dead!r}"))
+        self.engine.shutdown()  # its core and worker processes, if any
 
     def _end_all_streams(self, error: EngineDeadError) -> None:
         """Ends every live stream and every request still queued (the loop has stopped)."""

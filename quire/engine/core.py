@@ -25,6 +25,18 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class CoreStats:
+    """The core's state, for gauges and the stats line."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0  # since start
+    prefix_cache_queries: int = 0  # tokens looked up, since start
+    prefix_cache_hits: int = 0
+
+
+@dataclass
 class EngineCoreOutput:
     """What one sequence got from one step."""
 
@@ -86,6 +98,17 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
+
+    def stats(self) -> CoreStats:
+        scheduler, kv = self.scheduler, self.kv_manager
+        return CoreStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            kv_cache_usage=kv.usage,
+            num_preemptions=scheduler.num_preemptions,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+        )
 
     def step(self) -> list[EngineCoreOutput]:
         """One iteration; an output for every sequence that made progress (none when nothing

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quire.config import EngineConfig
-from quire.engine.core import EngineCore, EngineCoreOutput
+from quire.engine.core import CoreStats, EngineCore, EngineCoreOutput
+from quire.engine.core_client import CoreProcessClient
 from quire.engine.detokenizer import IncrementalDetokenizer
 from quire.engine.request import Request, RequestStatus
 from quire.messages import TopLogprobs
@@ -90,7 +91,10 @@ class LLMEngine:
                 f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                 f"({model_config.max_position_embeddings}); pass a smaller max_model_len."
             )
-        self.core = EngineCore(config, model_config, self.dtype, max_model_len)
+        if config.engine_core_process:
+            self.core = CoreProcessClient(config, model_config, self.dtype, max_model_len)
+        else:
+            self.core = EngineCore(config, model_config, self.dtype, max_model_len)
         self.max_model_len = self.core.max_model_len
         eos = set(model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -99,7 +103,7 @@ class LLMEngine:
         self.groups: dict[str, RequestGroup] = {}
 
     @property
-    def scheduler(self):  # in-process inspection (metrics, tests)
+    def scheduler(self):  # inspection of an in-process core (tests)
         return self.core.scheduler
 
     @property
@@ -110,8 +114,12 @@ class LLMEngine:
     def num_steps(self) -> int:
         return self.core.num_steps
 
+    def core_stats(self) -> CoreStats:
+        return self.core.stats()
+
     def shutdown(self) -> None:
-        """Ends the engine's worker processes (if any); the engine cannot run afterwards."""
+        """Ends the engine's core and worker processes (if any); the engine cannot run
+        afterwards."""
         self.core.shutdown()
 
     # ---- requests --------------------------------------------------------------------------
@@ -221,6 +229,8 @@ class LLMEngine:
             seq = group.sequences.get(out.index)
             if seq is None:  # the first output of this sequence (a fork's, or the first's)
                 seq = group.sequences[out.index] = self._new_sequence(group, out.req_id)
+            elif seq.is_finished:  # ended here by a stop string; a core process ran on
+                continue
             if group.first_scheduled_time is None:
                 group.first_scheduled_time = out.first_scheduled_time
             if out.prompt_logprobs is not None:

@@ -119,9 +119,10 @@ class EngineMetrics:
                 )
 
     def update_gauges(self, engine: LLMEngine) -> None:
-        self.num_requests_running.set(len(engine.scheduler.running))
-        self.num_requests_waiting.set(len(engine.scheduler.waiting))
-        self.kv_cache_usage.set(engine.kv_manager.usage)
+        stats = engine.core_stats()
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
 
     def log_stats_if_due(self, engine: LLMEngine, now: float) -> None:
         """Logs the engine stats line every `log_stats_interval_s` while there is work."""
@@ -135,7 +136,8 @@ class EngineMetrics:
             return
         stats, self._interval = self._interval, _IntervalStats()
         self._last_log_time = now
-        running, waiting = len(engine.scheduler.running), len(engine.scheduler.waiting)
+        core = engine.core_stats()
+        running, waiting = core.num_running, core.num_waiting
         if not (stats.active or running or waiting):
             return
         hit_rate = stats.cache_hits / stats.cache_queries if stats.cache_queries else 0.0
@@ -144,7 +146,7 @@ class EngineMetrics:
             "generation %.1f tokens/s; prefix cache hit rate %.1f%%; %d preemptions",
             running,
             waiting,
-            engine.kv_manager.usage * 100,
+            core.kv_cache_usage * 100,
             stats.prompt_tokens / elapsed,
             stats.generation_tokens / elapsed,
             hit_rate * 100,
@@ -194,9 +196,10 @@ class EngineMetrics:
             )
 
     def _record_engine_counters(self, engine: LLMEngine) -> None:
-        preemptions = engine.scheduler.num_preemptions - self._seen_preemptions
-        queries = engine.kv_manager.prefix_cache_queries - self._seen_cache_queries
-        hits = engine.kv_manager.prefix_cache_hits - self._seen_cache_hits
+        core = engine.core_stats()
+        preemptions = core.num_preemptions - self._seen_preemptions
+        queries = core.prefix_cache_queries - self._seen_cache_queries
+        hits = core.prefix_cache_hits - self._seen_cache_hits
         self._seen_preemptions += preemptions
         self._seen_cache_queries += queries
         self._seen_cache_hits += hits
