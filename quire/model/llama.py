@@ -123,13 +123,13 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head(hidden, out_dtype=torch.float32)
         return self.lm_head(hidden).float()
 
-    def pack_weights(self) -> None:
-        """Packs every matmul weight for oneDNN and the GEMV kernel (see quire/layers/linear.py)
-        and turns on the one-call-per-layer decode path where it runs. A tied LM head gets its
-        own packed copy: the embedding lookup keeps the plain table."""
-        pack_linear_layers(self)
+    def pack_weights(self, use_gemv: bool) -> None:
+        """Packs every matmul weight for oneDNN and (`use_gemv`) the GEMV kernel (see
+        quire/layers/linear.py) and turns on the one-call-per-layer decode path where it runs. A
+        tied LM head gets its own packed copy: the embedding lookup keeps the plain table."""
+        pack_linear_layers(self, use_gemv=use_gemv)
         if self.lm_head is None:
-            self.lm_head = PackedLinear(self.embed_tokens.weight, None)
+            self.lm_head = PackedLinear(self.embed_tokens.weight, None, use_gemv=use_gemv)
         if CpuDecodePath.supported(self):
             self.cpu_decode = CpuDecodePath(self)
 

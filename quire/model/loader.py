@@ -70,8 +70,8 @@ def load_model(
         model.load_weights(weights)
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
-    if packed_linear_supported(config.device, dtype):
-        model.pack_weights()
+    if config.pack_weights and packed_linear_supported(config.device, dtype):
+        model.pack_weights(use_gemv=config.gemv)
     logger.info(
         "Loaded %s (%.1fM params, %s) in %.1f s",
         model_config.architecture,

@@ -176,16 +176,17 @@ def allocate_kv_cache(
     block_size: int,
     dtype: torch.dtype,
     device: str,
+    huge_pages: bool,
 ) -> None:
     """One K and one V tensor `[num_blocks, block_size, num_kv_heads, head_dim]` per layer; on
-    CPU all of them in one arena of huge pages (host_memory.py)."""
+    CPU all of them in one arena, on huge pages if `huge_pages` (host_memory.py)."""
     specs = [
         ((num_blocks, block_size, layer.num_kv_heads, layer.head_dim), dtype)
         for layer in layers
         for _ in "kv"
     ]
     if torch.device(device).type == "cpu":
-        caches = host_memory.zeros(specs)
+        caches = host_memory.zeros(specs, huge_pages)
     else:
         caches = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in specs]
     for i, layer in enumerate(layers):

@@ -17,6 +17,7 @@ import torch
 from quire.attention.backend import AttentionBackend, AttentionMetadata
 from quire.config import EngineConfig
 from quire.engine.scheduler import ScheduledRequest, SchedulerOutput
+from quire.kernels import cpu as cpu_kernels
 from quire.layers.sampler import Sampler, SamplingBatch, compute_topk_logprobs, greedy
 from quire.model.loader import load_model
 from quire.model.model_config import ModelConfig
@@ -91,8 +92,11 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.block_size = config.block_size
+        cpu_kernels.configure(
+            cpu_kernels.KernelSettings(enabled=config.cpu_kernels, gemv_fma=config.gemv_fma)
+        )
         self.model = load_model(config, model_config, dtype, max_model_len)
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and config.huge_pages:
             host_memory.move_to_huge_pages(self.model)
         self.layers = self.model.attention_layers
         self.backend = make_backend(config.attention_backend)
@@ -112,7 +116,7 @@ class ModelRunner:
             max_num_seqs=config.max_num_seqs,
         )
         kv_cache.allocate_kv_cache(
-            self.layers, self.num_blocks, config.block_size, dtype, config.device
+            self.layers, self.num_blocks, config.block_size, dtype, config.device, config.huge_pages
         )
         self.cuda_graphs = (
             CUDAGraphRunner(self.model, config, max_model_len) if use_cuda_graphs(config) else None
