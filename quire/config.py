@@ -40,6 +40,10 @@ class EngineConfig(EngineArgs):
     declared there once with their defaults and help."""
 
     def __post_init__(self) -> None:
+        for name in ("model", "tokenizer"):  # a pathlib.Path is as good as its string
+            if isinstance(getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(getattr(self, name)))
+        self.check_types()
         if self.model is None:
             self.model = default_model_path()
         if not os.path.exists(self.model):

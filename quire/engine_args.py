@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import numbers
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -158,6 +159,19 @@ class EngineArgs:
         """The fields' values from a namespace parsed with `add_cli_args`'s flags."""
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
+    def check_types(self) -> None:
+        """Raises ValueError naming the first field whose value is not of its declared type
+        (an int is a float; a bool is not an int), as `LLM(max_num_seqs="8")` would give."""
+        for name, hint in typing.get_type_hints(type(self)).items():
+            value = getattr(self, name)
+            if value is None and type(None) in typing.get_args(hint):
+                continue
+            expected = _scalar_type(hint) if hint not in (bool, bool | None) else bool
+            if not _is_a(value, expected):
+                raise ValueError(
+                    f"{name} must be {_type_name(hint)}, got {type(value).__name__} {value!r}."
+                )
+
     def create_engine_config(self) -> EngineConfig:
         """These arguments validated (ValueError / FileNotFoundError saying what to change) and
         resolved (`auto` made a choice, the default model located)."""
@@ -171,6 +185,23 @@ def _scalar_type(hint: Any) -> Callable[[str], Any]:
     types = [t for t in typing.get_args(hint) or (hint,) if t is not type(None)]
     assert len(types) == 1, f"an engine argument has one type (or it and None), got {hint}"
     return types[0]
+
+
+def _is_a(value: Any, expected: type) -> bool:
+    if expected is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if expected is int:
+        return isinstance(value, numbers.Integral)
+    if expected is float:
+        return isinstance(value, numbers.Real)
+    return isinstance(value, expected)
+
+
+def _type_name(hint: Any) -> str:
+    names = [t.__name__ for t in typing.get_args(hint) or (hint,) if t is not type(None)]
+    return names[0] + (" or None" if type(None) in typing.get_args(hint) else "")
 
 
 def _metavar(name: str, parse: Callable[[str], Any], choices: tuple[str, ...] | None) -> str:

@@ -179,3 +179,30 @@ def test_every_model_subcommand_takes_the_engine_flags(command) -> None:
     args = build_parser().parse_args([*command, "--max-num-seqs", "3", "--no-gemv"])
     assert (args.max_num_seqs, args.gemv) == (3, False)
     assert set(field_names()) <= set(vars(args))
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("max_num_seqs", "8", "max_num_seqs must be int, got str '8'"),
+        ("block_size", True, "block_size must be int, got bool True"),
+        ("enable_prefix_caching", 1, "enable_prefix_caching must be bool, got int 1"),
+        ("gemv_fma", "yes", "gemv_fma must be bool or None, got str 'yes'"),
+        ("max_model_len", 1.5, "max_model_len must be int or None, got float 1.5"),
+        ("model", 3, "model must be str or None, got int 3"),
+    ],
+)
+def test_a_value_of_the_wrong_type_raises_naming_the_field(field, value, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**{field: value}).create_engine_config()
+
+
+def test_an_int_is_a_float_a_numpy_int_an_int_and_a_path_a_str(tmp_path) -> None:
+    import numpy as np
+
+    model = tmp_path / "model.gguf"
+    model.touch()
+    config = EngineArgs(
+        model=model, gpu_memory_utilization=1, max_num_seqs=np.int64(8)
+    ).create_engine_config()
+    assert (config.model, config.gpu_memory_utilization, config.max_num_seqs) == (str(model), 1, 8)
