@@ -1,4 +1,4 @@
-"""EngineConfig: every engine knob, validated once, with defaults that serve."""
+"""EngineConfig: the engine knobs of EngineArgs, validated once."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
+from quire.engine_args import ATTENTION_BACKENDS, DEVICES, EngineArgs
 from quire.layers.linear import onednn_runs_bf16
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 def default_model_path() -> str:
@@ -33,29 +33,17 @@ def default_model_path() -> str:
 
 
 @dataclass
-class EngineConfig:
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    max_model_len: int | None = None
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int | None = None  # bytes for the KV pool on CPU; default: see kv_cache.py
-    gpu_memory_utilization: float = 0.9
-    attention_backend: str = "auto"
-    enforce_eager: bool = False
-    seed: int = 0
-    # Where the workers run: "uni" in the engine's process, "mp" one process per rank.
-    distributed_executor_backend: str = "uni"
-    # Run the engine core (scheduler, KV manager, workers) in a process of its own, apart from
-    # the front end that tokenizes, detokenizes and serves.
-    engine_core_process: bool = False
+class EngineConfig(EngineArgs):
+    """EngineArgs validated once, with `auto` resolved (device, attention backend) and the
+    default model located: what the engine reads. Made by `EngineArgs.create_engine_config()`,
+    or directly with the same keyword arguments. The fields are EngineArgs' (engine_args.py),
+    declared there once with their defaults and help."""
 
     def __post_init__(self) -> None:
+        for name in ("model", "tokenizer"):  # a pathlib.Path is as good as its string
+            if isinstance(getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(getattr(self, name)))
+        self.check_types()
         if self.model is None:
             self.model = default_model_path()
         if not os.path.exists(self.model):
@@ -69,11 +57,11 @@ class EngineConfig:
             )
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda'; got {self.device!r}.")
-        if self.attention_backend not in _ATTENTION_BACKENDS:
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {self.device!r}.")
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
-                f"attention_backend must be one of {', '.join(_ATTENTION_BACKENDS)}; "
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; "
                 f"got {self.attention_backend!r}."
             )
         if self.attention_backend == "auto":

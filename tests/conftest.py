@@ -127,3 +127,14 @@ def tiny_models(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models) -> str:
     return tiny_models["llama"]
+
+
+@pytest.fixture
+def kernel_settings():
+    """Restores the process's C kernel choices (quire/kernels/cpu `configure`) after a test that
+    changes them, directly or by building an engine with other choices."""
+    from quire.kernels import cpu as cpu_kernels
+
+    saved = cpu_kernels.settings()
+    yield
+    cpu_kernels.configure(saved)

@@ -668,7 +668,7 @@ def test_quire_serve_answers_the_openai_client_and_logs_each_request(tiny_llama,
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     log = open(tmp_path / "serve.log", "w+")
-    command = [sys.executable, "-m", "quire.entrypoints.cli", "serve", "--model", tiny_llama]
+    command = [sys.executable, "-m", "quire.entrypoints.cli", "serve", tiny_llama]
     command += ["--port", str(port), "--served-model-name", MODEL, "--api-key", API_KEY]
     command += ["--num-kv-blocks", str(NUM_KV_BLOCKS)]
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ)

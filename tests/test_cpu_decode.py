@@ -217,15 +217,11 @@ def test_mixed_prefill_and_decode_steps_take_the_module_path(tiny_llama, monkeyp
 
 
 @pytest.mark.parametrize(
-    "dtype,env",
-    [("float32", {}), ("bfloat16", {"QUIRE_GEMV": "0"}), ("bfloat16", {"QUIRE_PACK_WEIGHTS": "0"})],
+    "dtype,switches",
+    [("float32", {}), ("bfloat16", {"gemv": False}), ("bfloat16", {"pack_weights": False})],
 )
-def test_no_decode_path_without_gemv_packed_bf16_weights(
-    tiny_llama, dtype, env, monkeypatch
-) -> None:
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    assert model_of(make_llm(tiny_llama, dtype=dtype)).cpu_step is None
+def test_no_decode_path_without_gemv_packed_bf16_weights(tiny_llama, dtype, switches) -> None:
+    assert model_of(make_llm(tiny_llama, dtype=dtype, **switches)).cpu_step is None
 
 
 def scaled_gate_checkpoint(src: str, dst: str, scale: float) -> str:

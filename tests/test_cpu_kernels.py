@@ -182,3 +182,18 @@ def test_paged_decode_results_are_bitwise_the_same_whatever_the_task_split(
                 0.125,
             )
             assert torch.equal(part, batch[i : i + size])
+
+
+def test_an_engine_with_cpu_kernels_off_runs_without_the_library(tiny_llama, kernel_settings):
+    from quire import LLM, SamplingParams
+    from quire.layers.linear import PackedLinear
+
+    llm = LLM(tiny_llama, dtype="bfloat16", num_kv_blocks=16, cpu_kernels=False)
+    assert cpu_kernels.load_library() is None
+    runner = llm.engine.core.executor.worker.runner
+    model = runner.model
+    assert runner.cpu_step is None
+    assert all(m.gemv_weight is None for m in model.modules() if isinstance(m, PackedLinear))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    (output,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 4

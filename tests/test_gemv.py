@@ -5,14 +5,13 @@ gemv.max_rows(): oneDNN runs more)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from quire.kernels import cpu as cpu_kernels
 from quire.kernels.cpu import gemv
 from quire.layers.linear import PackedLinear, packed_linear_supported
 
@@ -132,30 +131,22 @@ def test_result_does_not_depend_on_the_thread_count(rows) -> None:
     assert torch.equal(one, two)
 
 
-_BOTH_LOOPS_CHECK = """
-import sys, torch, torch.nn.functional as F
-from quire.kernels.cpu import gemv, load_library
-assert load_library().gemv_bf16_uses_fma() == int(sys.argv[1])
-gen = torch.Generator().manual_seed(0)
-for k in (576, 1536, 3072):
-    x = torch.randn(19, k, generator=gen).bfloat16()
-    w = (torch.randn(130, k, generator=gen) / k**0.5).bfloat16()
-    b = torch.randn(130, generator=gen).bfloat16()
-    out = gemv.gemv(x, gemv.pack(w), b, 130, gemv.k_block_for(130, k, True))
-    assert torch.equal(out[1:], F.linear(x[1:], w, b)), k  # oneDNN's bits from two rows on
-    assert torch.equal(out[:1], gemv.gemv(x[:1], gemv.pack(w), b, 130, gemv.k_block_for(130, k, True)))
-"""
-
-
-@pytest.mark.parametrize("fma", ["0", "1"])
-def test_both_inner_loops_give_onednns_bits(fma) -> None:
-    """vdpbf16ps and its emulation by two FMAs (picked by a timing probe, forced here by
-    QUIRE_GEMV_FMA) give the same bits: oneDNN's from two rows on, a lone row's as in a batch."""
-    env = {**os.environ, "QUIRE_GEMV_FMA": fma}
-    done = subprocess.run(
-        [sys.executable, "-c", _BOTH_LOOPS_CHECK, fma], env=env, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr
+@pytest.mark.parametrize("fma", [False, True])
+def test_both_inner_loops_give_onednns_bits(fma, kernel_settings) -> None:
+    """vdpbf16ps and its emulation by two FMAs (picked by a timing probe, forced here as
+    EngineConfig.gemv_fma does) give the same bits: oneDNN's from two rows on, a lone row's as
+    in a batch."""
+    cpu_kernels.configure(cpu_kernels.KernelSettings(enabled=True, gemv_fma=fma))
+    assert cpu_kernels.load_library().gemv_bf16_uses_fma() == fma
+    gen = torch.Generator().manual_seed(0)
+    for k in (576, 1536, 3072):
+        x = torch.randn(19, k, generator=gen).bfloat16()
+        w = (torch.randn(130, k, generator=gen) / k**0.5).bfloat16()
+        b = torch.randn(130, generator=gen).bfloat16()
+        k_block = gemv.k_block_for(130, k, True)
+        out = gemv.gemv(x, gemv.pack(w), b, 130, k_block)
+        assert torch.equal(out[1:], F.linear(x[1:], w, b)), k  # oneDNN's bits from two rows on
+        assert torch.equal(out[:1], gemv.gemv(x[:1], gemv.pack(w), b, 130, k_block)), k
 
 
 def test_pack_holds_panels_of_32_outputs_by_column_pairs() -> None:
@@ -228,7 +219,7 @@ def amx(monkeypatch):
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_runs_up_to_max_rows_in_the_gemv_kernel(gemv_calls, bias) -> None:
     x, weight, b = make_case(max(ROWS), 130, 576, bias)
-    linear = PackedLinear(weight, b)
+    linear = PackedLinear(weight, b, use_gemv=True)
     assert linear.gemv_weight is not None
     for rows in ROWS:
         expected = F.linear(x[:rows], weight, b)
@@ -247,7 +238,7 @@ def test_without_amx_packed_linear_runs_every_row_count_in_the_gemv_kernel(gemv_
     amx(False)
     assert gemv.max_rows() == sys.maxsize
     x, weight, b = make_case(600, 40, 64, True)  # a small weight keeps 600 rows cheap
-    linear = PackedLinear(weight, b)
+    linear = PackedLinear(weight, b, use_gemv=True)
     assert linear.gemv_weight is not None and linear.packed_weight is None  # no oneDNN copy
     gemv_calls.clear()
     assert torch.equal(linear(x), F.linear(x, weight, b))
@@ -260,7 +251,7 @@ def test_with_amx_packed_linear_runs_more_than_32_rows_in_onednn(gemv_calls, amx
     amx(True)
     assert gemv.max_rows() == 32
     x, weight, b = make_case(rows, 130, 576, True)
-    linear = PackedLinear(weight, b)
+    linear = PackedLinear(weight, b, use_gemv=True)
     assert linear.gemv_weight is not None and linear.packed_weight is not None
     gemv_calls.clear()
     assert torch.equal(linear(x[:32]), F.linear(x[:32], weight, b))
@@ -273,10 +264,9 @@ def test_with_amx_packed_linear_runs_more_than_32_rows_in_onednn(gemv_calls, amx
 
 
 @needs_onednn
-def test_quire_gemv_0_keeps_no_gemv_copy(gemv_calls, monkeypatch) -> None:
-    monkeypatch.setenv("QUIRE_GEMV", "0")
+def test_gemv_off_keeps_no_gemv_copy(gemv_calls) -> None:
     x, weight, b = make_case(1, 130, 576, True)
-    linear = PackedLinear(weight, b)
+    linear = PackedLinear(weight, b, use_gemv=False)
     assert linear.gemv_weight is None
     assert torch.equal(linear(x), F.linear(x, weight, b))
     assert gemv_calls == []
@@ -285,7 +275,7 @@ def test_quire_gemv_0_keeps_no_gemv_copy(gemv_calls, monkeypatch) -> None:
 @needs_onednn
 def test_packed_linear_keeps_no_gemv_copy_for_unsupported_columns(gemv_calls) -> None:
     x, weight, _ = make_case(1, 16, 39, False)
-    linear = PackedLinear(weight, None)
+    linear = PackedLinear(weight, None, use_gemv=True)
     assert linear.gemv_weight is None
     assert torch.equal(linear(x), F.linear(x, weight))
     assert gemv_calls == []
@@ -301,14 +291,22 @@ def test_no_gemv_copy_when_no_block_size_gives_onednns_bits(gemv_calls, monkeypa
         ).bfloat16()
 
     monkeypatch.setattr(gemv, "_onednn_linear", other_sums)
-    gemv.k_block_for.cache_clear()
+    gemv._matching_k_block.cache_clear()
     try:
         x, weight, b = make_case(1, 130, 576, True)
         assert gemv.k_block_for(130, 576, True) is None
-        linear = PackedLinear(weight, b)
+        linear = PackedLinear(weight, b, use_gemv=True)
         assert linear.gemv_weight is None
         gemv_calls.clear()  # the probing itself ran the kernel
         assert torch.equal(linear(x), F.linear(x, weight, b))
         assert gemv_calls == []
     finally:
-        gemv.k_block_for.cache_clear()
+        gemv._matching_k_block.cache_clear()
+
+
+@pytest.mark.parametrize("fma", [False, True])
+def test_the_engine_config_picks_the_inner_loop(tiny_llama, kernel_settings, fma) -> None:
+    from quire import LLM
+
+    LLM(tiny_llama, dtype="bfloat16", num_kv_blocks=16, gemv_fma=fma)
+    assert cpu_kernels.load_library().gemv_bf16_uses_fma() == fma

@@ -14,7 +14,7 @@ from quire.worker import host_memory
 @pytest.fixture
 def advise(monkeypatch):
     """Huge pages asked for whatever this machine's THP mode (madvise failing is harmless)."""
-    monkeypatch.setattr(host_memory, "enabled", lambda: True)
+    monkeypatch.setattr(host_memory, "supported", lambda: True)
 
 
 def storage_range(t: torch.Tensor) -> tuple[int, int]:
@@ -29,7 +29,7 @@ def test_an_arena_starts_on_a_huge_page_and_carves_aligned_disjoint_tensors(advi
         ((7,), torch.int8),
         ((2, 2), torch.int64),
     ]
-    buffer = host_memory.arena(host_memory.arena_bytes(specs))
+    buffer = host_memory.arena(host_memory.arena_bytes(specs), huge_pages=True)
     assert buffer.data_ptr() % host_memory.HUGE_PAGE == 0
     tensors = host_memory.carve(buffer, specs)
     ranges = sorted(storage_range(t) for t in tensors)
@@ -39,7 +39,7 @@ def test_an_arena_starts_on_a_huge_page_and_carves_aligned_disjoint_tensors(advi
     for t, (shape, dtype) in zip(tensors, specs, strict=True):
         assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
         assert t.data_ptr() % 64 == 0
-    zeros = host_memory.zeros(specs)
+    zeros = host_memory.zeros(specs, huge_pages=True)
     assert all(torch.count_nonzero(t) == 0 for t in zeros)
 
 
@@ -78,29 +78,41 @@ def test_moving_a_module_keeps_values_ties_and_views(advise):
     assert min(t.data_ptr() for t in moved_tensors) % host_memory.HUGE_PAGE == 0
 
 
-def test_nothing_moves_when_huge_pages_are_off(monkeypatch):
-    monkeypatch.setenv("QUIRE_HUGE_PAGES", "0")
-    assert not host_memory.enabled()
+def test_nothing_moves_where_huge_pages_are_not_supported(monkeypatch):
+    monkeypatch.setattr(host_memory, "supported", lambda: False)
     model = Model()
     embed = model.embed.weight.data
     assert host_memory.move_to_huge_pages(model) == 0
     assert model.embed.weight.data.data_ptr() == embed.data_ptr()
 
 
-def test_the_engine_gives_the_same_tokens_with_and_without_huge_pages(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("huge_pages", [False, True])
+def test_an_arena_is_advised_to_huge_pages_only_when_asked(advise, monkeypatch, huge_pages):
+    advised: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(host_memory, "_madvise", lambda: lambda *call: advised.append(call) or 0)
+    buffer = host_memory.arena(3 * host_memory.HUGE_PAGE, huge_pages)
+    expected = [(buffer.data_ptr(), 3 * host_memory.HUGE_PAGE, 14)]  # 14: MADV_HUGEPAGE
+    assert advised == (expected if huge_pages else [])
+
+
+def test_the_engine_keeps_its_weights_where_they_are_without_huge_pages(tiny_llama, advise):
+    model = LLM(tiny_llama, dtype="float32", num_kv_blocks=64, huge_pages=False)
+    model = model.engine.core.executor.worker.runner.model
+    big = [p for p in model.parameters() if p.nbytes >= 1 << 20]
+    assert big and len({p.untyped_storage().data_ptr() for p in big}) == len(big)
+
+
+def test_the_engine_gives_the_same_tokens_with_and_without_huge_pages(tiny_llama, advise):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5, 9, 200, 17, 3]}, {"prompt_token_ids": [44] * 40}]
-    with monkeypatch.context() as m:
-        m.setattr(host_memory, "enabled", lambda: True)
-        llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=64)
-        runner = llm.engine.core.executor.worker.runner
-        caches = [t for layer in runner.kv_cache.layers for t in layer]
-        # The whole KV cache is one zeroed arena: every layer's K and V share its storage.
-        assert len({t.untyped_storage().data_ptr() for t in caches}) == 1
-        assert all(torch.count_nonzero(t) == 0 for t in caches)
-        on = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    monkeypatch.setenv("QUIRE_HUGE_PAGES", "0")
-    off_llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=64)
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=64, huge_pages=True)
+    runner = llm.engine.core.executor.worker.runner
+    caches = [t for layer in runner.kv_cache.layers for t in layer]
+    # The whole KV cache is one zeroed arena: every layer's K and V share its storage.
+    assert len({t.untyped_storage().data_ptr() for t in caches}) == 1
+    assert all(torch.count_nonzero(t) == 0 for t in caches)
+    on = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    off_llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=64, huge_pages=False)
     off = [o.outputs[0].token_ids for o in off_llm.generate(prompts, params)]
     assert on == off
     assert all(len(t) == 12 for t in on)

@@ -24,14 +24,14 @@ def test_packed_linear_equals_nn_linear_bit_for_bit(num_rows: int, bias: bool) -
     torch.manual_seed(0)
     linear = nn.Linear(96, 200, bias=bias).to(torch.bfloat16)
     x = torch.randn(num_rows, 96, dtype=torch.bfloat16)
-    packed = PackedLinear.from_linear(linear)
+    packed = PackedLinear.from_linear(linear, use_gemv=True)
     assert torch.equal(packed(x), linear(x))
     assert torch.equal(packed(x.view(1, num_rows, 96)), linear(x).view(1, num_rows, 200))
 
 
 def test_packing_replaces_every_linear_in_the_tree() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.ReLU(), nn.Linear(8, 4)))
-    assert pack_linear_layers(model.to(torch.bfloat16)) == 2
+    assert pack_linear_layers(model.to(torch.bfloat16), use_gemv=True) == 2
     assert isinstance(model[0], PackedLinear) and isinstance(model[1][1], PackedLinear)
 
 
@@ -41,21 +41,22 @@ def test_only_bfloat16_on_cpu_is_packed() -> None:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied and tied LM head
-def test_packed_engine_outputs_equal_unpacked(tiny_models, arch, monkeypatch) -> None:
+def test_packed_engine_outputs_equal_unpacked(tiny_models, arch) -> None:
     prompts = [[5, 6, 7, 8, 9], [100, 200, 300], list(range(40, 90))]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
     results = {}
-    for pack in ("1", "0"):
-        monkeypatch.setenv("QUIRE_PACK_WEIGHTS", pack)
-        llm = LLM(tiny_models[arch], dtype="bfloat16", num_kv_blocks=64)
+    for pack in (True, False):
+        llm = LLM(tiny_models[arch], dtype="bfloat16", num_kv_blocks=64, pack_weights=pack)
         runner = llm.engine.core.executor.worker.runner
-        packed = any(isinstance(m, PackedLinear) for m in runner.model.modules())
-        assert packed == (pack == "1")
-        assert (runner.cpu_step is not None) == (pack == "1" and gemv.available())
+        model = runner.model
+        packed = any(isinstance(m, PackedLinear) for m in model.modules())
+        assert packed == pack
+        assert not pack or not any(isinstance(m, nn.Linear) for m in model.modules())
+        assert (runner.cpu_step is not None) == (pack and gemv.available())
         results[pack] = [
             (out.outputs[0].token_ids, out.outputs[0].cumulative_logprob)
             for out in llm.generate(
                 [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
             )
         ]
-    assert results["1"] == results["0"]
+    assert results[True] == results[False]

@@ -152,7 +152,7 @@ def measure_decode(
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from quire.entrypoints.cli import add_engine_args
+    from quire.engine_args import EngineArgs
 
     p = subparsers.add_parser(
         "latency",
@@ -166,26 +166,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-iters", type=int, default=3, help="timed prefills")
     p.add_argument("--output-json", default="quire-bench-latency.json")
     add_model_dir_arg(p)
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     p.set_defaults(func=main, dtype="bfloat16")
 
 
 def main(args: argparse.Namespace) -> int:
-    from quire.entrypoints.cli import engine_config_from_args
+    from quire.engine_args import EngineArgs
     from quire.entrypoints.llm import LLM
 
     for name in ("prompt_len", "batch_size", "decode_steps", "num_iters"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1.")
     args.model = resolve_model(args.model, args.model_dir)
-    engine = LLM.from_engine_config(engine_config_from_args(args)).engine
+    engine = LLM.from_engine_config(EngineArgs.from_cli_args(args).create_engine_config()).engine
     mc, dtype, device = engine.model_config, engine.dtype, engine.config.device
     hardware = roofline.measure_hardware(device, dtype)
     rng = random.Random(args.seed)
     prefill = measure_prefill(
         engine, args.prompt_len, args.num_iters, roofline.MatmulProbe(device, dtype), rng
     )
-    bandwidth_probe = roofline.BandwidthProbe(device)
+    bandwidth_probe = roofline.BandwidthProbe(device, huge_pages=engine.config.huge_pages)
     batch_sizes = sorted({1, args.batch_size})
     decodes = [
         measure_decode(engine, b, args.prompt_len, args.decode_steps, bandwidth_probe, rng)

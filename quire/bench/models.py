@@ -17,10 +17,12 @@ import time
 
 import torch
 
+from quire import envs
+
 logger = logging.getLogger(__name__)
 
 QWEN3_RANDOM = "qwen3-0.6b-random"
-DEFAULT_MODEL_DIR = os.path.join("~", ".cache", "quire", QWEN3_RANDOM)
+DEFAULT_MODEL_DIR = os.path.join(envs.XDG_CACHE_HOME, "quire", QWEN3_RANDOM)
 
 # Qwen3-0.6B's architecture (config.json of Qwen/Qwen3-0.6B).
 QWEN3_0_6B_SHAPE = dict(

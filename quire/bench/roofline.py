@@ -61,15 +61,15 @@ class BandwidthProbe:
     """Read bandwidth, one timed read at a time: a sum over a tensor much larger than the caches.
     (Measured here, interleaved: torch's sum, a prefetching C read loop and the GEMV kernel
     streaming its weights all read at the same median speed.) On CPU the tensor is on huge pages
-    where the engine puts its weights and KV cache there (worker/host_memory.py): ~4% faster
-    reads here, which the roofline must include."""
+    where the engine puts its weights and KV cache there (`huge_pages`, as EngineConfig's;
+    worker/host_memory.py): ~4% faster reads here, which the roofline must include."""
 
-    def __init__(self, device: str = "cpu", nbytes: int | None = None):
+    def __init__(self, device: str = "cpu", nbytes: int | None = None, huge_pages: bool = True):
         if nbytes is None:
             nbytes = _GPU_BANDWIDTH_BYTES if device == "cuda" else _CPU_BANDWIDTH_BYTES
         self.device, self.nbytes = device, nbytes
         if torch.device(device).type == "cpu":
-            (self.src,) = host_memory.empty([((nbytes // 4,), torch.float32)])
+            (self.src,) = host_memory.empty([((nbytes // 4,), torch.float32)], huge_pages)
             self.src.fill_(1.0)
         else:
             self.src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)

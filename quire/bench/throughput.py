@@ -260,7 +260,7 @@ def run_transformers(
 
 # ---- the command -----------------------------------------------------------------------------
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from quire.entrypoints.cli import add_engine_args
+    from quire.engine_args import EngineArgs
 
     p = subparsers.add_parser(
         "throughput",
@@ -294,7 +294,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--output-json", default="quire-bench-throughput.json")
     add_model_dir_arg(p)
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     p.set_defaults(func=main, dtype="bfloat16")
 
 
@@ -354,7 +354,7 @@ def _print_floor(
 
 
 def main(args: argparse.Namespace) -> int:
-    from quire.entrypoints.cli import engine_config_from_args
+    from quire.engine_args import EngineArgs
     from quire.entrypoints.llm import LLM
 
     _check_args(args)
@@ -364,7 +364,7 @@ def main(args: argparse.Namespace) -> int:
     input_len = tuple(args.input_len or workload.input_len)
     output_len = tuple(args.output_len or workload.output_len)
 
-    llm = LLM.from_engine_config(engine_config_from_args(args))
+    llm = LLM.from_engine_config(EngineArgs.from_cli_args(args).create_engine_config())
     engine = llm.engine
     requests = make_requests(
         num_requests, input_len, output_len, args.seed, engine.model_config.vocab_size

@@ -1,4 +1,5 @@
-"""The `quire` command: generate (one-shot generation); more subcommands register below."""
+"""The `quire` command: generate, serve, chat and bench. Every subcommand that runs a model takes
+the engine's flags from EngineArgs (engine_args.py); its own options are declared here."""
 
 from __future__ import annotations
 
@@ -7,71 +8,27 @@ import logging
 import sys
 import time
 
-from quire.config import EngineConfig
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The EngineConfig knobs, shared by every subcommand that runs a model."""
-    defaults = EngineConfig.__dataclass_fields__
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct)",
-    )
-    parser.add_argument("--tokenizer", default=None)
-    parser.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
-    )
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=defaults["block_size"].default)
-    parser.add_argument("--max-num-seqs", type=int, default=defaults["max_num_seqs"].default)
-    parser.add_argument(
-        "--max-num-batched-tokens", type=int, default=defaults["max_num_batched_tokens"].default
-    )
-    parser.add_argument(
-        "--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false"
-    )
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument(
-        "--kv-cache-memory", type=int, default=None, help="bytes for the KV pool on CPU"
-    )
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--seed", type=int, default=0)
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        tokenizer=args.tokenizer,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=args.enable_prefix_caching,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager,
-        seed=args.seed,
-    )
+from quire import envs
+from quire.engine_args import EngineArgs
 
 
 def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="generate completions for one or more prompts")
     p.add_argument("prompt", nargs="+", help="prompt text (several prompts batch together)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--n", type=int, default=1)
+    sampling = p.add_argument_group("sampling arguments")
+    sampling.add_argument(
+        "--max-tokens", type=int, default=64, help="per completion (default: %(default)s)"
+    )
+    sampling.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy (default: %(default)s)"
+    )
+    sampling.add_argument("--top-p", type=float, default=1.0, help="(default: %(default)s)")
+    sampling.add_argument("--top-k", type=int, default=0, help="0: off (default: %(default)s)")
+    sampling.add_argument(
+        "--n", type=int, default=1, help="completions per prompt (default: %(default)s)"
+    )
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     p.set_defaults(func=_run_generate)
 
 
@@ -87,7 +44,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed if args.temperature > 0 else None,
     )
-    llm = LLM.from_engine_config(engine_config_from_args(args))
+    llm = LLM.from_engine_config(EngineArgs.from_cli_args(args).create_engine_config())
     start = time.perf_counter()
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
@@ -118,38 +75,65 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p = subparsers.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible HTTP API",
+        description="Serve MODEL over the OpenAI-compatible HTTP API (/v1/completions, "
+        "/v1/chat/completions, /v1/models).",
+    )
     p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model to serve, as --model (give it one way, not both)",
+    )
+    server = p.add_argument_group("server arguments")
+    server.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: loopback only)"
+    )
+    server.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    server.add_argument(
         "--api-key",
         default=None,
         help="require `Authorization: Bearer KEY` (default: $QUIRE_API_KEY if set, else open)",
     )
-    p.add_argument(
+    server.add_argument(
         "--served-model-name",
         default=None,
-        help="the model name clients send (default: --model as given)",
+        help="the model name clients send (default: the model as given)",
     )
-    p.add_argument("--disable-log-requests", action="store_true", help="no line per request")
-    p.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
-    add_engine_args(p)
+    server.add_argument(
+        "--disable-log-requests", action="store_true", help="no log line per request"
+    )
+    server.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
+    EngineArgs.add_cli_args(p)
     p.set_defaults(func=_run_serve)
 
 
-def _run_serve(args: argparse.Namespace) -> int:
-    import os
+def serve_model(args: argparse.Namespace) -> str | None:
+    """The model `quire serve` was given: `quire serve MODEL` or `--model MODEL` (both only if
+    they agree; ValueError otherwise), or None for the default model."""
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ValueError(
+            f"The model is given twice, as {args.model_tag!r} and --model {args.model!r}: "
+            "give it once, `quire serve MODEL`."
+        )
+    return args.model_tag or args.model
 
+
+def _run_serve(args: argparse.Namespace) -> int:
     from quire.entrypoints.api_server import serve
 
+    args.model = serve_model(args)
     # The per-request and stats lines are INFO: shown unless --disable-log-requests/-stats.
     if logging.getLogger().getEffectiveLevel() > logging.INFO:
         logging.getLogger("quire").setLevel(logging.INFO)
     serve(
-        engine_config_from_args(args),
+        EngineArgs.from_cli_args(args).create_engine_config(),
         host=args.host,
         port=args.port,
-        api_key=args.api_key or os.environ.get("QUIRE_API_KEY"),
+        api_key=args.api_key or envs.QUIRE_API_KEY,
         served_model_name=args.served_model_name or args.model,
         log_requests=not args.disable_log_requests,
         log_stats=not args.disable_log_stats,
@@ -160,17 +144,17 @@ def _run_serve(args: argparse.Namespace) -> int:
 def _add_chat(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("chat", help="chat with the model in the terminal")
     p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--max-tokens", type=int, default=512, help="per reply")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-p", type=float, default=0.9)
-    add_engine_args(p)
+    p.add_argument("--max-tokens", type=int, default=512, help="per reply (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.7, help="(default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=0.9, help="(default: %(default)s)")
+    EngineArgs.add_cli_args(p)
     p.set_defaults(func=_run_chat)
 
 
 def _run_chat(args: argparse.Namespace) -> int:
     from quire.entrypoints.chat_cli import run_chat_from_args
 
-    return run_chat_from_args(args, engine_config_from_args(args))
+    return run_chat_from_args(args, EngineArgs.from_cli_args(args).create_engine_config())
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,50 +2,50 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import itertools
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from tqdm import tqdm
 
 from quire.config import EngineConfig
 from quire.engine.llm_engine import LLMEngine, PromptType
+from quire.engine_args import EngineArgs
 from quire.outputs import RequestOutput
 from quire.sampling_params import SamplingParams
 
 ChatMessages = list[dict[str, object]]
 
 
-class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        enable_prefix_caching: bool = True,
-        num_kv_blocks: int | None = None,
-        seed: int = 0,
-        **kwargs,
-    ):
-        config = EngineConfig(
-            model=model,
-            tokenizer=tokenizer,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching,
-            num_kv_blocks=num_kv_blocks,
-            seed=seed,
-            **kwargs,
+def _engine_args_signature() -> inspect.Signature:
+    """`LLM(...)`'s signature as help() and editors show it: `model`, then every other field of
+    EngineArgs as a keyword argument with its default."""
+    defaults = EngineArgs()
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    for f in dataclasses.fields(EngineArgs):
+        kind = inspect.Parameter.KEYWORD_ONLY
+        if f.name == "model":
+            kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+        params.append(
+            inspect.Parameter(f.name, kind, default=getattr(defaults, f.name), annotation=f.type)
         )
+    return inspect.Signature(params)
+
+
+class LLM:
+    """`LLM(model, **engine_args)`: the keyword arguments are EngineArgs' fields (engine_args.py:
+    dtype, max_model_len, max_num_seqs, ...), the same knobs as `quire`'s flags; an unknown one
+    raises TypeError naming the closest."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        config = EngineArgs.from_kwargs(model=model, **kwargs).create_engine_config()
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
+
+    __init__.__signature__ = _engine_args_signature()
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> LLM:

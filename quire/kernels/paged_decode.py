@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 LOG2E = math.log2(math.e)
 MAX_PARTITION_SIZE = 512  # tokens per split when the grid is already full
@@ -238,7 +238,8 @@ def paged_decode(
         dest, dest_partition_stride = out, 0
         lse_strides = 0, 0
 
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    # TRITON_INTERPRET=1 at import: Triton decorated the kernels for its interpreter.
+    interpret = isinstance(_paged_decode_kernel, InterpretedFunction)
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_partitions)](
         query,
         k_cache,

@@ -12,11 +12,11 @@ entirely before the block's first query position skip every mask.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 LOG2E = math.log2(math.e)
 MIN_BLOCK_M = 64  # tile rows: (token, head) pairs per program
@@ -222,7 +222,7 @@ def prefill_paged(
         BLOCK_N=64 if block_d <= 128 else 32,
         BLOCK_D=block_d,
         # The interpreter's tl.dot is wrong on bf16 (triton#11584): it gets fp32 operands.
-        DOT_FP32=os.environ.get("TRITON_INTERPRET") == "1",
+        DOT_FP32=isinstance(_prefill_paged_kernel, InterpretedFunction),
         # fp32 caches keep full-precision dots instead of the TF32 default.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=4 if block_d <= 128 else 8,

@@ -1,7 +1,7 @@
 """Linear layers with weights pre-packed once at load time, for bfloat16 on CPU.
 
 Where the GEMV kernel runs (quire/kernels/cpu/gemv.c: AVX-512 BF16, a block size that gives
-oneDNN's bits, QUIRE_GEMV not 0), the weight is packed for it and every matmul runs there: on
+oneDNN's bits, EngineConfig.gemv on), the weight is packed for it and every matmul runs there: on
 this kind of machine it streams a decode step's weights at 40-50 GB/s against oneDNN's 25-35, is
 level with oneDNN from 128 rows on, and sums every row in one order whatever the number of rows,
 so a request's bits do not depend on the batch or on how its prompt was chunked (oneDNN sums a
@@ -19,7 +19,6 @@ for bit, 1.8-2x faster GEMVs and 1.1-1.3x faster small-batch GEMMs. The packed t
 from __future__ import annotations
 
 import functools
-import os
 import sys
 
 import torch
@@ -46,33 +45,29 @@ def onednn_runs_bf16() -> bool:
 
 def packed_linear_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
     """True where packing pays: bfloat16 on a CPU build of torch whose oneDNN runs bf16 on this
-    CPU. QUIRE_PACK_WEIGHTS=0 turns it off (to compare against plain `nn.Linear`)."""
-    return (
-        torch.device(device).type == "cpu"
-        and dtype == torch.bfloat16
-        and os.environ.get("QUIRE_PACK_WEIGHTS", "1") != "0"
-        and onednn_runs_bf16()
-    )
+    CPU (the loader packs there unless EngineConfig.pack_weights is off)."""
+    return torch.device(device).type == "cpu" and dtype == torch.bfloat16 and onednn_runs_bf16()
 
 
 def gemv_k_block(weight: torch.Tensor, has_bias: bool) -> int | None:
     """The GEMV kernel's block size for `weight` (see gemv.c), or None where PackedLinear keeps
-    no GEMV copy: QUIRE_GEMV=0, no kernel here, or no block size that gives oneDNN's bits."""
-    if os.environ.get("QUIRE_GEMV", "1") == "0" or not gemv.supported(weight):
+    no GEMV copy: no kernel here, or no block size that gives oneDNN's bits."""
+    if not gemv.supported(weight):
         return None
     return gemv.k_block_for(weight.shape[0], weight.shape[1], has_bias)
 
 
 class PackedLinear(nn.Module):
     """y = x W^T + b with W packed for the GEMV kernel (`gemv_weight`), for oneDNN
-    (`packed_weight`), or both on a CPU with AMX, where each takes its own range of rows."""
+    (`packed_weight`), or both on a CPU with AMX, where each takes its own range of rows.
+    `use_gemv` False (EngineConfig.gemv off) keeps oneDNN's copy alone."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, use_gemv: bool):
         super().__init__()
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
         weight = weight.detach()
-        self.gemv_k_block = gemv_k_block(weight, bias is not None)
+        self.gemv_k_block = gemv_k_block(weight, bias is not None) if use_gemv else None
         self.gemv_weight = None if self.gemv_k_block is None else gemv.pack(weight)
         self.packed_weight = (
             torch.ops.mkldnn._reorder_linear_weight(weight, None)
@@ -82,8 +77,8 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach()
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> PackedLinear:
-        return cls(linear.weight, linear.bias)
+    def from_linear(cls, linear: nn.Linear, *, use_gemv: bool) -> PackedLinear:
+        return cls(linear.weight, linear.bias, use_gemv=use_gemv)
 
     def forward(
         self, x: torch.Tensor, out_dtype: torch.dtype | None = None
@@ -113,13 +108,13 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
 
-def pack_linear_layers(module: nn.Module) -> int:
+def pack_linear_layers(module: nn.Module, *, use_gemv: bool) -> int:
     """Replaces every `nn.Linear` under `module` with a PackedLinear; returns how many."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(module, name, PackedLinear.from_linear(child))
+            setattr(module, name, PackedLinear.from_linear(child, use_gemv=use_gemv))
             count += 1
         else:
-            count += pack_linear_layers(child)
+            count += pack_linear_layers(child, use_gemv=use_gemv)
     return count

@@ -49,12 +49,13 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def pack_weights(model: nn.Module) -> None:
-    """Packs every matmul weight for oneDNN and the GEMV kernel (quire/layers/linear.py). A tied
-    LM head gets its own packed copy: the embedding lookup keeps the plain table."""
-    pack_linear_layers(model)
+def pack_weights(model: nn.Module, use_gemv: bool) -> None:
+    """Packs every matmul weight for oneDNN and (`use_gemv`) the GEMV kernel
+    (quire/layers/linear.py). A tied LM head gets its own packed copy: the embedding lookup keeps
+    the plain table."""
+    pack_linear_layers(model, use_gemv=use_gemv)
     if model.lm_head is None:
-        model.lm_head = PackedLinear(model.embed_tokens.weight, None)
+        model.lm_head = PackedLinear(model.embed_tokens.weight, None, use_gemv=use_gemv)
 
 
 def load_model(
@@ -78,8 +79,8 @@ def load_model(
         model.load_weights(weights)
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
-    if packed_linear_supported(config.device, dtype):
-        pack_weights(model)
+    if config.pack_weights and packed_linear_supported(config.device, dtype):
+        pack_weights(model, use_gemv=config.gemv)
     logger.info(
         "Loaded %s (%.1fM params, %s) in %.1f s",
         model_config.architecture,

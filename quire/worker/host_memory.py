@@ -5,8 +5,8 @@ TLB miss every 4 KiB, and the hardware prefetchers stop at each page boundary; L
 with 2 MiB pages instead when a range is advised (madvise(MADV_HUGEPAGE)) before it is first
 touched, with transparent huge pages in "madvise" or "always" mode. Measured here, interleaved
 in one process: decode steps 2-4% faster at batch 1 and at batch 32 (docs/BENCHMARKS.md). Best
-effort: where the advice is not taken the memory is ordinary memory. QUIRE_HUGE_PAGES=0 turns
-it off.
+effort: where the advice is not taken the memory is ordinary memory. EngineConfig.huge_pages
+(default: QUIRE_HUGE_PAGES) turns it off; the engine passes it to each allocation.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import ctypes
 import functools
 import logging
 import math
-import os
 import sys
 
 import torch
@@ -30,10 +29,10 @@ _MIN_TENSOR_BYTES = 1 << 20  # smaller tensors stay where they are
 _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
-def enabled() -> bool:
-    """Whether huge pages are asked for: Linux with transparent huge pages not "never", and
-    QUIRE_HUGE_PAGES not 0."""
-    if os.environ.get("QUIRE_HUGE_PAGES", "1") == "0" or not sys.platform.startswith("linux"):
+def supported() -> bool:
+    """Whether asking for huge pages can work here: Linux with transparent huge pages not
+    "never"."""
+    if not sys.platform.startswith("linux"):
         return False
     try:
         with open(_THP_MODE) as f:
@@ -50,14 +49,15 @@ def _madvise():
     return fn
 
 
-def arena(num_bytes: int) -> torch.Tensor:
-    """`num_bytes` of uninitialized CPU memory (uint8) starting on a huge-page boundary and, when
-    `enabled()`, advised to huge pages; not yet touched, so the first writes fault them in."""
+def arena(num_bytes: int, huge_pages: bool) -> torch.Tensor:
+    """`num_bytes` of uninitialized CPU memory (uint8) starting on a huge-page boundary and, with
+    `huge_pages` where `supported()`, advised to huge pages; not yet touched, so the first
+    writes fault them in."""
     size = -(-num_bytes // HUGE_PAGE) * HUGE_PAGE
     raw = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)
     offset = -raw.data_ptr() % HUGE_PAGE
     buffer = raw[offset : offset + size]
-    if enabled() and _madvise()(buffer.data_ptr(), size, _MADV_HUGEPAGE) != 0:
+    if huge_pages and supported() and _madvise()(buffer.data_ptr(), size, _MADV_HUGEPAGE) != 0:
         logger.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
     return buffer[:num_bytes]
 
@@ -82,21 +82,21 @@ def arena_bytes(specs: Specs) -> int:
 
 def carve(buffer: torch.Tensor, specs: Specs) -> list[torch.Tensor]:
     """Tensors of the given shapes and dtypes laid one after the other in `buffer` (uint8, from
-    `arena(arena_bytes(specs))`), each starting on a cache line; uninitialized."""
+    `arena(arena_bytes(specs), ...)`), each starting on a cache line; uninitialized."""
     return [
         buffer[start : start + dtype.itemsize * math.prod(shape)].view(dtype).view(shape)
         for start, (shape, dtype) in zip(_offsets(specs)[0], specs, strict=True)
     ]
 
 
-def empty(specs: Specs) -> list[torch.Tensor]:
-    """Uninitialized tensors of the given shapes and dtypes in one huge-page arena."""
-    return carve(arena(arena_bytes(specs)), specs)
+def empty(specs: Specs, huge_pages: bool) -> list[torch.Tensor]:
+    """Uninitialized tensors of the given shapes and dtypes in one arena (on huge pages if asked)."""
+    return carve(arena(arena_bytes(specs), huge_pages), specs)
 
 
-def zeros(specs: Specs) -> list[torch.Tensor]:
-    """Zero-filled tensors of the given shapes and dtypes in one huge-page arena."""
-    tensors = empty(specs)
+def zeros(specs: Specs, huge_pages: bool) -> list[torch.Tensor]:
+    """Zero-filled tensors of the given shapes and dtypes in one arena (on huge pages if asked)."""
+    tensors = empty(specs, huge_pages)
     for t in tensors:
         t.zero_()
     return tensors
@@ -120,8 +120,9 @@ def move_to_huge_pages(module: nn.Module) -> int:
     """Copies the module's large tensors (parameters, buffers and tensor attributes such as
     packed weights) into one huge-page arena and rebinds them; returns the bytes moved. Shared
     tensors (tied embeddings) stay shared. Call it before anything keeps raw data pointers (the
-    C decode path takes them at its first step)."""
-    if not enabled():
+    C decode path takes them at its first step). Nothing moves where huge pages are not
+    `supported()`."""
+    if not supported():
         return 0
     # Each distinct storage once, with every place that refers to it.
     found: dict[int, tuple[torch.Tensor, list[tuple[nn.Module, str, str]]]] = {}
@@ -139,7 +140,7 @@ def move_to_huge_pages(module: nn.Module) -> int:
                 found.setdefault(key, (t, []))[1].append((m, kind, name))
     if not found:
         return 0
-    copies = empty([(tuple(t.shape), t.dtype) for t, _ in found.values()])
+    copies = empty([(tuple(t.shape), t.dtype) for t, _ in found.values()], huge_pages=True)
     moved = sum(t.nbytes for t, _ in found.values())
     # One tensor at a time, each original dropped once rebound, so that the peak is the weights
     # plus the largest tensor, not twice the weights (the arena's pages fault in as written).

@@ -215,12 +215,14 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: str | torch.device,
+        huge_pages: bool = False,
     ) -> KVCache:
-        """Zeroed tensors; on CPU all of them in one arena of huge pages (host_memory.py)."""
+        """Zeroed tensors; on CPU all of them in one arena, on huge pages if `huge_pages`
+        (host_memory.py)."""
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         specs = [(shape, dtype)] * (2 * num_layers)
         if torch.device(device).type == "cpu":
-            tensors = host_memory.zeros(specs)
+            tensors = host_memory.zeros(specs, huge_pages)
         else:
             tensors = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in specs]
         cache = cls([(tensors[2 * i], tensors[2 * i + 1]) for i in range(num_layers)])

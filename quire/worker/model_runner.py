@@ -23,6 +23,7 @@ import torch
 from quire.attention.backend import AttentionBackend, AttentionMetadata
 from quire.attention.forward_context import forward_context
 from quire.config import EngineConfig
+from quire.kernels import cpu as cpu_kernels
 from quire.messages import ModelRunnerOutput, SchedulerOutput, TopLogprobs
 from quire.model.loader import load_model
 from quire.model.model_config import ModelConfig
@@ -87,8 +88,11 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.block_size = config.block_size
+        cpu_kernels.configure(
+            cpu_kernels.KernelSettings(enabled=config.cpu_kernels, gemv_fma=config.gemv_fma)
+        )
         self.model = load_model(config, model_config, dtype, max_model_len)
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and config.huge_pages:
             host_memory.move_to_huge_pages(self.model)
         self.backend = make_backend(config.attention_backend)
         self.sampler = Sampler()
@@ -112,6 +116,7 @@ class ModelRunner:
             model_config.head_dim,
             dtype,
             config.device,
+            config.huge_pages,
         )
         weights = StepWeights.from_model(self.model)
         self.cpu_step = (

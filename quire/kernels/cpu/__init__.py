@@ -1,8 +1,9 @@
 """CPU kernels in C, compiled on first use with the system C compiler and called through ctypes.
 
 Each has a pure-PyTorch twin in quire/attention/torch_backend.py; when no compiler is available
-(or QUIRE_CPU_KERNELS=0) the engine uses that instead. Builds are cached under
-~/.cache/quire/kernels, keyed by the source, the flags and the machine.
+(or EngineConfig.cpu_kernels is off) the engine uses that instead. Builds are cached under
+$XDG_CACHE_HOME/quire/kernels (~/.cache by default), keyed by the source, the flags and the
+machine.
 
 The library is built for this CPU (-march=native). QUIRE_CPU_MARCH names another target, e.g.
 x86-64-v3 (AVX2, no AVX-512) to run the portable paths on an AVX-512 machine, as on an AVX2-only
@@ -20,8 +21,11 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 
 import torch
+
+from quire import envs
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +60,8 @@ _SIGNATURES = {
     "gemv_bf16": [_P, _I64] + [_P] * 4 + [_I64] + [_I32] * 5,
     "gemv_bf16_available": [],
     "gemv_bf16_uses_fma": [],
+    # -1 (probe), 0 (vdpbf16ps) or 1 (FMA): the inner loop from the next call on.
+    "gemv_bf16_set_fma": [_I32],
     # x, rows, cols, out, num_threads.
     "argmax_f32": [_P, _I64, _I64, _P, _I32],
     # DecodeModel*, DecodeStep*, token ids, positions, hidden, residual, out.
@@ -66,16 +72,51 @@ _SIGNATURES = {
 
 
 def _cache_dir() -> str:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "quire", "kernels")
+    return os.path.join(envs.XDG_CACHE_HOME, "quire", "kernels")
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    """The process's choices for the C kernels, from EngineConfig's fields of the same meaning.
+
+    Process-wide, not per engine, because what they choose is: a process loads one copy of the
+    library, the GEMV inner loop is a static in gemv.c, and the layers that ask whether a kernel
+    runs (norms, rotary, attention backends) are built without the engine's config and ask at
+    every call. Each engine sets them once when it builds its model (`configure`); two engines
+    in one process with different choices share the later one's. (Packing weights and huge
+    pages are decided per engine at load time and are passed down as parameters instead.)
+    """
+
+    enabled: bool  # build and use the library; False: PyTorch everywhere
+    gemv_fma: bool | None  # GEMV inner loop: True FMA, False vdpbf16ps, None a timing probe
+
+
+_settings = KernelSettings(enabled=envs.QUIRE_CPU_KERNELS, gemv_fma=envs.QUIRE_GEMV_FMA)
+
+
+def configure(settings: KernelSettings) -> None:
+    """Sets the process's kernel choices; they apply from the next `load_library()` on."""
+    global _settings
+    _settings = settings
+    load_library.cache_clear()
+
+
+def settings() -> KernelSettings:
+    return _settings
 
 
 @functools.cache
 def load_library() -> ctypes.CDLL | None:
-    """The compiled kernel library, or None when it cannot be built here."""
-    if os.environ.get("QUIRE_CPU_KERNELS", "1") == "0":
+    """The compiled kernel library with the GEMV loop set as the settings ask, or None when the
+    kernels are off or cannot be built here. Cached (it is called at every layer of a step), and
+    the cache cleared by `configure`; the build itself is done once (`build_library`)."""
+    if not _settings.enabled:
         return None
-    return build_library(_SOURCE_DIR)
+    lib = build_library(_SOURCE_DIR)
+    if lib is not None:
+        fma = _settings.gemv_fma
+        lib.gemv_bf16_set_fma(-1 if fma is None else int(fma))
+    return lib
 
 
 @functools.cache
@@ -83,13 +124,13 @@ def build_library(source_dir: str) -> ctypes.CDLL | None:
     """The library built from the .c and .h files of `source_dir` (this package's own for
     load_library; another tree's for an A/B of two builds in one process, see
     scripts/ab_kernels.py), or None when it cannot be built here."""
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    compiler = envs.CC or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         logger.warning("No C compiler found: using the PyTorch attention path on CPU")
         return None
     names = sorted(os.listdir(source_dir))
     sources = [os.path.join(source_dir, name) for name in names if name.endswith(".c")]
-    compile_flags = [*_COMPILE_FLAGS, f"-march={os.environ.get('QUIRE_CPU_MARCH', 'native')}"]
+    compile_flags = [*_COMPILE_FLAGS, f"-march={envs.QUIRE_CPU_MARCH}"]
     digest = hashlib.sha256(" ".join(compile_flags + _LINK_FLAGS).encode())
     for name in names:
         if name.endswith((".c", ".h")):  # a header change must rebuild too
@@ -175,10 +216,14 @@ def paged_decode(
     return out
 
 
-@functools.cache
 def _has_prefill_kernel() -> bool:
     lib = load_library()
-    return lib is not None and lib.prefill_attention_bf16_available() == 1
+    return lib is not None and _prefill_kernel_built(lib)
+
+
+@functools.cache
+def _prefill_kernel_built(lib: ctypes.CDLL) -> bool:
+    return lib.prefill_attention_bf16_available() == 1
 
 
 def supports_prefill_attention(

