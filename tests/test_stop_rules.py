@@ -96,3 +96,15 @@ def test_min_tokens_bans_the_stop_token_ids_too(llm):
     assert not {first, EOS} & set(completion.token_ids[:3])
     assert completion.token_ids[3] == EOS
     assert (completion.finish_reason, completion.stop_reason) == ("stop", None)
+
+
+def test_min_tokens_bans_the_stop_token_ids_even_when_eos_is_ignored(llm):
+    """EOS as a stop token id: ignore_eos lifts the EOS ban, not the stop-token ban below
+    min_tokens, so EOS first comes, and stops the completion, at min_tokens."""
+    completion = generate(
+        llm, max_tokens=8, min_tokens=3, ignore_eos=True, stop_token_ids=[EOS], **GREEDY
+    )
+    assert len(completion.token_ids) == 4
+    assert EOS not in completion.token_ids[:3]
+    assert completion.token_ids[3] == EOS
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", EOS)
