@@ -6,6 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import (
+    apply_rotary_pos_emb as hf_apply_rotary_pos_emb,
+)
 
 from quire.kernels.cpu import pointwise
 from quire.layers.activation import silu_and_mul
@@ -66,14 +69,18 @@ def test_rms_norm_module_gives_the_same_result_in_both_paths() -> None:
 
 @pytest.mark.parametrize("tokens", [1, 3, 40])
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
-def test_rotary_in_place_on_a_qkv_view_matches_the_torch_path(tokens: int, head_dim: int) -> None:
+def test_rotary_in_place_on_a_qkv_view_matches_hugging_face(tokens: int, head_dim: int) -> None:
+    """9 query and 3 key heads rotated in place by the C kernel, as transformers' Llama rotary
+    (`apply_rotary_pos_emb`, bf16) rotates them; quire's torch path gives the same bits."""
     gen = torch.Generator().manual_seed(tokens + head_dim)
     qkv = torch.randn(tokens, 9 + 2 * 3, head_dim, generator=gen).bfloat16()
     angles = torch.rand(tokens, 1, head_dim // 2, generator=gen) * 100
     angles = torch.cat([angles, angles], dim=-1)
-    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()  # [tokens, 1, head_dim]
     qk = qkv[:, :12]  # queries and keys, V untouched
-    expected = apply_rotary(qk, cos, sin)
+    hf_q, hf_k = hf_apply_rotary_pos_emb(qk[:, :9], qk[:, 9:], cos[:, 0], sin[:, 0])
+    expected = torch.cat([hf_q, hf_k], dim=1)
+    assert torch.equal(apply_rotary(qk, cos, sin), expected)
     v_before = qkv[:, 12:].clone()
     assert pointwise.rotary_supported(qk)
     pointwise.rotary_(qk, cos, sin)

@@ -56,20 +56,30 @@ def test_chunked_prefill_gives_identical_outputs(tiny_llama, reference):
     assert_all_blocks_free(llm)
 
 
-def test_several_partial_prefills_share_a_step(tiny_llama):
-    engine = LLMEngine(EngineConfig(model=tiny_llama, dtype="float32", max_num_batched_tokens=40))
+def test_prefill_chunks_of_several_requests_share_each_step_of_the_budget(tiny_llama, reference):
+    """Prompts of 10, 8 and 61 tokens under a budget of 40 tokens a step. Step 1 computes both
+    short prompts, which sample their first tokens, and 22 tokens of the long one; step 2 their
+    decodes and 38 more; step 3 their decodes and the long prompt's last token, which samples.
+    Every request's tokens are those it gives alone."""
+    config = EngineConfig(
+        model=tiny_llama, dtype="float32", max_num_batched_tokens=40, num_kv_blocks=64
+    )
+    engine = LLMEngine(config)
     for i, p in enumerate(PROMPTS[:3]):
         engine.add_request(str(i), p, greedy())
-    schedule = engine.scheduler.schedule()
-    requests = engine.scheduler.requests
-    prefills = [
-        i
-        for i, n in schedule.num_scheduled_tokens.items()
-        if requests[i].num_computed_tokens + n < requests[i].num_tokens
+    num_tokens_after_each_step = [
+        {out.request_id: len(out.outputs[0].token_ids) for out in engine.step()} for _ in range(3)
     ]
-    assert schedule.total_num_scheduled_tokens == 40
-    assert len(schedule.num_scheduled_tokens) == 3 and len(prefills) >= 1
-    engine.core.executor.execute_model(schedule)
+    assert num_tokens_after_each_step == [
+        {"0": 1, "1": 1},
+        {"0": 2, "1": 2},
+        {"0": 3, "1": 3, "2": 1},
+    ]
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({out.request_id: out for out in engine.step() if out.finished})
+    assert [len(finished[str(i)].prompt_token_ids) for i in range(3)] == [10, 8, 61]
+    assert [finished[str(i)].outputs[0].token_ids for i in range(3)] == reference[:3]
 
 
 def test_prefix_cache_hit_gives_identical_outputs_and_reports_cached_tokens(tiny_llama, reference):

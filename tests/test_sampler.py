@@ -297,14 +297,17 @@ def test_sampled_logprob_is_under_the_raw_logits(logprobs: int) -> None:
 def test_logprobs_list_the_sampled_token_then_the_top_k() -> None:
     logits = torch.randn(3, 32, generator=torch.Generator().manual_seed(0))
     params = [SamplingParams(logprobs=4), SamplingParams(logprobs=1), SamplingParams()]
+    torch.manual_seed(0)  # every row samples a token other than its most likely one
     out = Sampler()(logits, make_batch(params))
     raw = logits.log_softmax(-1)
     top = raw.topk(4, dim=-1)
+    assert (out.sampled_token_ids != top.indices[:, 0]).all()
     assert out.logprob_token_ids.shape == (3, 5)
     assert out.logprob_token_ids[:, 0].tolist() == out.sampled_token_ids.tolist()
     assert out.logprob_token_ids[:, 1:].tolist() == top.indices.tolist()
     torch.testing.assert_close(out.logprobs[:, 1:], top.values, atol=1e-6, rtol=0)
-    torch.testing.assert_close(out.logprobs[:, 0], out.sampled_logprobs, atol=0, rtol=0)
+    sampled_raw = raw.gather(-1, out.sampled_token_ids[:, None]).squeeze(-1)
+    torch.testing.assert_close(out.logprobs[:, 0], sampled_raw, atol=1e-6, rtol=0)
 
 
 def test_rank_counts_the_strictly_more_likely_tokens_plus_one() -> None:

@@ -291,8 +291,10 @@ _MASK64 = (1 << 64) - 1
 
 def noise_seed(seed: int, index: int, position: int) -> int:
     """The key of a seeded request's sampling noise for the token at `position` of completion
-    `index`: splitmix64 over the three, so nearby keys give unrelated streams."""
-    x = (seed * 0x9E3779B97F4A7C15 + index * 0xD1B54A32D192ED03 + position) & _MASK64
+    `index`: splitmix64 over (seed + index, position), so nearby keys give unrelated streams.
+    Completion i of a request with seed s draws the noise of a lone request with seed s + i
+    (vLLM's convention for n > 1)."""
+    x = ((seed + index) * 0x9E3779B97F4A7C15 + position) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
