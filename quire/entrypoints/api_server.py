@@ -142,7 +142,8 @@ class OpenAIServing:
         for item in prompt:
             if isinstance(item, str):
                 self.check_prompt_chars(item, "prompt")
-                prompts.append(Prompt(item, await self.tokenizers.run(self.tokenizer.encode, item)))
+                token_ids = await self.tokenizers.run(len(item), self.tokenizer.encode, item)
+                prompts.append(Prompt(item, token_ids))
             else:
                 self.check_token_ids(item, "prompt")
                 prompts.append(Prompt(None, list(item)))
@@ -157,10 +158,13 @@ class OpenAIServing:
                 "This model has no chat template: use /v1/completions.",
                 "messages",
             )
+        template_messages = [m.to_template_dict() for m in messages]
+        size = sum(len(m.get("content") or "") for m in template_messages)
         try:
             text = await self.tokenizers.run(
+                size,
                 self.tokenizer.apply_chat_template,
-                [m.to_template_dict() for m in messages],
+                template_messages,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
             )
@@ -168,7 +172,9 @@ class OpenAIServing:
             message = f"The chat template rejected the messages: {error}"
             raise APIError(400, message, "messages") from error
         self.check_prompt_chars(text, "messages")
-        token_ids = await self.tokenizers.run(self.tokenizer.encode, text, add_special_tokens=False)
+        token_ids = await self.tokenizers.run(
+            len(text), self.tokenizer.encode, text, add_special_tokens=False
+        )
         return Prompt(text, token_ids)
 
     def check_prompt_chars(self, text: str, param: str) -> None:
@@ -241,9 +247,15 @@ class OpenAIServing:
             if isinstance(error, ValueError):
                 raise bad_request(error, param) from error
             raise
-        timeouts = [t for t in (timeout, self.request_timeout) if t is not None]
-        deadline = _Deadline(arrival_time, min(timeouts)) if timeouts else None
-        return _EngineRequests(self.engine, ids, streams, deadline)
+        return _EngineRequests(self.engine, ids, streams, self.deadline(arrival_time, timeout))
+
+    def deadline(self, arrival_time: float, timeout: float | None) -> _Deadline | None:
+        """The sooner of the request's `timeout` and the server's request_timeout, if any."""
+        if self.request_timeout is not None and (timeout is None or self.request_timeout < timeout):
+            return _Deadline(arrival_time, self.request_timeout, by_server=True)
+        if timeout is not None:
+            return _Deadline(arrival_time, timeout, by_server=False)
+        return None
 
     def sampling_params(self, body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
         """Checks the model name, then builds SamplingParams (a 400 naming the field if invalid)."""
@@ -281,7 +293,9 @@ class OpenAIServing:
         if body.echo:  # the echoed text of token-id prompts
             for prompt in prompts:
                 if prompt.text is None:
-                    prompt.text = await self.tokenizers.run(self.tokenizer.decode, prompt.token_ids)
+                    prompt.text = await self.tokenizers.run(
+                        len(prompt.token_ids), self.tokenizer.decode, prompt.token_ids
+                    )
         response_id = f"cmpl-{uuid.uuid4().hex}"
         requests = await self.add_requests(
             response_id, prompts, params, arrival_time, "prompt", body.timeout
@@ -320,7 +334,10 @@ class OpenAIServing:
             token_ids = prompt.token_ids
         else:
             token_ids = await self.tokenizers.run(
-                self.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
+                len(body.prompt),
+                self.tokenizer.encode,
+                body.prompt,
+                add_special_tokens=body.add_special_tokens,
             )
         return {
             "count": len(token_ids),
@@ -331,7 +348,8 @@ class OpenAIServing:
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         self.check_model(body.model)
         self.check_token_ids(body.tokens, "tokens")
-        return {"prompt": await self.tokenizers.run(self.tokenizer.decode, body.tokens)}
+        text = await self.tokenizers.run(len(body.tokens), self.tokenizer.decode, body.tokens)
+        return {"prompt": text}
 
 
 # ---- streams and disconnects ------------------------------------------------------------------
@@ -379,18 +397,25 @@ async def merge_streams(
 
 
 class _Deadline:
-    """A request's time limit: `timeout` seconds after `arrival_time` (time.monotonic)."""
+    """A request's time limit: `timeout` seconds after `arrival_time` (time.monotonic), set by
+    the request's own `timeout` field or, when `by_server`, by the server's request_timeout."""
 
-    def __init__(self, arrival_time: float, timeout: float) -> None:
+    def __init__(self, arrival_time: float, timeout: float, by_server: bool) -> None:
         self.arrival_time = arrival_time
         self.timeout = timeout
+        self.by_server = by_server
 
     def error(self) -> APIError:
+        if self.by_server:
+            limit = f"this server's request timeout of {self.timeout:g} s"
+            advice = "lower max_tokens"
+        else:
+            limit = f"its timeout of {self.timeout:g} s"
+            advice = "raise `timeout` or lower max_tokens"
         return APIError(
             504,
-            f"The request did not finish within its timeout of {self.timeout:g} s and was "
-            "aborted: raise `timeout` or lower max_tokens.",
-            "timeout",
+            f"The request did not finish within {limit} and was aborted: {advice}.",
+            None if self.by_server else "timeout",
             "request_timeout",
         )
 
