@@ -89,8 +89,6 @@ class Admission:
     """The count of admitted requests against `capacity` (touched only on the event loop)."""
 
     def __init__(self, capacity: int) -> None:
-        if capacity < 1:
-            raise ValueError(f"The admission capacity must be >= 1, got {capacity}.")
         self.capacity = capacity
         self.num_admitted = 0
 
