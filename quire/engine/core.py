@@ -72,6 +72,7 @@ class EngineCore:
             )
             max_model_len = pool_tokens
         self.max_model_len = max_model_len
+        self.num_kv_blocks = self.executor.num_kv_blocks
         self.kv_manager = KVCacheManager(
             self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )

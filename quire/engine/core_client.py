@@ -56,7 +56,7 @@ class CoreProcessClient:
         self._stats = CoreStats()
         self.num_steps = 0
         try:
-            self.max_model_len = self._receive()
+            self.max_model_len, self.num_kv_blocks = self._receive()
         except BaseException:
             self.shutdown()
             raise
@@ -129,7 +129,7 @@ def _core_main(
     except BaseException:
         pipe.send(("error", traceback.format_exc()))
         return
-    pipe.send(("ready", core.max_model_len))
+    pipe.send(("ready", (core.max_model_len, core.num_kv_blocks)))
     # A reader thread takes every command as it arrives, so the front end never waits on a
     # core that is busy sending (each direction of the pipe has a bounded buffer).
     commands: queue.SimpleQueue = queue.SimpleQueue()

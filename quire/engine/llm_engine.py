@@ -114,6 +114,10 @@ class LLMEngine:
     def num_steps(self) -> int:
         return self.core.num_steps
 
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.core.num_kv_blocks
+
     def core_stats(self) -> CoreStats:
         return self.core.stats()
 

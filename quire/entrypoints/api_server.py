@@ -2,15 +2,26 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both streamed as server-sent events with
 `stream: true`), GET /v1/models, GET /health, GET /metrics, POST /tokenize, POST /detokenize,
-GET /version. Errors use OpenAI's body `{"error": {"message", "type", "param", "code"}}`: 400 for
-bad input (pydantic's checks, then SamplingParams' and the engine's ValueErrors), 401 for a
-missing or wrong API key, 404 for an unknown model. A client that disconnects, mid-stream or
-while waiting for a whole response, has its requests aborted at once.
+GET /version, GET /ready. Errors use OpenAI's body `{"error": {"message", "type", "param",
+"code"}}`: 400 for bad input (pydantic's checks, then SamplingParams' and the engine's
+ValueErrors), 401 for a missing or wrong API key, 404 for an unknown model, 413 for a body over
+`max_request_bytes`, 503 with Retry-After when `max_num_seqs + max_queued_requests` requests are
+already in (quire.entrypoints.admission), 504 for a request past its deadline (its `timeout`
+field or the server's `request_timeout`, from arrival; a stream gets an error event instead). A
+client that disconnects, mid-stream or while waiting for a whole response, has its requests
+aborted at once; so has a request past its deadline.
+
+Tokenizing, rendering chat templates and detokenizing prompts run on a TokenizerPool, never on
+the event loop, and a text prompt longer than the pool's character bound is rejected untokenized:
+/health (200 while the engine loop is alive) answers within milliseconds under any load. /ready
+is 200 only while the server also admits more requests: a load balancer routes by /ready and
+restarts by /health.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -33,6 +44,12 @@ from quire.config import DEFAULT_GGUF_NAME, EngineConfig
 from quire.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
 from quire.engine.metrics import EngineMetrics
 from quire.entrypoints import openai_protocol as protocol
+from quire.entrypoints.admission import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    Admission,
+    AdmissionGate,
+    BodySizeLimit,
+)
 from quire.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -40,13 +57,16 @@ from quire.entrypoints.openai_protocol import (
     Prompt,
     TokenizeRequest,
 )
+from quire.entrypoints.tokenizer_pool import TokenizerPool
 from quire.outputs import RequestOutput
 from quire.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = DEFAULT_GGUF_NAME.split(".")[0]  # SmolLM2-135M-Instruct
-_PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version"})
+_PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics", "/version"})
+# The routes that hold a slot of the admission gate while they run.
+_WORK_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
 _CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
 _SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
 _FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
@@ -66,10 +86,13 @@ class APIError(Exception):
         self.param = param
         self.code = code
 
-    def response(self) -> JSONResponse:
+    @property
+    def body(self) -> dict[str, Any]:
         error_type = "invalid_request_error" if self.status < 500 else "server_error"
-        body = protocol.error_body(self.message, error_type, self.param, self.code)
-        return JSONResponse(body, status_code=self.status)
+        return protocol.error_body(self.message, error_type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body, status_code=self.status)
 
 
 def bad_request(
@@ -87,10 +110,18 @@ def bad_request(
 class OpenAIServing:
     """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses."""
 
-    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        model_name: str,
+        tokenizers: TokenizerPool,
+        request_timeout: float | None = None,
+    ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        self.tokenizers = tokenizers
         self.model_name = model_name
+        self.request_timeout = request_timeout
 
     # ---- validation ------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -102,7 +133,7 @@ class OpenAIServing:
                 "model_not_found",
             )
 
-    def completion_prompts(self, prompt: str | list) -> list[Prompt]:
+    async def completion_prompts(self, prompt: str | list) -> list[Prompt]:
         if isinstance(prompt, str):
             prompt = [prompt]
         elif prompt and isinstance(prompt[0], int):
@@ -110,13 +141,15 @@ class OpenAIServing:
         prompts = []
         for item in prompt:
             if isinstance(item, str):
-                prompts.append(Prompt(item, self.tokenizer.encode(item)))
+                self.check_prompt_chars(item, "prompt")
+                token_ids = await self.tokenizers.run(len(item), self.tokenizer.encode, item)
+                prompts.append(Prompt(item, token_ids))
             else:
                 self.check_token_ids(item, "prompt")
                 prompts.append(Prompt(None, list(item)))
         return prompts
 
-    def chat_prompt(
+    async def chat_prompt(
         self, messages: list[protocol.ChatMessage], add_generation_prompt: bool
     ) -> Prompt:
         if not self.tokenizer.chat_template:
@@ -125,16 +158,38 @@ class OpenAIServing:
                 "This model has no chat template: use /v1/completions.",
                 "messages",
             )
+        template_messages = [m.to_template_dict() for m in messages]
+        size = sum(len(m.get("content") or "") for m in template_messages)
         try:
-            text = self.tokenizer.apply_chat_template(
-                [m.to_template_dict() for m in messages],
+            text = await self.tokenizers.run(
+                size,
+                self.tokenizer.apply_chat_template,
+                template_messages,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
             )
         except jinja2.TemplateError as error:
             message = f"The chat template rejected the messages: {error}"
             raise APIError(400, message, "messages") from error
-        return Prompt(text, self.tokenizer.encode(text, add_special_tokens=False))
+        self.check_prompt_chars(text, "messages")
+        token_ids = await self.tokenizers.run(
+            len(text), self.tokenizer.encode, text, add_special_tokens=False
+        )
+        return Prompt(text, token_ids)
+
+    def check_prompt_chars(self, text: str, param: str) -> None:
+        """Rejects, untokenized, a text too long to fit whatever its tokens (TokenizerPool)."""
+        if len(text) > self.tokenizers.max_prompt_chars:
+            max_model_len = self.engine.max_model_len
+            raise APIError(
+                400,
+                f"This model's maximum context length is {max_model_len} tokens, and the "
+                f"{param} has {len(text)} characters, more than {max_model_len} tokens can hold "
+                f"(at most {self.tokenizers.max_token_chars} characters each): shorten the "
+                f"{param}.",
+                param,
+                "context_length_exceeded",
+            )
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         vocab_size = self.engine.engine.model_config.vocab_size
@@ -172,8 +227,10 @@ class OpenAIServing:
         params: SamplingParams,
         arrival_time: float,
         param: str,
+        timeout: float | None,
     ) -> _EngineRequests:
-        """One engine request per prompt; all or none are added."""
+        """One engine request per prompt; all or none are added. The first of the request's
+        `timeout` and the server's `request_timeout` after arrival aborts what is unfinished."""
         if len(prompts) == 1:
             ids = [request_id]
         else:
@@ -190,7 +247,15 @@ class OpenAIServing:
             if isinstance(error, ValueError):
                 raise bad_request(error, param) from error
             raise
-        return _EngineRequests(self.engine, ids, streams)
+        return _EngineRequests(self.engine, ids, streams, self.deadline(arrival_time, timeout))
+
+    def deadline(self, arrival_time: float, timeout: float | None) -> _Deadline | None:
+        """The sooner of the request's `timeout` and the server's request_timeout, if any."""
+        if self.request_timeout is not None and (timeout is None or self.request_timeout < timeout):
+            return _Deadline(arrival_time, self.request_timeout, by_server=True)
+        if timeout is not None:
+            return _Deadline(arrival_time, timeout, by_server=False)
+        return None
 
     def sampling_params(self, body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
         """Checks the model name, then builds SamplingParams (a 400 naming the field if invalid)."""
@@ -223,10 +288,18 @@ class OpenAIServing:
     async def create_completion(self, body: CompletionRequest, raw: Request) -> Response:
         arrival_time = time.monotonic()
         params = self.sampling_params(body)
-        prompts = self.completion_prompts(body.prompt)
+        prompts = await self.completion_prompts(body.prompt)
         self.check_context(prompts, body.max_tokens, "prompt")
+        if body.echo:  # the echoed text of token-id prompts
+            for prompt in prompts:
+                if prompt.text is None:
+                    prompt.text = await self.tokenizers.run(
+                        len(prompt.token_ids), self.tokenizer.decode, prompt.token_ids
+                    )
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        requests = await self.add_requests(response_id, prompts, params, arrival_time, "prompt")
+        requests = await self.add_requests(
+            response_id, prompts, params, arrival_time, "prompt", body.timeout
+        )
         formatter = protocol.CompletionFormatter(
             body, prompts, response_id, self.model_name, self.tokenizer.decode
         )
@@ -236,10 +309,12 @@ class OpenAIServing:
     async def create_chat_completion(self, body: ChatCompletionRequest, raw: Request) -> Response:
         arrival_time = time.monotonic()
         params = self.sampling_params(body)
-        prompt = self.chat_prompt(body.messages, body.add_generation_prompt)
+        prompt = await self.chat_prompt(body.messages, body.add_generation_prompt)
         self.check_context([prompt], body.max_output_tokens, "messages")
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        requests = await self.add_requests(response_id, [prompt], params, arrival_time, "messages")
+        requests = await self.add_requests(
+            response_id, [prompt], params, arrival_time, "messages", body.timeout
+        )
         formatter = protocol.ChatCompletionFormatter(body, prompt, response_id, self.model_name)
         return await self.respond(
             body.stream,
@@ -250,15 +325,19 @@ class OpenAIServing:
         )
 
     # ---- /tokenize, /detokenize ------------------------------------------------------------
-    def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         self.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "Give either prompt or messages.", "prompt")
         if body.messages is not None:
-            token_ids = self.chat_prompt(body.messages, body.add_generation_prompt).token_ids
+            prompt = await self.chat_prompt(body.messages, body.add_generation_prompt)
+            token_ids = prompt.token_ids
         else:
-            token_ids = self.tokenizer.encode(
-                body.prompt, add_special_tokens=body.add_special_tokens
+            token_ids = await self.tokenizers.run(
+                len(body.prompt),
+                self.tokenizer.encode,
+                body.prompt,
+                add_special_tokens=body.add_special_tokens,
             )
         return {
             "count": len(token_ids),
@@ -266,10 +345,11 @@ class OpenAIServing:
             "tokens": token_ids,
         }
 
-    def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         self.check_model(body.model)
         self.check_token_ids(body.tokens, "tokens")
-        return {"prompt": self.tokenizer.decode(body.tokens)}
+        text = await self.tokenizers.run(len(body.tokens), self.tokenizer.decode, body.tokens)
+        return {"prompt": text}
 
 
 # ---- streams and disconnects ------------------------------------------------------------------
@@ -316,21 +396,61 @@ async def merge_streams(
             await stream.aclose()
 
 
+class _Deadline:
+    """A request's time limit: `timeout` seconds after `arrival_time` (time.monotonic), set by
+    the request's own `timeout` field or, when `by_server`, by the server's request_timeout."""
+
+    def __init__(self, arrival_time: float, timeout: float, by_server: bool) -> None:
+        self.arrival_time = arrival_time
+        self.timeout = timeout
+        self.by_server = by_server
+
+    def error(self) -> APIError:
+        if self.by_server:
+            limit = f"this server's request timeout of {self.timeout:g} s"
+            advice = "lower max_tokens"
+        else:
+            limit = f"its timeout of {self.timeout:g} s"
+            advice = "raise `timeout` or lower max_tokens"
+        return APIError(
+            504,
+            f"The request did not finish within {limit} and was aborted: {advice}.",
+            None if self.by_server else "timeout",
+            "request_timeout",
+        )
+
+
 class _EngineRequests:
     """The engine requests behind one HTTP request, one per prompt. The server calls
     `abort_unfinished` whenever a response ends, so none outlives its client, even one whose
-    stream was never read."""
+    stream was never read; a deadline aborts them too, and their outputs then end in its error."""
 
     def __init__(
-        self, engine: AsyncLLM, ids: list[str], streams: list[AsyncGenerator[RequestOutput, None]]
+        self,
+        engine: AsyncLLM,
+        ids: list[str],
+        streams: list[AsyncGenerator[RequestOutput, None]],
+        deadline: _Deadline | None = None,
     ) -> None:
         self.engine = engine
         self.ids = ids
         self.streams = streams
         self.unfinished = set(ids)
+        self.deadline = deadline
+        self.timed_out = False
+        self._timer: asyncio.TimerHandle | None = None
+        if deadline is not None:
+            delay = deadline.arrival_time + deadline.timeout - time.monotonic()
+            self._timer = asyncio.get_running_loop().call_later(max(delay, 0.0), self._expire)
+
+    def _expire(self) -> None:
+        if self.unfinished:
+            self.timed_out = True
+            self.abort_unfinished()
 
     async def outputs(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-        """(prompt index, output) as they come."""
+        """(prompt index, output) as they come; raises the deadline's APIError once it aborted
+        the requests."""
         merged = merge_streams(self.streams)
         try:
             async for index, output in merged:
@@ -340,6 +460,8 @@ class _EngineRequests:
         finally:
             self.abort_unfinished()
             await merged.aclose()
+        if self.timed_out:
+            raise self.deadline.error()
 
     async def final_outputs(self) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(self.ids)
@@ -350,6 +472,8 @@ class _EngineRequests:
         return finals
 
     def abort_unfinished(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         if self.unfinished:
             self.engine.abort(self.unfinished)
             self.unfinished = set()
@@ -406,6 +530,8 @@ async def _sse_events(
             yield _sse(chunk)
     except (RequestFailedError, EngineDeadError) as error:
         yield _sse(protocol.error_body(str(error), "server_error"))
+    except APIError as error:  # a deadline
+        yield _sse(error.body)
     finally:
         await chunks.aclose()
     yield "data: [DONE]\n\n"
@@ -442,12 +568,48 @@ class APIKeyMiddleware:
 
 
 def build_app(
-    engine: AsyncLLM, served_model_name: str | None = None, api_key: str | None = None
+    engine: AsyncLLM,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    max_queued_requests: int | None = None,
+    request_timeout: float | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving `engine` under `served_model_name` (default: the model path)."""
-    serving = OpenAIServing(engine, served_model_name or engine.engine.config.model)
-    app = FastAPI(title="quire", version=__version__)
+    """The FastAPI app serving `engine` under `served_model_name` (default: the model path).
+
+    Bodies over `max_request_bytes` get 413. At most max_num_seqs + `max_queued_requests`
+    requests are in at once, more get 503; the default queue holds as many full-context prompts
+    as the KV pool does, and at least one batch (max_num_seqs): deeper, a request would wait
+    for more than the pool can start. `request_timeout` seconds after arrival a request is
+    aborted (default: no limit).
+    """
+    config = engine.engine.config
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}.")
+    if max_queued_requests is None:
+        pool_tokens = engine.engine.num_kv_blocks * config.block_size
+        max_queued_requests = max(config.max_num_seqs, pool_tokens // engine.max_model_len)
+    if max_queued_requests < 0:
+        raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}.")
+    if request_timeout is not None and request_timeout <= 0:
+        raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout}.")
+    tokenizers = TokenizerPool(engine.tokenizer, engine.max_model_len)
+    serving = OpenAIServing(engine, served_model_name or config.model, tokenizers, request_timeout)
+    admission = Admission(config.max_num_seqs + max_queued_requests)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        tokenizers.shutdown()
+
+    app = FastAPI(title="quire", version=__version__, lifespan=lifespan)
     app.state.serving = serving
+    app.state.admission = admission
+    # Starlette runs the last added outermost: key check, then admission, then the body limit.
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes, error_response=_error_response)
+    app.add_middleware(
+        AdmissionGate, admission=admission, paths=_WORK_PATHS, error_response=_error_response
+    )
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
@@ -492,23 +654,35 @@ def build_app(
             return APIError(503, "The engine has stopped.").response()
         return Response(status_code=200)
 
+    @app.get("/ready")
+    async def ready() -> Response:
+        if not engine.is_running:
+            return APIError(503, "The engine has stopped.").response()
+        if not admission.has_room:
+            return APIError(503, "The server is at its --max-queued-requests limit.").response()
+        return Response(status_code=200)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        return serving.tokenize(body)
+        return await serving.tokenize(body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        return serving.detokenize(body)
+        return await serving.detokenize(body)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
     return app
+
+
+def _error_response(status: int, message: str, code: str) -> JSONResponse:
+    return APIError(status, message, code=code).response()
 
 
 def validation_error(error: RequestValidationError) -> APIError:
@@ -549,8 +723,11 @@ def serve(
     served_model_name: str | None = None,
     log_requests: bool = True,
     log_stats: bool = True,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    max_queued_requests: int | None = None,
+    request_timeout: float | None = None,
 ) -> None:
-    """Loads the model and serves it until interrupted."""
+    """Loads the model and serves it until interrupted (the limits: see build_app)."""
     import uvicorn
 
     name = served_model_name or DEFAULT_MODEL_NAME
@@ -558,9 +735,11 @@ def serve(
         name, log_requests=log_requests, log_stats_interval_s=10.0 if log_stats else None
     )
     engine = AsyncLLM.from_engine_config(config, metrics)
-    app = build_app(engine, name, api_key)
-    logger.info("Serving %s at http://%s:%d/v1", name, host, port)
     try:
+        app = build_app(
+            engine, name, api_key, max_request_bytes, max_queued_requests, request_timeout
+        )
+        logger.info("Serving %s at http://%s:%d/v1", name, host, port)
         uvicorn.run(app, host=host, port=port, log_config=None)
     finally:
         engine.shutdown()

@@ -75,6 +75,8 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    from quire.entrypoints.admission import DEFAULT_MAX_REQUEST_BYTES
+
     p = subparsers.add_parser(
         "serve",
         help="serve the OpenAI-compatible HTTP API",
@@ -107,6 +109,27 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         "--disable-log-requests", action="store_true", help="no log line per request"
     )
     server.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
+    # Load limits (quire.entrypoints.admission): the server stays responsive under any load.
+    server.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="larger request bodies get 413 (default: %(default)s)",
+    )
+    server.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="requests that may wait beyond --max-num-seqs; more get 503 with Retry-After "
+        "(default: as many full-context prompts as the KV pool holds, at least --max-num-seqs)",
+    )
+    server.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds after arrival at which a request is aborted (default: none; a request's "
+        "own `timeout` field can only shorten it)",
+    )
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=_run_serve)
 
@@ -137,6 +160,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or args.model,
         log_requests=not args.disable_log_requests,
         log_stats=not args.disable_log_stats,
+        max_request_bytes=args.max_request_bytes,
+        max_queued_requests=args.max_queued_requests,
+        request_timeout=args.request_timeout,
     )
     return 0
 

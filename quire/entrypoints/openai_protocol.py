@@ -47,6 +47,8 @@ class _SamplingRequest(_Strict):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # quire's: seconds from arrival after which the request is aborted (504, or an error event).
+    timeout: float | None = Field(default=None, gt=0)
     # vLLM's extras.
     top_k: int | None = None
     min_p: float | None = None
