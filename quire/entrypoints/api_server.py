@@ -20,7 +20,6 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
-import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -33,6 +32,7 @@ from quire.config import DEFAULT_GGUF_NAME, EngineConfig
 from quire.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
 from quire.engine.metrics import EngineMetrics
 from quire.entrypoints import openai_protocol as protocol
+from quire.entrypoints.chat_template import check_chat_template, render_chat
 from quire.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -40,6 +40,8 @@ from quire.entrypoints.openai_protocol import (
     Prompt,
     TokenizeRequest,
 )
+from quire.entrypoints.tool_choice import request_tool_parser
+from quire.entrypoints.tool_parsers import TOOL_PARSERS, ToolParser
 from quire.outputs import RequestOutput
 from quire.sampling_params import SamplingParams
 
@@ -87,10 +89,18 @@ def bad_request(
 class OpenAIServing:
     """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses."""
 
-    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        model_name: str,
+        chat_template: str | None = None,
+        auto_tool_parser: type[ToolParser] | None = None,
+    ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
+        self.chat_template = chat_template
+        self.auto_tool_parser = auto_tool_parser
 
     # ---- validation ------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -117,23 +127,21 @@ class OpenAIServing:
         return prompts
 
     def chat_prompt(
-        self, messages: list[protocol.ChatMessage], add_generation_prompt: bool
+        self,
+        messages: list[protocol.ChatMessage],
+        add_generation_prompt: bool,
+        tools: list[protocol.ChatCompletionTool] | None = None,
     ) -> Prompt:
-        if not self.tokenizer.chat_template:
-            raise APIError(
-                400,
-                "This model has no chat template: use /v1/completions.",
-                "messages",
-            )
         try:
-            text = self.tokenizer.apply_chat_template(
+            text = render_chat(
+                self.tokenizer,
                 [m.to_template_dict() for m in messages],
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
+                [t.model_dump(exclude_none=True) for t in tools] if tools else None,
+                add_generation_prompt,
+                self.chat_template,
             )
-        except jinja2.TemplateError as error:
-            message = f"The chat template rejected the messages: {error}"
-            raise APIError(400, message, "messages") from error
+        except ValueError as error:
+            raise APIError(400, str(error), "messages") from error
         return Prompt(text, self.tokenizer.encode(text, add_special_tokens=False))
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
@@ -236,11 +244,17 @@ class OpenAIServing:
     async def create_chat_completion(self, body: ChatCompletionRequest, raw: Request) -> Response:
         arrival_time = time.monotonic()
         params = self.sampling_params(body)
-        prompt = self.chat_prompt(body.messages, body.add_generation_prompt)
+        try:
+            tool_parser = request_tool_parser(body.tools, body.tool_choice, self.auto_tool_parser)
+        except ValueError as error:
+            raise bad_request(error) from error
+        prompt = self.chat_prompt(body.messages, body.add_generation_prompt, body.tools)
         self.check_context([prompt], body.max_output_tokens, "messages")
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         requests = await self.add_requests(response_id, [prompt], params, arrival_time, "messages")
-        formatter = protocol.ChatCompletionFormatter(body, prompt, response_id, self.model_name)
+        formatter = protocol.ChatCompletionFormatter(
+            body, prompt, response_id, self.model_name, tool_parser
+        )
         return await self.respond(
             body.stream,
             requests,
@@ -255,7 +269,8 @@ class OpenAIServing:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "Give either prompt or messages.", "prompt")
         if body.messages is not None:
-            token_ids = self.chat_prompt(body.messages, body.add_generation_prompt).token_ids
+            prompt = self.chat_prompt(body.messages, body.add_generation_prompt, body.tools)
+            token_ids = prompt.token_ids
         else:
             token_ids = self.tokenizer.encode(
                 body.prompt, add_special_tokens=body.add_special_tokens
@@ -442,10 +457,24 @@ class APIKeyMiddleware:
 
 
 def build_app(
-    engine: AsyncLLM, served_model_name: str | None = None, api_key: str | None = None
+    engine: AsyncLLM,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    chat_template: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving `engine` under `served_model_name` (default: the model path)."""
-    serving = OpenAIServing(engine, served_model_name or engine.engine.config.model)
+    """The FastAPI app serving `engine` under `served_model_name` (default: the model path).
+    `chat_template` (a Jinja template's text) replaces the model's; `tool_call_parser` (a name
+    in TOOL_PARSERS) turns on tool_choice "auto". A template that cannot render raises
+    ValueError here."""
+    if chat_template is not None:
+        check_chat_template(engine.tokenizer, chat_template)
+    serving = OpenAIServing(
+        engine,
+        served_model_name or engine.engine.config.model,
+        chat_template,
+        TOOL_PARSERS[tool_call_parser] if tool_call_parser else None,
+    )
     app = FastAPI(title="quire", version=__version__)
     app.state.serving = serving
     if api_key:
@@ -549,8 +578,11 @@ def serve(
     served_model_name: str | None = None,
     log_requests: bool = True,
     log_stats: bool = True,
+    chat_template: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> None:
-    """Loads the model and serves it until interrupted."""
+    """Loads the model and serves it until interrupted (`build_app` says what the chat options
+    mean)."""
     import uvicorn
 
     name = served_model_name or DEFAULT_MODEL_NAME
@@ -558,7 +590,11 @@ def serve(
         name, log_requests=log_requests, log_stats_interval_s=10.0 if log_stats else None
     )
     engine = AsyncLLM.from_engine_config(config, metrics)
-    app = build_app(engine, name, api_key)
+    try:
+        app = build_app(engine, name, api_key, chat_template, tool_call_parser)
+    except ValueError:
+        engine.shutdown()
+        raise
     logger.info("Serving %s at http://%s:%d/v1", name, host, port)
     try:
         uvicorn.run(app, host=host, port=port, log_config=None)

@@ -8,6 +8,8 @@ import sys
 import time
 
 from quire.config import EngineConfig
+from quire.entrypoints.chat_template import load_chat_template
+from quire.entrypoints.tool_parsers import TOOL_PARSERS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -133,8 +135,30 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--disable-log-requests", action="store_true", help="no line per request")
     p.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
+    # Chat and tool calling (vLLM's flags).
+    _add_chat_template_arg(p)
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='parse tool calls from the output for tool_choice "auto" (needs --tool-call-parser)',
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>), llama3_json",
+    )
     add_engine_args(p)
     p.set_defaults(func=_run_serve)
+
+
+def _add_chat_template_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="PATH",
+        help="a Jinja chat template file to use instead of the model's",
+    )
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -145,6 +169,11 @@ def _run_serve(args: argparse.Namespace) -> int:
     # The per-request and stats lines are INFO: shown unless --disable-log-requests/-stats.
     if logging.getLogger().getEffectiveLevel() > logging.INFO:
         logging.getLogger("quire").setLevel(logging.INFO)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError(
+            "--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)."
+        )
+    chat_template = load_chat_template(args.chat_template) if args.chat_template else None
     serve(
         engine_config_from_args(args),
         host=args.host,
@@ -153,6 +182,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or args.model,
         log_requests=not args.disable_log_requests,
         log_stats=not args.disable_log_stats,
+        chat_template=chat_template,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
     return 0
 
@@ -163,6 +194,7 @@ def _add_chat(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=512, help="per reply")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=0.9)
+    _add_chat_template_arg(p)
     add_engine_args(p)
     p.set_defaults(func=_run_chat)
 

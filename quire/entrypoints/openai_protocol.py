@@ -15,13 +15,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from quire.entrypoints.tool_parsers import (
+    ToolCallStream,
+    ToolParser,
+    assistant_message,
+    tool_call_json,
+)
 from quire.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from quire.sampling_params import SamplingParams
 
 # OpenAI caps top_logprobs at 20; completions' `logprobs` follows (OpenAI's own cap there is 5).
 MAX_LOGPROBS = 20
-
-ChatMessageDict = dict[str, str]
 
 
 class _Strict(BaseModel):
@@ -138,20 +142,55 @@ class ContentPart(BaseModel):
         return value
 
 
+class FunctionCallMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    arguments: str = "{}"  # a JSON object
+
+
+class ToolCallMessage(BaseModel):
+    """A tool call of an earlier assistant message, sent back as history."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallMessage
+
+
 class ChatMessage(BaseModel):
-    # Extra keys (name, refusal, tool_calls: None ...) come back when a client sends a response
-    # message back as history; they do not change the prompt.
+    # Extra keys (refusal, audio: None ...) come back when a client sends a response message
+    # back as history; they do not change the prompt.
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool's answer to that call
 
-    def to_template_dict(self) -> ChatMessageDict:
-        """The message as the chat template wants it: a role and one string."""
-        if isinstance(self.content, list):
-            content = "\n".join(part.text or "" for part in self.content)
-        else:
-            content = self.content or ""
-        return {"role": self.role, "content": content}
+    def to_template_dict(self) -> dict[str, Any]:
+        """The message as `render_chat` takes it (it joins text parts itself)."""
+        return self.model_dump(exclude_none=True)
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class ChatCompletionTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -160,6 +199,9 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     # vLLM's extra: end the prompt with the assistant's turn header.
     add_generation_prompt: bool = True
 
@@ -187,6 +229,7 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatCompletionTool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -436,7 +479,10 @@ class CompletionFormatter:
 
 
 class ChatCompletionFormatter:
-    """Engine outputs as one /v1/chat/completions response or its stream chunks."""
+    """Engine outputs as one /v1/chat/completions response or its stream chunks. With a tool
+    parser, each choice's text is split into content and `tool_calls` (at most one call when
+    `parallel_tool_calls` is false), and a choice that stopped after calling ends with
+    finish_reason "tool_calls"."""
 
     def __init__(
         self,
@@ -444,25 +490,39 @@ class ChatCompletionFormatter:
         prompt: Prompt,
         response_id: str,
         model_name: str,
+        tool_parser: ToolParser | None = None,
     ) -> None:
         self.body = body
         self.n = body.n
         self.prompt = prompt
         self.response_id = response_id
         self.model_name = model_name
+        self.tool_parser = tool_parser
+        self.max_calls = None if body.parallel_tool_calls else 1
         self.created = int(time.time())
 
     def response(self, final: RequestOutput) -> dict[str, Any]:
-        choices = [
-            {
-                "index": completion.index,
-                "message": {"role": "assistant", "content": completion.text},
-                "logprobs": self._logprobs(completion, 0),
-                "finish_reason": completion.finish_reason,
-                "stop_reason": completion.stop_reason,
-            }
-            for completion in final.outputs
-        ]
+        choices = []
+        for completion in final.outputs:
+            message: dict[str, Any] = {"role": "assistant", "content": completion.text}
+            finish_reason = completion.finish_reason
+            if self.tool_parser is not None:
+                content, calls = assistant_message(
+                    self.tool_parser, completion.text, self.max_calls
+                )
+                message["content"] = content
+                if calls:
+                    message["tool_calls"] = [tool_call_json(call) for call in calls]
+                    finish_reason = _tool_calls_finish_reason(finish_reason)
+            choices.append(
+                {
+                    "index": completion.index,
+                    "message": message,
+                    "logprobs": self._logprobs(completion, 0),
+                    "finish_reason": finish_reason,
+                    "stop_reason": completion.stop_reason,
+                }
+            )
         body = self._object("chat.completion", choices)
         body["usage"] = self._usage(final)
         return body
@@ -470,12 +530,18 @@ class ChatCompletionFormatter:
     async def chunks(
         self, outputs: AsyncIterator[tuple[int, RequestOutput]]
     ) -> AsyncGenerator[dict[str, Any], None]:
-        """The role first, then content deltas; each choice's last chunk has its finish_reason."""
+        """The role first, then content and tool-call deltas; each choice's last chunk has its
+        finish_reason."""
         include_usage = self.body.include_usage
         for index in range(self.n):
             delta = {"role": "assistant", "content": ""}
             yield self._chunk(index, delta, None, None, include_usage)
         states = [_ChoiceState() for _ in range(self.n)]
+        tool_streams = (
+            [ToolCallStream(self.tool_parser, self.max_calls) for _ in range(self.n)]
+            if self.tool_parser is not None
+            else None
+        )
         final = None
         async for _, output in outputs:
             final = output
@@ -484,19 +550,34 @@ class ChatCompletionFormatter:
                 if state.finished:
                     continue
                 state.finished = completion.finish_reason is not None
-                text = completion.text[state.num_chars :]
                 logprobs = self._logprobs(completion, state.num_tokens)
                 has_new_tokens = len(completion.token_ids) > state.num_tokens
-                state.num_chars = len(completion.text)
                 state.num_tokens = len(completion.token_ids)
-                if not (text or state.finished or (logprobs and has_new_tokens)):
+                finish_reason = completion.finish_reason
+                delta: dict[str, Any] = {}
+                if tool_streams is None:
+                    text = completion.text[state.num_chars :]
+                    state.num_chars = len(completion.text)
+                else:
+                    stream = tool_streams[completion.index]
+                    num_calls_sent = stream.num_calls
+                    text, calls = stream.update(completion.text, state.finished)
+                    if calls:
+                        delta["tool_calls"] = [
+                            {"index": num_calls_sent + i, **tool_call_json(call)}
+                            for i, call in enumerate(calls)
+                        ]
+                    if stream.num_calls:
+                        finish_reason = _tool_calls_finish_reason(finish_reason)
+                if text:
+                    delta = {"content": text, **delta}
+                if not (delta or state.finished or (logprobs and has_new_tokens)):
                     continue
-                delta = {"content": text} if text else {}
                 yield self._chunk(
                     completion.index,
                     delta,
                     logprobs,
-                    completion.finish_reason,
+                    finish_reason,
                     include_usage,
                     completion.stop_reason,
                 )
@@ -508,7 +589,7 @@ class ChatCompletionFormatter:
     def _chunk(
         self,
         index: int,
-        delta: dict[str, str],
+        delta: dict[str, Any],
         logprobs: dict | None,
         finish_reason: str | None,
         null_usage: bool,
@@ -545,3 +626,9 @@ class ChatCompletionFormatter:
         return response_object(
             object_type, self.response_id, self.created, self.model_name, choices
         )
+
+
+def _tool_calls_finish_reason(finish_reason: str | None) -> str | None:
+    """A choice that called tools and then stopped on its own ends with "tool_calls"; one cut
+    short (length) keeps its reason."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
