@@ -116,19 +116,25 @@ def test_the_hermes_template_without_tools_renders_as_smollm2s_own(tokenizer, he
             r"messages\[0\].content: only parts of type 'text'",
         ),
         (
-            [
-                {
-                    "role": "assistant",
-                    "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}],
-                }
-            ],
-            r"messages\[0\].tool_calls\[0\].function.arguments must be a JSON object string",
+            [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 5}}]}],
+            r"messages\[0\].tool_calls\[0\].function.arguments must be a JSON object",
+        ),
+        (
+            [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}],
+            r"messages\[0\].tool_calls\[0\] must be",
         ),
     ],
 )
 def test_bad_messages_raise_value_error_naming_the_field(tokenizer, messages, match):
     with pytest.raises(ValueError, match=match):
         render_chat(tokenizer, messages)
+
+
+def test_tool_call_arguments_that_are_not_json_reach_the_template_as_written(tokenizer):
+    call = {"type": "function", "function": {"name": "f", "arguments": "{oops"}}
+    messages = [{"role": "assistant", "content": None, "tool_calls": [call]}]
+    template = "{{ messages[0].tool_calls[0].function.arguments }}"
+    assert render_chat(tokenizer, messages, chat_template=template) == "{oops"
 
 
 def test_bad_tools_raise_value_error(tokenizer):

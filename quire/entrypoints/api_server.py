@@ -40,6 +40,7 @@ from quire.entrypoints.openai_protocol import (
     Prompt,
     TokenizeRequest,
 )
+from quire.entrypoints.openapi import install_openapi
 from quire.entrypoints.tool_choice import request_tool_parser
 from quire.entrypoints.tool_parsers import TOOL_PARSERS, ToolParser
 from quire.outputs import RequestOutput
@@ -247,7 +248,7 @@ class OpenAIServing:
         try:
             tool_parser = request_tool_parser(body.tools, body.tool_choice, self.auto_tool_parser)
         except ValueError as error:
-            raise bad_request(error) from error
+            raise APIError(400, str(error), "tool_choice") from error
         prompt = self.chat_prompt(body.messages, body.add_generation_prompt, body.tools)
         self.check_context([prompt], body.max_output_tokens, "messages")
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -266,9 +267,7 @@ class OpenAIServing:
     # ---- /tokenize, /detokenize ------------------------------------------------------------
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         self.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "Give either prompt or messages.", "prompt")
-        if body.messages is not None:
+        if isinstance(body, protocol.TokenizeChatRequest):
             prompt = self.chat_prompt(body.messages, body.add_generation_prompt, body.tools)
             token_ids = prompt.token_ids
         else:
@@ -477,6 +476,8 @@ def build_app(
     )
     app = FastAPI(title="quire", version=__version__)
     app.state.serving = serving
+    vocab_size = engine.engine.model_config.vocab_size
+    install_openapi(app, engine.max_model_len, vocab_size, api_key=bool(api_key))
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
@@ -490,7 +491,9 @@ def build_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        return APIError(error.status_code, str(error.detail)).response()
+        response = APIError(error.status_code, str(error.detail)).response()
+        response.headers.update(error.headers or {})  # Allow, on a 405
+        return response
 
     @app.exception_handler(RequestFailedError)
     async def _request_failed(_: Request, error: RequestFailedError) -> JSONResponse:
@@ -563,6 +566,8 @@ def _field_path(loc: tuple) -> str | None:
     for part in loc[1:] if loc and loc[0] == "body" else loc:
         if isinstance(part, int):
             parts.append(str(part))
+        elif part[:1].isupper():  # a tagged union's member (a model's name)
+            continue
         elif _FIELD_NAME.fullmatch(part) and part not in _TYPE_TAGS:
             parts.append(part)
         else:

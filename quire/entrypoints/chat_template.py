@@ -3,7 +3,7 @@ the model's chat template or an override. `LLM.chat`, the server and `quire chat
 so a conversation gives the same prompt everywhere.
 
 Messages are checked and normalized first (content parts joined, null content as "", tool-call
-arguments parsed from their JSON string, as Hermes-style templates write them with `tojson`); a
+arguments parsed from their JSON string, as Hermes-style templates print them with `tojson`); a
 bad message, a template that cannot render the conversation, or a model without a template raise
 ValueError saying what to change.
 """
@@ -108,20 +108,22 @@ def _content_text(where: str, content: Any) -> str:
 
 
 def _template_tool_call(where: str, call: Any) -> dict[str, Any]:
-    """An assistant message's tool call with its arguments as an object, as templates print it."""
+    """An assistant message's tool call with its arguments as an object, as templates print
+    them. Arguments that are not a JSON object (a model can write broken JSON, and clients send
+    its calls back as history) reach the template as the string they are."""
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise ValueError(f"{where} must be {{'type': 'function', 'function': {{'name': ...}}}}.")
     arguments = function.get("arguments", "{}")
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments or "{}")
-        except json.JSONDecodeError as error:
-            raise ValueError(
-                f"{where}.function.arguments must be a JSON object string: {error}"
-            ) from error
-    if not isinstance(arguments, dict):
-        raise ValueError(f"{where}.function.arguments must be a JSON object.")
+            parsed = json.loads(arguments or "{}")
+        except json.JSONDecodeError:
+            parsed = None
+        if isinstance(parsed, dict):
+            arguments = parsed
+    elif not isinstance(arguments, dict):
+        raise ValueError(f"{where}.function.arguments must be a JSON object or its string.")
     return {**call, "function": {"name": function["name"], "arguments": arguments}}
 
 

@@ -11,9 +11,17 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+)
 
 from quire.entrypoints.tool_parsers import (
     ToolCallStream,
@@ -26,10 +34,43 @@ from quire.sampling_params import SamplingParams
 
 # OpenAI caps top_logprobs at 20; completions' `logprobs` follows (OpenAI's own cap there is 5).
 MAX_LOGPROBS = 20
+MAX_N = 128  # OpenAI's cap on choices per request
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # a seed's range (OpenAI's and torch's)
+
+# The published schema states every rule that validation enforces (the contract that
+# tests/schemathesis checks). Where a rule keeps its own friendlier error message, the schema
+# gets it through json_schema_extra instead of a pydantic constraint.
+
+
+def _whole_number(value: Any) -> Any:
+    """JSON's integers include 2.0 (JSON Schema counts it as one); strict mode would not."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _int(**bounds: int) -> Any:
+    """An integer within `bounds` (ge=, le=) that also takes 2.0; the bounds come first so the
+    schema states them as minimum / maximum."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_whole_number)]
+
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenId = _int(ge=0)
+PositiveInt = _int(ge=1)
+NumLogprobs = _int(ge=0, le=MAX_LOGPROBS)
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: JSON types as the schema states them (no "1" or true for an integer).
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _Open(BaseModel):
+    """A message or part of one: fields beyond the known ones are accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(_Strict):
@@ -40,24 +81,24 @@ class _SamplingRequest(_Strict):
     """Fields that completions and chat share."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    n: _int(ge=1, le=MAX_N) = 1
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    seed: _int(ge=INT64_MIN, le=INT64_MAX) | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
     user: str | None = None
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = None  # only with stream: true
     # vLLM's extras.
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: _int(ge=-1) | None = None
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_tokens: TokenId = 0  # at most max_tokens
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -101,19 +142,17 @@ class _SamplingRequest(_Strict):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # None: as many as fit in the context
+    prompt: (
+        NonEmptyStr
+        | Annotated[list[NonEmptyStr], Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    )
+    max_tokens: PositiveInt | None = 16  # None: as many as fit in the context
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    best_of: int | None = None
-    suffix: str | None = None
-
-    @field_validator("prompt")
-    @classmethod
-    def _not_empty(cls, value):
-        if isinstance(value, list) and not value:
-            raise ValueError("prompt must not be empty")
-        return value
+    logprobs: NumLogprobs | None = None
+    best_of: PositiveInt | None = None  # equal to n: one sample per choice
+    suffix: str | None = Field(None, json_schema_extra={"maxLength": 0})
 
     @field_validator("suffix")
     @classmethod
@@ -129,9 +168,8 @@ class CompletionRequest(_SamplingRequest):
         return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
+class ContentPart(_Open):
+    type: str = Field(json_schema_extra={"enum": ["text"]})
     text: str | None = None
 
     @field_validator("type")
@@ -142,25 +180,22 @@ class ContentPart(BaseModel):
         return value
 
 
-class FunctionCallMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class FunctionCallMessage(_Open):
     name: str
     arguments: str = "{}"  # a JSON object
 
 
-class ToolCallMessage(BaseModel):
+class ToolCallMessage(_Open):
     """A tool call of an earlier assistant message, sent back as history."""
 
-    model_config = ConfigDict(extra="allow")
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCallMessage
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Open):
     # Extra keys (refusal, audio: None ...) come back when a client sends a response message
     # back as history; they do not change the prompt.
-    model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -194,11 +229,12 @@ class NamedToolChoice(_Strict):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None  # deprecated by OpenAI for max_completion_tokens; both work
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
+    # deprecated by OpenAI for max_completion_tokens; both work
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: NumLogprobs | None = None
     tools: list[ChatCompletionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -225,18 +261,37 @@ class ChatCompletionRequest(_SamplingRequest):
         return self._sampling_params(self.max_output_tokens, logprobs, None)
 
 
-class TokenizeRequest(_Strict):
+class TokenizeCompletionRequest(_Strict):
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    tools: list[ChatCompletionTool] | None = None
+    prompt: str
     add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(_Strict):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatCompletionTool] | None = None
     add_generation_prompt: bool = True
+
+
+def _tokenize_kind(body: Any) -> str:
+    if isinstance(body, dict) and "messages" in body:
+        return "TokenizeChatRequest"
+    return "TokenizeCompletionRequest"
+
+
+# A body with messages is a chat one, else a prompt one: errors then name the fields of the
+# one the client meant.
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("TokenizeCompletionRequest")]
+    | Annotated[TokenizeChatRequest, Tag("TokenizeChatRequest")],
+    Discriminator(_tokenize_kind),
+]
 
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # ---- responses --------------------------------------------------------------------------------
