@@ -423,9 +423,7 @@ def test_chat_logprobs_give_each_token_and_its_top_logprobs(client):
         assert item.logprob == item.top_logprobs[0].logprob  # greedy
 
 
-def test_tool_call_history_with_null_content_renders_and_tool_choice_none_answers(
-    server, client
-):
+def test_tool_call_history_with_null_content_renders_and_tool_choice_none_answers(server, client):
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
     messages = HI + [
         {"role": "assistant", "content": None, "tool_calls": [call]},

@@ -160,3 +160,29 @@ def test_a_model_without_template_raises_value_error(tokenizer, monkeypatch):
 def test_an_unreadable_template_file_raises_value_error(tmp_path):
     with pytest.raises(ValueError, match="--chat-template: cannot read"):
         load_chat_template(str(tmp_path / "missing.jinja"))
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    from quire import LLM
+
+    return LLM(model=tiny_llama, dtype="float32", num_kv_blocks=64)
+
+
+def test_llm_chat_renders_with_the_template_override_and_tools(llm):
+    from quire import SamplingParams
+
+    template = "{{ tools[0].function.name }}|{% for m in messages %}{{ m.content }}{% endfor %}"
+    outputs = llm.chat(
+        HI,
+        SamplingParams(max_tokens=1),
+        chat_template=template,
+        tools=[WEATHER_TOOL],
+        use_tqdm=False,
+    )
+    assert outputs[0].prompt == "get_weather|Hi"
+
+
+def test_llm_chat_refuses_an_empty_conversation(llm):
+    with pytest.raises(ValueError, match="at least one message"):
+        llm.chat([])

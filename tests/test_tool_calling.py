@@ -68,15 +68,20 @@ def raw_text(client) -> str:
     return response.choices[0].message.content
 
 
+@pytest.fixture(scope="module")
+def auto_message(client):
+    """The same request parsed (tool_choice defaults to "auto" when tools are given)."""
+    return client.chat.completions.create(**GREEDY).choices[0]
+
+
 def test_the_prompt_makes_the_model_write_a_call(raw_text):
     assert [json.loads(m) for m in BLOCK.findall(raw_text)] == [
         {"name": "get_weather", "arguments": {"city": "Paris"}}
     ]
 
 
-def test_auto_returns_the_call_as_tool_calls_and_the_rest_as_content(client, raw_text):
-    response = client.chat.completions.create(**GREEDY, tool_choice="auto")
-    (choice,) = response.choices
+def test_auto_returns_the_call_as_tool_calls_and_the_rest_as_content(auto_message, raw_text):
+    choice = auto_message
     assert choice.finish_reason == "tool_calls"
     (call,) = choice.message.tool_calls
     assert call.type == "function" and call.id.startswith("call_")
@@ -86,8 +91,8 @@ def test_auto_returns_the_call_as_tool_calls_and_the_rest_as_content(client, raw
     assert choice.message.content == (raw_text[: BLOCK.search(raw_text).start()].rstrip() or None)
 
 
-def test_streamed_deltas_join_to_the_same_message(client):
-    full = client.chat.completions.create(**GREEDY).choices[0]  # tool_choice defaults to auto
+def test_streamed_deltas_join_to_the_same_message(client, auto_message):
+    full = auto_message
     stream = client.chat.completions.create(**GREEDY, stream=True)
     content, calls, finish_reasons = "", {}, []
     for chunk in stream:
@@ -106,8 +111,8 @@ def test_streamed_deltas_join_to_the_same_message(client):
     assert finish_reasons[-1] == "tool_calls" and set(finish_reasons[:-1]) == {None}
 
 
-def test_the_tool_result_goes_back_as_history(client):
-    first = client.chat.completions.create(**GREEDY).choices[0].message
+def test_the_tool_result_goes_back_as_history(client, auto_message):
+    first = auto_message.message
     history = MESSAGES + [
         first.model_dump(exclude_none=True),
         {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "22 C, sunny"},
