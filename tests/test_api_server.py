@@ -635,6 +635,19 @@ def test_missing_api_key_gets_401_on_every_api_route(server):
         assert response.json()["error"]["code"] == "invalid_api_key"
 
 
+def test_openapi_documents_the_api_key_on_every_route_that_needs_it(server):
+    schema = httpx.get(server.url + "/openapi.json", headers=AUTH).json()
+    assert schema["components"]["securitySchemes"] == {
+        "bearer": {"type": "http", "scheme": "bearer"}
+    }
+    for path, operations in schema["paths"].items():
+        (operation,) = operations.values()
+        if path in ("/health", "/metrics", "/version"):
+            assert "401" not in operation["responses"] and "security" not in operation
+        else:
+            assert "401" in operation["responses"] and operation["security"] == [{"bearer": []}]
+
+
 def test_a_server_without_api_key_is_open(tiny_llama):
     with serving(tiny_llama, "float32") as (server, _):
         response = httpx.post(
