@@ -5,7 +5,9 @@ Routes: POST /v1/completions, POST /v1/chat/completions (both streamed as server
 GET /version. Errors use OpenAI's body `{"error": {"message", "type", "param", "code"}}`: 400 for
 bad input (pydantic's checks, then SamplingParams' and the engine's ValueErrors), 401 for a
 missing or wrong API key, 404 for an unknown model. A client that disconnects, mid-stream or
-while waiting for a whole response, has its requests aborted at once.
+while waiting for a whole response, has its requests aborted at once. Chat prompts render through
+`chat_template.render_chat`; `tool_choice.py` picks the tool parser that reads a chat output;
+`openapi.py` corrects the published document.
 """
 
 from __future__ import annotations

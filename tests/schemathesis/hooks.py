@@ -6,6 +6,10 @@ break them are left out of generation (`filter_case`). Every check still runs on
 is generated. The server under test is described by environment variables that
 tests/test_openapi_contract.py sets: QUIRE_CONTRACT_MODEL (model folder, for its tokenizer),
 QUIRE_CONTRACT_MAX_MODEL_LEN and QUIRE_CONTRACT_CHAT_TEMPLATE (a template file).
+
+One filter is a budget, not a rule: a request may ask for n = 128 samples of each of many prompts,
+valid and served, but minutes of generation on a 2-core CI machine; cases that would generate
+more than MAX_GENERATED_TOKENS are left out.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import schemathesis
 from quire.entrypoints.chat_template import load_chat_template, render_chat
 from quire.entrypoints.openai_protocol import INT64_MAX, INT64_MIN
 from quire.model.tokenizer import load_tokenizer
+
+MAX_GENERATED_TOKENS = 1024
 
 
 @functools.cache
@@ -40,13 +46,14 @@ def completion_rules(ctx: Any, case: Any) -> bool:
     body = case.body
     if not isinstance(body, dict):
         return True
+    max_tokens = body.get("max_tokens", 16)
+    lengths = _completion_prompt_lengths(body.get("prompt"))
     return (
-        _sampling_rules(body, body.get("max_tokens", 16))
+        _sampling_rules(body, max_tokens)
         # best_of: one sample per choice.
         and body.get("best_of") in (None, body.get("n", 1))
-        and _fits_context(
-            _completion_prompt_lengths(body.get("prompt")), body.get("max_tokens", 16)
-        )
+        and _fits_context(lengths, max_tokens)
+        and _within_budget(body, len(lengths or [1]), max_tokens)
     )
 
 
@@ -62,7 +69,14 @@ def chat_rules(ctx: Any, case: Any) -> bool:
         and (body.get("top_logprobs") is None or body.get("logprobs") is True)
         and _tool_rules(body)
         and _fits_context(_chat_prompt_lengths(body), max_tokens)
+        and _within_budget(body, 1, max_tokens)
     )
+
+
+def _within_budget(body: dict[str, Any], num_prompts: int, max_tokens: Any) -> bool:
+    n = body.get("n", 1)
+    per_sample = max_tokens if _is_int(max_tokens) else _max_model_len()
+    return not _is_int(n) or n * num_prompts * per_sample <= MAX_GENERATED_TOKENS
 
 
 def _sampling_rules(body: dict[str, Any], max_tokens: Any) -> bool:
