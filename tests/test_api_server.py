@@ -423,6 +423,22 @@ def test_chat_logprobs_give_each_token_and_its_top_logprobs(client):
         assert item.logprob == item.top_logprobs[0].logprob  # greedy
 
 
+def test_tool_call_history_with_null_content_renders_and_tool_choice_none_answers(server, client):
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    messages = HI + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "22 C"},
+    ]
+    response = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=2
+    )
+    assert response.choices[0].message.tool_calls is None
+    count = httpx.post(
+        server.url + TOKENIZE, json={"messages": messages, "tools": TOOLS}, headers=AUTH
+    ).json()["count"]
+    assert response.usage.prompt_tokens == count
+
+
 def test_multi_turn_history_from_a_response_message_is_accepted(client):
     messages = [{"role": "user", "content": "Hello"}]
     first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
@@ -526,7 +542,10 @@ def test_an_engine_failure_fails_only_the_live_requests(server, engine, client, 
 # ---- bad input --------------------------------------------------------------------------------
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+TOKENIZE = "/tokenize"
 HI = [{"role": "user", "content": "Hi"}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 @pytest.mark.parametrize(
@@ -556,9 +575,17 @@ HI = [{"role": "user", "content": "Hi"}]
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "messages.0.content",
         ),
-        (CHAT, {"messages": HI, "max_completion_tokens": 0}, "max_tokens"),
+        (CHAT, {"messages": HI, "max_completion_tokens": 0}, "max_completion_tokens"),
         (CHAT, {"messages": HI, "top_logprobs": 2}, "top_logprobs"),
         (CHAT, {"messages": HI, "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+        (CHAT, {"messages": HI, "tools": TOOLS}, "tool_choice"),  # auto is off on this server
+        (CHAT, {"messages": HI, "tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+        (CHAT, {"messages": HI, "tools": TOOLS, "tool_choice": NAMED}, "tool_choice"),
+        (CHAT, {"messages": HI, "tool_choice": "auto"}, "tool_choice"),
+        (CHAT, {"messages": HI, "tools": [{"type": "function"}]}, "tools.0.function"),
+        (TOKENIZE, {"messages": []}, "messages"),
+        (TOKENIZE, {}, "prompt"),
+        (TOKENIZE, {"prompt": "Hi", "messages": HI}, "prompt"),
     ],
 )
 def test_invalid_values_get_400_and_the_server_keeps_answering(server, client, path, body, param):
@@ -606,6 +633,19 @@ def test_missing_api_key_gets_401_on_every_api_route(server):
         response = httpx.request(method, server.url + path, json={"prompt": "x"})
         assert response.status_code == 401
         assert response.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_openapi_documents_the_api_key_on_every_route_that_needs_it(server):
+    schema = httpx.get(server.url + "/openapi.json", headers=AUTH).json()
+    assert schema["components"]["securitySchemes"] == {
+        "bearer": {"type": "http", "scheme": "bearer"}
+    }
+    for path, operations in schema["paths"].items():
+        (operation,) = operations.values()
+        if path in ("/health", "/ready", "/metrics", "/version"):
+            assert "401" not in operation["responses"] and "security" not in operation
+        else:
+            assert "401" in operation["responses"] and operation["security"] == [{"bearer": []}]
 
 
 def test_a_server_without_api_key_is_open(tiny_llama):

@@ -107,3 +107,38 @@ def test_quire_chat_command_chats_with_the_model(tiny_llama, monkeypatch, capsys
     argv = ["chat", "--model", tiny_llama, "--max-tokens", "4", "--temperature", "0"]
     assert main(argv + ["--dtype", "float32", "--num-kv-blocks", "64"]) == 0
     assert "/exit quits" in capsys.readouterr().out
+
+
+def test_a_chat_template_override_renders_the_prompt(engine, monkeypatch):
+    prompts: list[str] = []
+    add_request = engine.add_request
+
+    def recording_add_request(request_id, prompt, params):
+        prompts.append(prompt["prompt"])
+        add_request(request_id, prompt, params)
+
+    monkeypatch.setattr(engine, "add_request", recording_add_request)
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    ChatSession(engine, GREEDY, chat_template=template).reply("Hi")
+    assert prompts == ["<user>Hi"]
+
+
+def test_a_chat_template_that_cannot_render_is_refused_before_chatting(engine):
+    with pytest.raises(ValueError, match="cannot render"):
+        ChatSession(engine, GREEDY, chat_template="{% for m in messages %}")
+
+
+def test_quire_chat_and_serve_take_a_chat_template_file(tmp_path):
+    path = str(tmp_path / "template.jinja")
+    assert build_parser().parse_args(["chat", "--chat-template", path]).chat_template == path
+    args = build_parser().parse_args(["serve", "--chat-template", path])
+    assert (args.chat_template, args.enable_auto_tool_choice, args.tool_call_parser) == (
+        path,
+        False,
+        None,
+    )
+
+
+def test_serve_refuses_auto_tool_choice_without_a_parser(capsys):
+    assert main(["serve", "--enable-auto-tool-choice"]) == 2
+    assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err

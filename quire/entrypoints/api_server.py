@@ -15,7 +15,9 @@ Tokenizing, rendering chat templates and detokenizing prompts run on a Tokenizer
 the event loop, and a text prompt longer than the pool's character bound is rejected untokenized:
 /health (200 while the engine loop is alive) answers within milliseconds under any load. /ready
 is 200 only while the server also admits more requests: a load balancer routes by /ready and
-restarts by /health.
+restarts by /health. Chat prompts render through
+`chat_template.render_chat`; `tool_choice.py` picks the tool parser that reads a chat output;
+`openapi.py` corrects the published document.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
-import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -50,6 +51,7 @@ from quire.entrypoints.admission import (
     AdmissionGate,
     BodySizeLimit,
 )
+from quire.entrypoints.chat_template import check_chat_template, render_chat
 from quire.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -57,7 +59,10 @@ from quire.entrypoints.openai_protocol import (
     Prompt,
     TokenizeRequest,
 )
+from quire.entrypoints.openapi import install_openapi
 from quire.entrypoints.tokenizer_pool import TokenizerPool
+from quire.entrypoints.tool_choice import request_tool_parser
+from quire.entrypoints.tool_parsers import TOOL_PARSERS, ToolParser
 from quire.outputs import RequestOutput
 from quire.sampling_params import SamplingParams
 
@@ -116,12 +121,16 @@ class OpenAIServing:
         model_name: str,
         tokenizers: TokenizerPool,
         request_timeout: float | None = None,
+        chat_template: str | None = None,
+        auto_tool_parser: type[ToolParser] | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.tokenizers = tokenizers
         self.model_name = model_name
         self.request_timeout = request_timeout
+        self.chat_template = chat_template
+        self.auto_tool_parser = auto_tool_parser
 
     # ---- validation ------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -150,27 +159,25 @@ class OpenAIServing:
         return prompts
 
     async def chat_prompt(
-        self, messages: list[protocol.ChatMessage], add_generation_prompt: bool
+        self,
+        messages: list[protocol.ChatMessage],
+        add_generation_prompt: bool,
+        tools: list[protocol.ChatCompletionTool] | None = None,
     ) -> Prompt:
-        if not self.tokenizer.chat_template:
-            raise APIError(
-                400,
-                "This model has no chat template: use /v1/completions.",
-                "messages",
-            )
         template_messages = [m.to_template_dict() for m in messages]
-        size = sum(len(m.get("content") or "") for m in template_messages)
+        size = sum(len(str(m.get("content") or "")) for m in template_messages)
         try:
             text = await self.tokenizers.run(
                 size,
-                self.tokenizer.apply_chat_template,
+                render_chat,
+                self.tokenizer,
                 template_messages,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
+                [t.model_dump(exclude_none=True) for t in tools] if tools else None,
+                add_generation_prompt,
+                self.chat_template,
             )
-        except jinja2.TemplateError as error:
-            message = f"The chat template rejected the messages: {error}"
-            raise APIError(400, message, "messages") from error
+        except ValueError as error:
+            raise APIError(400, str(error), "messages") from error
         self.check_prompt_chars(text, "messages")
         token_ids = await self.tokenizers.run(
             len(text), self.tokenizer.encode, text, add_special_tokens=False
@@ -309,13 +316,19 @@ class OpenAIServing:
     async def create_chat_completion(self, body: ChatCompletionRequest, raw: Request) -> Response:
         arrival_time = time.monotonic()
         params = self.sampling_params(body)
-        prompt = await self.chat_prompt(body.messages, body.add_generation_prompt)
+        try:
+            tool_parser = request_tool_parser(body.tools, body.tool_choice, self.auto_tool_parser)
+        except ValueError as error:
+            raise APIError(400, str(error), "tool_choice") from error
+        prompt = await self.chat_prompt(body.messages, body.add_generation_prompt, body.tools)
         self.check_context([prompt], body.max_output_tokens, "messages")
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         requests = await self.add_requests(
             response_id, [prompt], params, arrival_time, "messages", body.timeout
         )
-        formatter = protocol.ChatCompletionFormatter(body, prompt, response_id, self.model_name)
+        formatter = protocol.ChatCompletionFormatter(
+            body, prompt, response_id, self.model_name, tool_parser
+        )
         return await self.respond(
             body.stream,
             requests,
@@ -327,10 +340,8 @@ class OpenAIServing:
     # ---- /tokenize, /detokenize ------------------------------------------------------------
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         self.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "Give either prompt or messages.", "prompt")
-        if body.messages is not None:
-            prompt = await self.chat_prompt(body.messages, body.add_generation_prompt)
+        if isinstance(body, protocol.TokenizeChatRequest):
+            prompt = await self.chat_prompt(body.messages, body.add_generation_prompt, body.tools)
             token_ids = prompt.token_ids
         else:
             token_ids = await self.tokenizers.run(
@@ -574,6 +585,8 @@ def build_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     max_queued_requests: int | None = None,
     request_timeout: float | None = None,
+    chat_template: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine` under `served_model_name` (default: the model path).
 
@@ -581,7 +594,9 @@ def build_app(
     requests are in at once, more get 503; the default queue holds as many full-context prompts
     as the KV pool does, and at least one batch (max_num_seqs): deeper, a request would wait
     for more than the pool can start. `request_timeout` seconds after arrival a request is
-    aborted (default: no limit).
+    aborted (default: no limit). `chat_template` (a Jinja template's text) replaces the model's;
+    `tool_call_parser` (a name in TOOL_PARSERS) turns on tool_choice "auto". A template that
+    cannot render raises ValueError here.
     """
     config = engine.engine.config
     if max_request_bytes < 1:
@@ -593,8 +608,17 @@ def build_app(
         raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}.")
     if request_timeout is not None and request_timeout <= 0:
         raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout}.")
+    if chat_template is not None:
+        check_chat_template(engine.tokenizer, chat_template)
     tokenizers = TokenizerPool(engine.tokenizer, engine.max_model_len)
-    serving = OpenAIServing(engine, served_model_name or config.model, tokenizers, request_timeout)
+    serving = OpenAIServing(
+        engine,
+        served_model_name or config.model,
+        tokenizers,
+        request_timeout,
+        chat_template,
+        TOOL_PARSERS[tool_call_parser] if tool_call_parser else None,
+    )
     admission = Admission(config.max_num_seqs + max_queued_requests)
 
     @contextlib.asynccontextmanager
@@ -605,6 +629,7 @@ def build_app(
     app = FastAPI(title="quire", version=__version__, lifespan=lifespan)
     app.state.serving = serving
     app.state.admission = admission
+    install_openapi(app, engine.max_model_len, engine.engine.model_config.vocab_size, bool(api_key))
     # Starlette runs the last added outermost: key check, then admission, then the body limit.
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes, error_response=_error_response)
     app.add_middleware(
@@ -623,7 +648,9 @@ def build_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        return APIError(error.status_code, str(error.detail)).response()
+        response = APIError(error.status_code, str(error.detail)).response()
+        response.headers.update(error.headers or {})  # Allow, on a 405
+        return response
 
     @app.exception_handler(RequestFailedError)
     async def _request_failed(_: Request, error: RequestFailedError) -> JSONResponse:
@@ -708,6 +735,8 @@ def _field_path(loc: tuple) -> str | None:
     for part in loc[1:] if loc and loc[0] == "body" else loc:
         if isinstance(part, int):
             parts.append(str(part))
+        elif part[:1].isupper():  # a tagged union's member (a model's name)
+            continue
         elif _FIELD_NAME.fullmatch(part) and part not in _TYPE_TAGS:
             parts.append(part)
         else:
@@ -726,8 +755,11 @@ def serve(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     max_queued_requests: int | None = None,
     request_timeout: float | None = None,
+    chat_template: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> None:
-    """Loads the model and serves it until interrupted (the limits: see build_app)."""
+    """Loads the model and serves it until interrupted (`build_app` says what the limits and
+    the chat options mean)."""
     import uvicorn
 
     name = served_model_name or DEFAULT_MODEL_NAME
@@ -737,7 +769,14 @@ def serve(
     engine = AsyncLLM.from_engine_config(config, metrics)
     try:
         app = build_app(
-            engine, name, api_key, max_request_bytes, max_queued_requests, request_timeout
+            engine,
+            name,
+            api_key,
+            max_request_bytes,
+            max_queued_requests,
+            request_timeout,
+            chat_template,
+            tool_call_parser,
         )
         logger.info("Serving %s at http://%s:%d/v1", name, host, port)
         uvicorn.run(app, host=host, port=port, log_config=None)

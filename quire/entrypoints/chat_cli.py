@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from quire.config import EngineConfig
 from quire.engine.llm_engine import LLMEngine
+from quire.entrypoints.chat_template import check_chat_template, load_chat_template, render_chat
 from quire.sampling_params import SamplingParams
 
 EXIT_COMMANDS = ("/exit", "/quit")
@@ -24,13 +25,23 @@ class ChatSession:
     """A conversation with the model: each `reply` adds the user's turn and the model's."""
 
     def __init__(
-        self, engine: LLMEngine, params: SamplingParams, system_prompt: str | None = None
+        self,
+        engine: LLMEngine,
+        params: SamplingParams,
+        system_prompt: str | None = None,
+        chat_template: str | None = None,
     ) -> None:
-        if not engine.tokenizer.chat_template:
-            raise ValueError("This model's tokenizer has no chat template; use `quire generate`.")
+        if chat_template is not None:
+            check_chat_template(engine.tokenizer, chat_template)
+        elif not engine.tokenizer.chat_template:
+            raise ValueError(
+                "This model's tokenizer has no chat template: pass --chat-template PATH, "
+                "or use `quire generate`."
+            )
         self.engine = engine
         self.params = params
         self.system_prompt = system_prompt
+        self.chat_template = chat_template
         self.history: list[dict[str, str]] = []
         self._ids = itertools.count()
         self.reset()
@@ -46,7 +57,7 @@ class ChatSession:
         On Ctrl-C the reply so far is kept."""
         messages = self.history + [{"role": "user", "content": user_text}]
         tokenizer = self.engine.tokenizer
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = render_chat(tokenizer, messages, chat_template=self.chat_template)
         token_ids = tokenizer.encode(text, add_special_tokens=False)
         request_id = f"chat-{next(self._ids)}"
         self.engine.add_request(
@@ -112,7 +123,8 @@ def run_chat_from_args(args: argparse.Namespace, config: EngineConfig) -> int:
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens
     )
+    chat_template = load_chat_template(args.chat_template) if args.chat_template else None
     print("Loading the model...", file=sys.stderr)
-    session = ChatSession(LLMEngine(config), params, args.system)
+    session = ChatSession(LLMEngine(config), params, args.system, chat_template)
     run_chat(session)
     return 0

@@ -10,6 +10,8 @@ import time
 
 from quire import envs
 from quire.engine_args import EngineArgs
+from quire.entrypoints.chat_template import load_chat_template
+from quire.entrypoints.tool_parsers import TOOL_PARSERS
 
 
 def _add_generate(subparsers: argparse._SubParsersAction) -> None:
@@ -130,8 +132,30 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         help="seconds after arrival at which a request is aborted (default: none; a request's "
         "own `timeout` field can only shorten it)",
     )
+    # Chat and tool calling (vLLM's flags).
+    _add_chat_template_arg(server)
+    server.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='parse tool calls from the output for tool_choice "auto" (needs --tool-call-parser)',
+    )
+    server.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>), llama3_json",
+    )
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=_run_serve)
+
+
+def _add_chat_template_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="PATH",
+        help="a Jinja chat template file to use instead of the model's",
+    )
 
 
 def serve_model(args: argparse.Namespace) -> str | None:
@@ -152,6 +176,11 @@ def _run_serve(args: argparse.Namespace) -> int:
     # The per-request and stats lines are INFO: shown unless --disable-log-requests/-stats.
     if logging.getLogger().getEffectiveLevel() > logging.INFO:
         logging.getLogger("quire").setLevel(logging.INFO)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError(
+            "--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)."
+        )
+    chat_template = load_chat_template(args.chat_template) if args.chat_template else None
     serve(
         EngineArgs.from_cli_args(args).create_engine_config(),
         host=args.host,
@@ -163,6 +192,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         max_queued_requests=args.max_queued_requests,
         request_timeout=args.request_timeout,
+        chat_template=chat_template,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
     return 0
 
@@ -173,6 +204,7 @@ def _add_chat(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=512, help="per reply (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.7, help="(default: %(default)s)")
     p.add_argument("--top-p", type=float, default=0.9, help="(default: %(default)s)")
+    _add_chat_template_arg(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=_run_chat)
 

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from quire.config import EngineConfig
 from quire.engine.llm_engine import LLMEngine, PromptType
 from quire.engine_args import EngineArgs
+from quire.entrypoints.chat_template import render_chat
 from quire.outputs import RequestOutput
 from quire.sampling_params import SamplingParams
 
@@ -116,22 +117,32 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Applies the model's chat template to each conversation, then generates."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        """Renders each conversation with the chat template (the model's, or `chat_template`, a
+        Jinja template's text), handing it `tools`, then generates. Bad messages or a template
+        that cannot render them raise ValueError before anything is queued."""
+        if not messages:
+            raise ValueError("messages must hold a conversation (a list of at least one message).")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = []
         for conversation in conversations:
-            text = self.apply_chat_template(conversation, add_generation_prompt)
+            text = self.apply_chat_template(
+                conversation, add_generation_prompt, chat_template=chat_template, tools=tools
+            )
             ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def apply_chat_template(
-        self, messages: ChatMessages, add_generation_prompt: bool = True
+        self,
+        messages: ChatMessages,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        tokenizer = self.engine.tokenizer
-        if not tokenizer.chat_template:
-            raise ValueError("This model's tokenizer has no chat template; use generate().")
-        return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        """The prompt text `chat` would generate from (see `render_chat`)."""
+        return render_chat(
+            self.engine.tokenizer, messages, tools, add_generation_prompt, chat_template
         )

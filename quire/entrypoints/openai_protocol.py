@@ -11,21 +11,66 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+)
 
+from quire.entrypoints.tool_parsers import (
+    ToolCallStream,
+    ToolParser,
+    assistant_message,
+    tool_call_json,
+)
 from quire.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from quire.sampling_params import SamplingParams
 
 # OpenAI caps top_logprobs at 20; completions' `logprobs` follows (OpenAI's own cap there is 5).
 MAX_LOGPROBS = 20
+MAX_N = 128  # OpenAI's cap on choices per request
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # a seed's range (OpenAI's and torch's)
 
-ChatMessageDict = dict[str, str]
+# The published schema states every rule that validation enforces (the contract that
+# tests/schemathesis checks). Where a rule keeps its own friendlier error message, the schema
+# gets it through json_schema_extra instead of a pydantic constraint.
+
+
+def _whole_number(value: Any) -> Any:
+    """JSON's integers include 2.0 (JSON Schema counts it as one); strict mode would not."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _int(**bounds: int) -> Any:
+    """An integer within `bounds` (ge=, le=) that also takes 2.0; the bounds come first so the
+    schema states them as minimum / maximum."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_whole_number)]
+
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenId = _int(ge=0)
+PositiveInt = _int(ge=1)
+NumLogprobs = _int(ge=0, le=MAX_LOGPROBS)
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: JSON types as the schema states them (no "1" or true for an integer).
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _Open(BaseModel):
+    """A message or part of one: fields beyond the known ones are accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(_Strict):
@@ -36,26 +81,26 @@ class _SamplingRequest(_Strict):
     """Fields that completions and chat share."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    n: _int(ge=1, le=MAX_N) = 1
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    seed: _int(ge=INT64_MIN, le=INT64_MAX) | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
     user: str | None = None
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = None  # only with stream: true
     # quire's: seconds from arrival after which the request is aborted (504, or an error event).
     timeout: float | None = Field(default=None, gt=0)
     # vLLM's extras.
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: _int(ge=-1) | None = None
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_tokens: TokenId = 0  # at most max_tokens
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -99,19 +144,17 @@ class _SamplingRequest(_Strict):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # None: as many as fit in the context
+    prompt: (
+        NonEmptyStr
+        | Annotated[list[NonEmptyStr], Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    )
+    max_tokens: PositiveInt | None = 16  # None: as many as fit in the context
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    best_of: int | None = None
-    suffix: str | None = None
-
-    @field_validator("prompt")
-    @classmethod
-    def _not_empty(cls, value):
-        if isinstance(value, list) and not value:
-            raise ValueError("prompt must not be empty")
-        return value
+    logprobs: NumLogprobs | None = None
+    best_of: PositiveInt | None = None  # equal to n: one sample per choice
+    suffix: str | None = Field(None, json_schema_extra={"maxLength": 0})
 
     @field_validator("suffix")
     @classmethod
@@ -127,9 +170,8 @@ class CompletionRequest(_SamplingRequest):
         return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
+class ContentPart(_Open):
+    type: str = Field(json_schema_extra={"enum": ["text"]})
     text: str | None = None
 
     @field_validator("type")
@@ -140,28 +182,64 @@ class ContentPart(BaseModel):
         return value
 
 
-class ChatMessage(BaseModel):
-    # Extra keys (name, refusal, tool_calls: None ...) come back when a client sends a response
-    # message back as history; they do not change the prompt.
-    model_config = ConfigDict(extra="allow")
+class FunctionCallMessage(_Open):
+    name: str
+    arguments: str = "{}"  # a JSON object
+
+
+class ToolCallMessage(_Open):
+    """A tool call of an earlier assistant message, sent back as history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallMessage
+
+
+class ChatMessage(_Open):
+    # Extra keys (refusal, audio: None ...) come back when a client sends a response message
+    # back as history; they do not change the prompt.
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool's answer to that call
 
-    def to_template_dict(self) -> ChatMessageDict:
-        """The message as the chat template wants it: a role and one string."""
-        if isinstance(self.content, list):
-            content = "\n".join(part.text or "" for part in self.content)
-        else:
-            content = self.content or ""
-        return {"role": self.role, "content": content}
+    def to_template_dict(self) -> dict[str, Any]:
+        """The message as `render_chat` takes it (it joins text parts itself)."""
+        return self.model_dump(exclude_none=True)
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class ChatCompletionTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None  # deprecated by OpenAI for max_completion_tokens; both work
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
+    # deprecated by OpenAI for max_completion_tokens; both work
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: NumLogprobs | None = None
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     # vLLM's extra: end the prompt with the assistant's turn header.
     add_generation_prompt: bool = True
 
@@ -185,17 +263,37 @@ class ChatCompletionRequest(_SamplingRequest):
         return self._sampling_params(self.max_output_tokens, logprobs, None)
 
 
-class TokenizeRequest(_Strict):
+class TokenizeCompletionRequest(_Strict):
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    prompt: str
     add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(_Strict):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatCompletionTool] | None = None
     add_generation_prompt: bool = True
+
+
+def _tokenize_kind(body: Any) -> str:
+    if isinstance(body, dict) and "messages" in body:
+        return "TokenizeChatRequest"
+    return "TokenizeCompletionRequest"
+
+
+# A body with messages is a chat one, else a prompt one: errors then name the fields of the
+# one the client meant.
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("TokenizeCompletionRequest")]
+    | Annotated[TokenizeChatRequest, Tag("TokenizeChatRequest")],
+    Discriminator(_tokenize_kind),
+]
 
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # ---- responses --------------------------------------------------------------------------------
@@ -438,7 +536,10 @@ class CompletionFormatter:
 
 
 class ChatCompletionFormatter:
-    """Engine outputs as one /v1/chat/completions response or its stream chunks."""
+    """Engine outputs as one /v1/chat/completions response or its stream chunks. With a tool
+    parser, each choice's text is split into content and `tool_calls` (at most one call when
+    `parallel_tool_calls` is false), and a choice that stopped after calling ends with
+    finish_reason "tool_calls"."""
 
     def __init__(
         self,
@@ -446,25 +547,39 @@ class ChatCompletionFormatter:
         prompt: Prompt,
         response_id: str,
         model_name: str,
+        tool_parser: ToolParser | None = None,
     ) -> None:
         self.body = body
         self.n = body.n
         self.prompt = prompt
         self.response_id = response_id
         self.model_name = model_name
+        self.tool_parser = tool_parser
+        self.max_calls = None if body.parallel_tool_calls else 1
         self.created = int(time.time())
 
     def response(self, final: RequestOutput) -> dict[str, Any]:
-        choices = [
-            {
-                "index": completion.index,
-                "message": {"role": "assistant", "content": completion.text},
-                "logprobs": self._logprobs(completion, 0),
-                "finish_reason": completion.finish_reason,
-                "stop_reason": completion.stop_reason,
-            }
-            for completion in final.outputs
-        ]
+        choices = []
+        for completion in final.outputs:
+            message: dict[str, Any] = {"role": "assistant", "content": completion.text}
+            finish_reason = completion.finish_reason
+            if self.tool_parser is not None:
+                content, calls = assistant_message(
+                    self.tool_parser, completion.text, self.max_calls
+                )
+                message["content"] = content
+                if calls:
+                    message["tool_calls"] = [tool_call_json(call) for call in calls]
+                    finish_reason = _tool_calls_finish_reason(finish_reason)
+            choices.append(
+                {
+                    "index": completion.index,
+                    "message": message,
+                    "logprobs": self._logprobs(completion, 0),
+                    "finish_reason": finish_reason,
+                    "stop_reason": completion.stop_reason,
+                }
+            )
         body = self._object("chat.completion", choices)
         body["usage"] = self._usage(final)
         return body
@@ -472,12 +587,18 @@ class ChatCompletionFormatter:
     async def chunks(
         self, outputs: AsyncIterator[tuple[int, RequestOutput]]
     ) -> AsyncGenerator[dict[str, Any], None]:
-        """The role first, then content deltas; each choice's last chunk has its finish_reason."""
+        """The role first, then content and tool-call deltas; each choice's last chunk has its
+        finish_reason."""
         include_usage = self.body.include_usage
         for index in range(self.n):
             delta = {"role": "assistant", "content": ""}
             yield self._chunk(index, delta, None, None, include_usage)
         states = [_ChoiceState() for _ in range(self.n)]
+        tool_streams = (
+            [ToolCallStream(self.tool_parser, self.max_calls) for _ in range(self.n)]
+            if self.tool_parser is not None
+            else None
+        )
         final = None
         async for _, output in outputs:
             final = output
@@ -486,19 +607,34 @@ class ChatCompletionFormatter:
                 if state.finished:
                     continue
                 state.finished = completion.finish_reason is not None
-                text = completion.text[state.num_chars :]
                 logprobs = self._logprobs(completion, state.num_tokens)
                 has_new_tokens = len(completion.token_ids) > state.num_tokens
-                state.num_chars = len(completion.text)
                 state.num_tokens = len(completion.token_ids)
-                if not (text or state.finished or (logprobs and has_new_tokens)):
+                finish_reason = completion.finish_reason
+                delta: dict[str, Any] = {}
+                if tool_streams is None:
+                    text = completion.text[state.num_chars :]
+                    state.num_chars = len(completion.text)
+                else:
+                    stream = tool_streams[completion.index]
+                    num_calls_sent = stream.num_calls
+                    text, calls = stream.update(completion.text, state.finished)
+                    if calls:
+                        delta["tool_calls"] = [
+                            {"index": num_calls_sent + i, **tool_call_json(call)}
+                            for i, call in enumerate(calls)
+                        ]
+                    if stream.num_calls:
+                        finish_reason = _tool_calls_finish_reason(finish_reason)
+                if text:
+                    delta = {"content": text, **delta}
+                if not (delta or state.finished or (logprobs and has_new_tokens)):
                     continue
-                delta = {"content": text} if text else {}
                 yield self._chunk(
                     completion.index,
                     delta,
                     logprobs,
-                    completion.finish_reason,
+                    finish_reason,
                     include_usage,
                     completion.stop_reason,
                 )
@@ -510,7 +646,7 @@ class ChatCompletionFormatter:
     def _chunk(
         self,
         index: int,
-        delta: dict[str, str],
+        delta: dict[str, Any],
         logprobs: dict | None,
         finish_reason: str | None,
         null_usage: bool,
@@ -547,3 +683,9 @@ class ChatCompletionFormatter:
         return response_object(
             object_type, self.response_id, self.created, self.model_name, choices
         )
+
+
+def _tool_calls_finish_reason(finish_reason: str | None) -> str | None:
+    """A choice that called tools and then stopped on its own ends with "tool_calls"; one cut
+    short (length) keeps its reason."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason

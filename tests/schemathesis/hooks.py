@@ -1,0 +1,147 @@
+"""The rules of quire's API that no JSON schema can state, declared for schemathesis.
+
+/openapi.json states every rule on a single field. These rules tie fields together or depend on
+the tokenizer; a request that breaks one is schema-valid but gets 400, so schema-valid cases that
+break them are left out of generation (`filter_case`). Every check still runs on every case that
+is generated. The server under test is described by environment variables that
+tests/test_openapi_contract.py sets: QUIRE_CONTRACT_MODEL (model folder, for its tokenizer),
+QUIRE_CONTRACT_MAX_MODEL_LEN and QUIRE_CONTRACT_CHAT_TEMPLATE (a template file).
+
+One filter is a budget, not a rule: a request may ask for n = 128 samples of each of many prompts,
+valid and served, but minutes of generation on a 2-core CI machine; cases that would generate
+more than MAX_GENERATED_TOKENS are left out.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import schemathesis
+
+from quire.entrypoints.chat_template import load_chat_template, render_chat
+from quire.entrypoints.openai_protocol import INT64_MAX, INT64_MIN
+from quire.model.tokenizer import load_tokenizer
+
+MAX_GENERATED_TOKENS = 1024
+MIN_TIMEOUT_S = 60.0
+
+
+@functools.cache
+def _tokenizer():
+    return load_tokenizer(os.environ["QUIRE_CONTRACT_MODEL"])
+
+
+@functools.cache
+def _chat_template() -> str:
+    return load_chat_template(os.environ["QUIRE_CONTRACT_CHAT_TEMPLATE"])
+
+
+def _max_model_len() -> int:
+    return int(os.environ["QUIRE_CONTRACT_MAX_MODEL_LEN"])
+
+
+@schemathesis.hook("filter_case").apply_to(method="POST", path="/v1/completions")
+def completion_rules(ctx: Any, case: Any) -> bool:
+    body = case.body
+    if not isinstance(body, dict):
+        return True
+    max_tokens = body.get("max_tokens", 16)
+    lengths = _completion_prompt_lengths(body.get("prompt"))
+    return (
+        _sampling_rules(body, max_tokens)
+        # best_of: one sample per choice.
+        and body.get("best_of") in (None, body.get("n", 1))
+        and _fits_context(lengths, max_tokens)
+        and _within_budget(body, len(lengths or [1]), max_tokens)
+    )
+
+
+@schemathesis.hook("filter_case").apply_to(method="POST", path="/v1/chat/completions")
+def chat_rules(ctx: Any, case: Any) -> bool:
+    body = case.body
+    if not isinstance(body, dict):
+        return True
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    return (
+        _sampling_rules(body, max_tokens)
+        # top_logprobs needs logprobs.
+        and (body.get("top_logprobs") is None or body.get("logprobs") is True)
+        and _tool_rules(body)
+        and _fits_context(_chat_prompt_lengths(body), max_tokens)
+        and _within_budget(body, 1, max_tokens)
+    )
+
+
+def _within_budget(body: dict[str, Any], num_prompts: int, max_tokens: Any) -> bool:
+    n = body.get("n", 1)
+    per_sample = max_tokens if _is_int(max_tokens) else _max_model_len()
+    return not _is_int(n) or n * num_prompts * per_sample <= MAX_GENERATED_TOKENS
+
+
+def _sampling_rules(body: dict[str, Any], max_tokens: Any) -> bool:
+    """stream_options only with stream; min_tokens at most max_tokens. (And the seed within
+    int64, as the schema says: the coverage phase rounds 2**63 - 1 through a float and sends
+    2**63 + 191 as a valid seed.)"""
+    if body.get("stream_options") is not None and body.get("stream") is not True:
+        return False
+    seed = body.get("seed")
+    if _is_int(seed) and not INT64_MIN <= seed <= INT64_MAX:
+        return False
+    min_tokens = body.get("min_tokens", 0)
+    if _is_int(max_tokens) and _is_int(min_tokens) and min_tokens > max_tokens:
+        return False
+    # A request's own `timeout` must leave time to serve it, or it is aborted by design (504,
+    # the deadline the client asked for); how long serving takes no schema can say.
+    timeout = body.get("timeout")
+    return timeout is None or not isinstance(timeout, int | float) or timeout >= MIN_TIMEOUT_S
+
+
+def _tool_rules(body: dict[str, Any]) -> bool:
+    """tool_choice other than "none" needs tools; "required" and a named function need
+    structured outputs (not in quire yet). The server runs with --enable-auto-tool-choice."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if choice is None:
+        return True
+    if choice == "none":
+        return True
+    return bool(tools) and choice == "auto"
+
+
+def _fits_context(prompt_lengths: list[int] | None, max_tokens: Any) -> bool:
+    """A prompt shorter than max_model_len, with room for max_tokens after it."""
+    if prompt_lengths is None:  # schema-invalid prompt: the server must say 400 anyway
+        return True
+    budget = _max_model_len() - (max_tokens if _is_int(max_tokens) else 1)
+    return all(length <= budget for length in prompt_lengths)
+
+
+def _completion_prompt_lengths(prompt: Any) -> list[int] | None:
+    if isinstance(prompt, str):
+        return [len(_tokenizer().encode(prompt))]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return [len(_tokenizer().encode(p)) for p in prompt]
+        if all(isinstance(p, list) for p in prompt):
+            return [len(p) for p in prompt]
+        return [len(prompt)]
+    return None
+
+
+def _chat_prompt_lengths(body: dict[str, Any]) -> list[int] | None:
+    try:
+        text = render_chat(
+            _tokenizer(),
+            body["messages"],
+            body.get("tools"),
+            body.get("add_generation_prompt", True),
+            _chat_template(),
+        )
+    except (KeyError, TypeError, ValueError):  # schema-invalid messages: 400 anyway
+        return None
+    return [len(_tokenizer().encode(text, add_special_tokens=False))]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == int(value)

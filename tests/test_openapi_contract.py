@@ -1,0 +1,87 @@
+"""The API contract: /openapi.json tells the truth. schemathesis generates requests from the
+document (valid and invalid ones) against a live server and runs every check: no 5xx, only
+documented status codes, content types and headers, schema-valid requests accepted and invalid
+ones rejected, 405 with Allow. Rules no schema can state are declared in tests/schemathesis/."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+
+import httpx
+import pytest
+from test_api_server import ServerThread
+
+from quire.config import EngineConfig
+from quire.engine.async_engine import AsyncLLM
+from quire.engine.metrics import EngineMetrics
+from quire.entrypoints.api_server import build_app
+from quire.entrypoints.chat_template import load_chat_template
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "tests", "schemathesis", "schemathesis.toml")
+HERMES_TEMPLATE = os.path.join(ROOT, "examples", "tool_chat_template_hermes.jinja")
+MAX_MODEL_LEN = 32
+
+
+@pytest.fixture(scope="module")
+def contract_server(tiny_llama):
+    config = EngineConfig(
+        model=tiny_llama, dtype="float32", max_model_len=MAX_MODEL_LEN, num_kv_blocks=256
+    )
+    engine = AsyncLLM.from_engine_config(config, EngineMetrics("tiny"))
+    app = build_app(
+        engine, "tiny", chat_template=load_chat_template(HERMES_TEMPLATE), tool_call_parser="hermes"
+    )
+    server = ServerThread(app)
+    try:
+        yield server
+    finally:
+        server.stop()
+        engine.shutdown()
+
+
+def test_error_responses_are_documented_with_openais_error_body(contract_server):
+    schema = httpx.get(contract_server.url + "/openapi.json").json()
+    chat = schema["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert sorted(chat) == ["200", "400", "404", "413", "500", "503", "504"]
+    assert chat["400"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ErrorResponse"
+    }
+    assert "HTTPValidationError" not in schema["components"]["schemas"]
+
+
+def test_documented_limits_match_the_model(contract_server):
+    schemas = httpx.get(contract_server.url + "/openapi.json").json()["components"]["schemas"]
+    max_tokens = schemas["CompletionRequest"]["properties"]["max_tokens"]["anyOf"][0]
+    assert (max_tokens["minimum"], max_tokens["maximum"]) == (1, MAX_MODEL_LEN - 1)
+    assert schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] == 1
+    token = schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]
+    assert (token["minimum"], token["maximum"]) == (0, 49151)
+
+
+def test_a_405_names_the_allowed_methods(contract_server):
+    response = httpx.delete(contract_server.url + "/v1/completions")
+    assert response.status_code == 405
+    assert response.headers["allow"] == "POST"
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_schemathesis_finds_no_failure_with_every_check(contract_server, tiny_llama, tmp_path):
+    st = shutil.which("st", path=os.path.dirname(sys.executable))
+    assert st, "schemathesis is in the test extra: pip install -e '.[test]'"
+    env = {
+        **os.environ,
+        "QUIRE_CONTRACT_MODEL": tiny_llama,
+        "QUIRE_CONTRACT_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+        "QUIRE_CONTRACT_CHAT_TEMPLATE": HERMES_TEMPLATE,
+        "NO_COLOR": "1",
+    }
+    command = [st, "--config-file", CONFIG, "run", contract_server.url + "/openapi.json"]
+    command += ["--checks", "all", "--output-sanitize", "false"]
+    with contextlib.chdir(ROOT):
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-5000:]
