@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -40,6 +41,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--speculative-config",
+        type=_json_object,
+        default=None,
+        help='speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 4 '
+        '(or "auto"), "prompt_lookup_min": 2, "prompt_lookup_max": 4}\'',
+    )
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -59,6 +77,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         seed=args.seed,
+        speculative_config=args.speculative_config,
     )
 
 
