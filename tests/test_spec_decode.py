@@ -152,3 +152,32 @@ def test_max_tokens_inside_a_run_of_proposals_ends_there(spec_llm, oracle):
     assert out.outputs[0].token_ids == tokens[: stop_at + 1]
     assert out.outputs[0].finish_reason == "length"
     assert_no_leak(spec_llm)
+
+
+def test_metrics_export_the_speculation_counters(spec_llm, caplog):
+    from quire.engine.metrics import EngineMetrics
+
+    engine = spec_llm.engine
+    metrics = EngineMetrics("m", log_requests=False, log_stats_interval_s=0.0)
+    metrics.log_stats_if_due(engine, now=1.0)  # starts the interval
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    engine.add_request("metrics", {"prompt_token_ids": PROMPTS[0]}, params)
+    while engine.has_unfinished_requests():
+        metrics.record_step(engine, engine.step(), now=1.5)
+    stats = engine.spec_decoding_stats
+    assert stats.num_accepted_tokens > 0
+    value = metrics.registry.get_sample_value
+    labels = {"model_name": "m"}
+    assert value("quire:spec_decode_num_drafts_total", labels) == stats.num_drafts
+    assert value("quire:spec_decode_num_draft_tokens_total", labels) == stats.num_draft_tokens
+    assert value("quire:spec_decode_num_accepted_tokens_total", labels) == stats.num_accepted_tokens
+    per_pos = [
+        value("quire:spec_decode_num_accepted_tokens_per_pos_total", labels | {"position": str(i)})
+        for i in range(3)
+    ]
+    assert per_pos == stats.num_accepted_tokens_per_pos
+    assert sum(per_pos) == stats.num_accepted_tokens
+    with caplog.at_level("INFO", logger="quire.engine.metrics"):
+        metrics.log_stats_if_due(engine, now=2.0)
+    rate = stats.num_accepted_tokens / stats.num_draft_tokens
+    assert f"spec decode acceptance rate {rate:.1%}" in caplog.text
