@@ -3,11 +3,14 @@ two engines in one process, timed in ABBA order (A B B A ...) so a shared machin
 on both alike; reports the median of the per-round ratios, their spread, and the acceptance rate
 and mean accepted length.
 
-Workloads (greedy, `ignore_eos`, every request generates `--output-len` tokens):
+Workloads (`ignore_eos`, every request generates `--output-len` tokens; greedy, or with
+`--temperature` seeded sampling, which gives the same tokens with and without speculation):
 
     copy    chat prompts that ask to repeat or lightly edit a given passage (the model's answer
             reuses it: what prompt lookup is for), one request at a time (batch 1)
-    random  prompts of random token ids (nothing to look up), `--batch-size` requests at once
+    random  prompts of random token ids (nothing to look up), `--batch-size` requests at once;
+            greedy, a small model soon repeats itself, which lookup finds: `--temperature 1`
+            keeps its output from repeating too
 
 Decode tokens/s counts the tokens after each request's first and the time after the batch's
 first tokens, so prefill is left out.
@@ -66,12 +69,19 @@ def random_prompts(num_requests: int, prompt_len: int, seed: int) -> list[list[i
     return [[rng.randrange(10000) for _ in range(prompt_len)] for _ in range(num_requests)]
 
 
-def decode_rate(engine, prompts: list[list[int]], output_len: int, tag: str) -> float:
+def decode_rate(
+    engine, prompts: list[list[int]], output_len: int, temperature: float, tag: str
+) -> float:
     """Decode tokens/s of these prompts run together."""
     from quire.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i, prompt in enumerate(prompts):
+        params = SamplingParams(
+            temperature=temperature,
+            seed=i if temperature > 0 else None,
+            max_tokens=output_len,
+            ignore_eos=True,
+        )
         engine.add_request(f"{tag}-{i}", prompt, params)
     seen = {f"{tag}-{i}": 0 for i in range(len(prompts))}
     start = None
@@ -97,6 +107,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=1, help="random: requests run together")
     p.add_argument("--prompt-len", type=int, default=256, help="random: prompt tokens")
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--rounds", type=int, default=4, help="A B B A ... rounds")
     p.add_argument("--output-json", default="quire-bench-speculative.json")
     add_engine_args(p)
@@ -128,7 +139,8 @@ def main(args: argparse.Namespace) -> int:
 
     def rate(engine, tag: str) -> float:
         rates = [
-            decode_rate(engine, b, args.output_len, f"{tag}{i}") for i, b in enumerate(batches)
+            decode_rate(engine, b, args.output_len, args.temperature, f"{tag}{i}")
+            for i, b in enumerate(batches)
         ]
         return statistics.fmean(rates)
 
@@ -155,6 +167,7 @@ def main(args: argparse.Namespace) -> int:
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
         "workload": args.workload,
+        "temperature": args.temperature,
         "speculative_config": args.speculative_config,
         "rounds": rounds,
         "ratios": ratios,
