@@ -158,3 +158,12 @@ def test_speculative_config_defaults_follow_vllm():
 def test_bad_speculative_config_is_a_clear_value_error(spec, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig.from_dict(spec)
+
+
+def test_adaptive_takes_a_plain_step_every_32_choices_to_remeasure_the_baseline():
+    adaptive = measured([4] * 20)
+    for _ in range(3):
+        adaptive.record_step(1, 0.0011)
+        adaptive.record_step(5, 0.0015)
+    choices = [adaptive.choose(["r"]) for _ in range(64)]
+    assert [i for i, k in enumerate(choices) if k == [0]] == [31, 63]

@@ -30,8 +30,11 @@ B + sum_r sum_{i <= k_r} a_r(i) tokens in T(B + sum_r k_r). Positions are added 
 decreasing a_r(i) (a_r is non-increasing in i, so each request always verifies a prefix of its
 proposal), and the number of positions with the best expected tokens per second wins.
 
-A measurement taken in a slow moment of a shared machine can keep k at 0 for that N until the
-batch changes: the safe direction (never slower than not speculating, maybe less fast).
+Staleness. Only the N a step chooses is measured, so a bin measured in a slow moment of a
+shared machine stays slow until chosen again. For the plain step (k = 0 everywhere, N = B), the
+baseline every choice is weighed against, that would keep a loss looking like a gain: every
+`_BASELINE_REFRESH`-th choice is a plain step, so the baseline tracks the machine as it is. A
+stale speculative bin can only keep k lower than it could be: the safe direction.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ _ENGINE_DECAY = 0.98  # per measured proposal of any request: about the last fif
 _PRIOR_WEIGHT = 2.0  # the engine-wide rate counts as this many of a request's measurements
 _COST_EMA = 0.25
 _TRUSTED_SAMPLES = 2
+_BASELINE_REFRESH = 32  # every this many choices, a plain step re-measures T(B)
 
 
 @dataclass
@@ -112,6 +116,7 @@ class AdaptiveSpeculation:
         self.cost = StepCostModel()
         self._engine = _Acceptance(np.zeros(max_k))
         self._requests: dict[str, _RequestState] = {}
+        self._num_choices = 0
 
     # ---- acceptance ------------------------------------------------------------------------
     def observe(self, req_id: str, token_ids: list[int]) -> None:
@@ -166,8 +171,9 @@ class AdaptiveSpeculation:
     def choose(self, req_ids: list[str]) -> list[int]:
         """How many proposed tokens each of these decodes (the step's) should verify."""
         num_decodes = len(req_ids)
-        if not num_decodes:
-            return []
+        self._num_choices += 1
+        if not num_decodes or self._num_choices % _BASELINE_REFRESH == 0:
+            return [0] * num_decodes
         accept = np.stack([self.acceptance(r) for r in req_ids])  # [num_decodes, max_k]
         order = np.argsort(-accept, axis=None, kind="stable")  # each row's positions in order
         gains = accept.ravel()[order]
