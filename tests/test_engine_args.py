@@ -35,6 +35,7 @@ EXPECTED_FLAGS = {
     "--distributed-executor-backend": "distributed_executor_backend",
     "--engine-core-process": "engine_core_process",
     "--no-engine-core-process": "engine_core_process",
+    "--speculative-config": "speculative_config",
     "--num-kv-blocks": "num_kv_blocks",
     "--cpu-kernels": "cpu_kernels",
     "--no-cpu-kernels": "cpu_kernels",

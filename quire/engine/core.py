@@ -1,5 +1,8 @@
 """EngineCore: schedule -> executor.execute_model -> scheduler.update, and nothing else.
 
+With speculative decoding on, a Speculator (spec_decode/speculator.py) gives running decodes
+their proposed tokens before each schedule and counts what the worker accepted after it.
+
 It takes tokenized `Request`s and gives back, per step, plain `EngineCoreOutput`s (new token ids,
 logprobs, finish status) for each sequence that made progress. Text (tokenizing, detokenizing,
 stop strings) belongs to the front end (llm_engine.py), which only calls `add_request`,
@@ -9,6 +12,7 @@ stop strings) belongs to the front end (llm_engine.py), which only calls `add_re
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +24,7 @@ from quire.engine.scheduler import Scheduler
 from quire.executor.base import make_executor
 from quire.messages import TopLogprobs
 from quire.model.model_config import ModelConfig
+from quire.spec_decode.speculator import SpecDecodingStats, Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +39,7 @@ class CoreStats:
     num_preemptions: int = 0  # since start
     prefix_cache_queries: int = 0  # tokens looked up, since start
     prefix_cache_hits: int = 0
+    spec_decoding: SpecDecodingStats | None = None  # None when speculation is off
 
 
 @dataclass
@@ -76,8 +82,14 @@ class EngineCore:
         self.kv_manager = KVCacheManager(
             self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
+        spec_config = config.speculative_config
+        self.speculator = Speculator(spec_config) if spec_config is not None else None
         self.scheduler = Scheduler(
-            self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens, max_model_len
+            self.kv_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            max_model_len,
+            num_lookahead_tokens=spec_config.num_speculative_tokens if spec_config else 0,
         )
         self.num_steps = 0
 
@@ -109,11 +121,15 @@ class EngineCore:
             num_preemptions=scheduler.num_preemptions,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
+            spec_decoding=None if self.speculator is None else self.speculator.stats,
         )
 
     def step(self) -> list[EngineCoreOutput]:
         """One iteration; an output for every sequence that made progress (none when nothing
         could be scheduled)."""
+        start = time.perf_counter()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
@@ -125,6 +141,10 @@ class EngineCore:
             req_id: requests[req_id].num_computed_tokens for req_id in runner_output.prompt_logprobs
         }
         updated = self.scheduler.update(scheduler_output, runner_output)
+        if self.speculator is not None:
+            self.speculator.record_step(
+                scheduler_output, runner_output, time.perf_counter() - start
+            )
         outputs: dict[str, EngineCoreOutput] = {}
         for request, token_ids in updated:
             outputs[request.request_id] = self._output(request, token_ids, runner_output.logprobs)

@@ -24,6 +24,7 @@ from quire.model.loader import load_model_config
 from quire.model.tokenizer import load_tokenizer
 from quire.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from quire.sampling_params import SamplingParams
+from quire.spec_decode.speculator import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,11 @@ class LLMEngine:
 
     def core_stats(self) -> CoreStats:
         return self.core.stats()
+
+    @property
+    def spec_decoding_stats(self) -> SpecDecodingStats | None:
+        """Speculative decoding's running totals; None when it is off."""
+        return self.core.stats().spec_decoding
 
     def shutdown(self) -> None:
         """Ends the engine's core and worker processes (if any); the engine cannot run
@@ -268,24 +274,30 @@ class LLMEngine:
 
     def _append(self, seq: _Sequence, out: EngineCoreOutput) -> bool:
         """Takes a step's new tokens into the sequence, one by one into the detokenizer; True
-        when a stop string ended it (the core must then end it too)."""
-        seq.token_ids.extend(out.new_token_ids)
-        seq.status, seq.stop_reason = out.status, out.stop_reason
-        if seq.logprobs is not None and out.logprobs is not None:
-            seq.cumulative_logprob += sum(row[0] for row in out.logprobs.logprobs)  # column 0
-            seq.logprobs.extend(self._logprob_dicts(out.logprobs))
-        text_ids = out.new_token_ids
+        when a stop string ended it (the core must then end it too). A step can bring several
+        tokens (verified speculative ones): those after a stop string's are dropped."""
+        new_ids = out.new_token_ids
+        text_ids = new_ids
         if out.status == RequestStatus.FINISHED_STOPPED:
             text_ids = text_ids[:-1]  # ended by a stop token (EOS, stop_token_ids): not text
-        num_before = len(seq.token_ids) - len(out.new_token_ids)
+        num_before = len(seq.token_ids)
+        stop = None
         for i, token_id in enumerate(text_ids, start=1):
             stop = seq.detokenizer.update([token_id], num_before + i)
             if stop is not None:
-                seq.stop_reason = stop
-                was_finished = seq.is_finished  # max_tokens reached on the same token
-                seq.status = RequestStatus.FINISHED_STOPPED
-                return not was_finished
-        return False
+                new_ids = new_ids[:i]
+                break
+        seq.token_ids.extend(new_ids)
+        seq.status, seq.stop_reason = out.status, out.stop_reason
+        if seq.logprobs is not None and out.logprobs is not None:
+            n, rows = len(new_ids), out.logprobs
+            top = TopLogprobs(rows.token_ids[:n], rows.logprobs[:n], rows.ranks[:n])
+            seq.cumulative_logprob += sum(row[0] for row in top.logprobs)  # column 0
+            seq.logprobs.extend(self._logprob_dicts(top))
+        if stop is None:
+            return False
+        seq.status, seq.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+        return not out.status.is_finished  # else the core ended it already (max_tokens)
 
     def _logprob_dicts(self, top: TopLogprobs) -> list[PositionLogprobs]:
         dicts = []

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from quire.engine.llm_engine import LLMEngine
 from quire.outputs import RequestOutput
+from quire.spec_decode.speculator import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -85,12 +86,28 @@ class EngineMetrics:
             registry=self.registry,
         )
         self._model_name = model_name
+        self.spec_decode_num_drafts = counter(
+            "spec_decode_num_drafts", "Steps x requests that verified speculative tokens."
+        )
+        self.spec_decode_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Speculative tokens verified."
+        )
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Speculative tokens accepted."
+        )
+        self._spec_decode_accepted_per_pos = Counter(
+            _PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative tokens accepted, by position in the proposal (0 = the first).",
+            names + ["position"],
+            registry=self.registry,
+        )
 
         self._requests: dict[str, _RequestState] = {}
         # Engine counters already exported, to add only what each step changed.
         self._seen_preemptions = 0
         self._seen_cache_queries = 0
         self._seen_cache_hits = 0
+        self._seen_spec: tuple[int, int, int, list[int]] = (0, 0, 0, [])
         self._interval = _IntervalStats()
         self._last_log_time: float | None = None
 
@@ -141,9 +158,16 @@ class EngineMetrics:
         if not (stats.active or running or waiting):
             return
         hit_rate = stats.cache_hits / stats.cache_queries if stats.cache_queries else 0.0
+        spec = ""
+        if stats.spec_drafts:
+            spec = (
+                f"; spec decode acceptance rate "
+                f"{stats.spec_accepted_tokens / stats.spec_draft_tokens:.1%}, mean accepted "
+                f"length {1 + stats.spec_accepted_tokens / stats.spec_drafts:.2f}"
+            )
         logger.info(
             "Engine: %d running, %d waiting; KV cache %.1f%% used; prompt %.1f tokens/s, "
-            "generation %.1f tokens/s; prefix cache hit rate %.1f%%; %d preemptions",
+            "generation %.1f tokens/s; prefix cache hit rate %.1f%%; %d preemptions%s",
             running,
             waiting,
             core.kv_cache_usage * 100,
@@ -151,6 +175,7 @@ class EngineMetrics:
             stats.generation_tokens / elapsed,
             hit_rate * 100,
             stats.preemptions,
+            spec,
         )
 
     # ---- details ---------------------------------------------------------------------------
@@ -209,6 +234,29 @@ class EngineMetrics:
         self._interval.preemptions += preemptions
         self._interval.cache_queries += queries
         self._interval.cache_hits += hits
+        spec = engine.spec_decoding_stats
+        if spec is not None:
+            self._record_spec_decoding(spec)
+
+    def _record_spec_decoding(self, spec: SpecDecodingStats) -> None:
+        drafts, draft_tokens, accepted, per_pos = self._seen_spec
+        self.spec_decode_num_drafts.inc(spec.num_drafts - drafts)
+        self.spec_decode_num_draft_tokens.inc(spec.num_draft_tokens - draft_tokens)
+        self.spec_decode_num_accepted_tokens.inc(spec.num_accepted_tokens - accepted)
+        for position, count in enumerate(spec.num_accepted_tokens_per_pos):
+            seen = per_pos[position] if position < len(per_pos) else 0
+            self._spec_decode_accepted_per_pos.labels(self._model_name, str(position)).inc(
+                count - seen
+            )
+        self._interval.spec_drafts += spec.num_drafts - drafts
+        self._interval.spec_draft_tokens += spec.num_draft_tokens - draft_tokens
+        self._interval.spec_accepted_tokens += spec.num_accepted_tokens - accepted
+        self._seen_spec = (
+            spec.num_drafts,
+            spec.num_draft_tokens,
+            spec.num_accepted_tokens,
+            list(spec.num_accepted_tokens_per_pos),
+        )
 
 
 @dataclass
@@ -220,4 +268,7 @@ class _IntervalStats:
     preemptions: int = 0
     cache_queries: int = 0
     cache_hits: int = 0
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     active: bool = False

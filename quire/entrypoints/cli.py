@@ -68,11 +68,11 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _add_bench(subparsers: argparse._SubParsersAction) -> None:
-    from quire.bench import latency, serve, throughput
+    from quire.bench import latency, serve, speculative, throughput
 
-    p = subparsers.add_parser("bench", help="benchmarks: throughput, latency, serve")
+    p = subparsers.add_parser("bench", help="benchmarks: throughput, latency, serve, speculative")
     benches = p.add_subparsers(dest="bench_command", required=True)
-    for module in (throughput, latency, serve):
+    for module in (throughput, latency, serve, speculative):
         module.add_parser(benches)
 
 

@@ -1,0 +1,190 @@
+"""Adaptive speculation length (`"num_speculative_tokens": "auto"`): each step, how many proposed
+tokens each running decode verifies (0 included), chosen to maximize generated tokens per second.
+
+The model is SmartSpec's (Liu et al. 2024, arXiv 2406.14066): a step's goodput is the tokens it
+is expected to generate over the time it is expected to take, both measured, nothing assumed.
+
+Acceptance. a_r(i), the probability that request r's proposal is accepted at position i
+(i = 1..max_k; a missing or too short proposal counts as rejected there), is counted per request
+with decay (recent text counts most: a request may copy a passage, then write something new) and
+shrunk towards the engine-wide rate while the request has few measurements. A proposal's accepted
+length is read off the request's later tokens: proposals are deterministic and a request gets the
+same tokens with or without speculation (the worker accepts a proposal exactly when it equals the
+token sampled at its position), so a proposal made but not verified measures acceptance as well
+as a verified one. A request keeps one such measurement open at a time; one that verifies nothing
+opens one every `max_k` steps only, which keeps the proposer's cost off the steps that gain nothing.
+
+Cost. T(N): the time of a decode-only step computing N tokens. A verified position is computed
+exactly as one more decode (its own row through the weights and its own context read; see
+worker/model_runner.py), so the batch size B enters only through N = B + sum_r k_r: steps of B
+plain decodes measure T(B), steps with proposals measure larger N, and one table serves every
+batch size. Measured N are binned (one bin per N up to 8, then four per octave), each bin an
+exponential moving average, trusted from its second step on. T between bins is interpolated;
+past the largest bin it is extrapolated from the last two, or, while only one bin is trusted,
+taken as that bin's time (optimistic, so that a larger N gets tried and measured). Nothing past
+twice the largest measured N is chosen, so the table grows outward a step at a time. At large
+batch a step is compute-bound, T grows with N as fast as the tokens do, and the choice is k = 0.
+
+Choice. Verifying k_r positions of each request r, a step is expected to generate
+B + sum_r sum_{i <= k_r} a_r(i) tokens in T(B + sum_r k_r). Positions are added in order of
+decreasing a_r(i) (a_r is non-increasing in i, so each request always verifies a prefix of its
+proposal), and the number of positions with the best expected tokens per second wins.
+
+Staleness. Only the N a step chooses is measured, so a bin measured in a slow moment of a
+shared machine stays slow until chosen again. For the plain step (k = 0 everywhere, N = B), the
+baseline every choice is weighed against, that would keep a loss looking like a gain: every
+`_BASELINE_REFRESH`-th choice is a plain step, so the baseline tracks the machine as it is. A
+stale speculative bin can only keep k lower than it could be: the safe direction.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+_REQUEST_DECAY = 0.8  # per measured proposal of the request: about the last five count
+_ENGINE_DECAY = 0.98  # per measured proposal of any request: about the last fifty count
+_PRIOR_WEIGHT = 2.0  # the engine-wide rate counts as this many of a request's measurements
+_COST_EMA = 0.25
+_TRUSTED_SAMPLES = 2
+_BASELINE_REFRESH = 32  # every this many choices, a plain step re-measures T(B)
+
+
+@dataclass
+class _Acceptance:
+    """Decayed counts of measured proposals and of those accepted at each position."""
+
+    hits: np.ndarray  # [max_k]
+    attempts: float = 0.0
+
+    def add(self, accepted_len: int, decay: float) -> None:
+        self.hits *= decay
+        self.attempts = self.attempts * decay + 1.0
+        self.hits[:accepted_len] += 1.0
+
+
+@dataclass
+class _RequestState:
+    acceptance: _Acceptance
+    pending: list[int] = field(default_factory=list)  # the open measurement's proposal
+    pending_start: int = 0  # the token position its first token proposes
+    steps_since_measured: int = 0
+
+
+class StepCostModel:
+    """T(N): the measured time of a decode-only step computing N tokens (see the module doc)."""
+
+    def __init__(self) -> None:
+        self._bins: dict[int, list[float]] = {}  # bin -> [samples, mean N, mean seconds]
+
+    @staticmethod
+    def _bin(num_tokens: int) -> int:
+        return num_tokens if num_tokens <= 8 else 8 + round(4 * math.log2(num_tokens / 8))
+
+    def record(self, num_tokens: int, seconds: float) -> None:
+        entry = self._bins.get(self._bin(num_tokens))
+        if entry is None:
+            self._bins[self._bin(num_tokens)] = [1, float(num_tokens), seconds]
+            return
+        entry[0] += 1
+        weight = max(_COST_EMA, 1.0 / entry[0])  # a plain mean until the average settles
+        entry[1] += weight * (num_tokens - entry[1])
+        entry[2] += weight * (seconds - entry[2])
+
+    def predict(self, num_tokens: np.ndarray) -> np.ndarray:
+        """Expected seconds of a step of each of these token counts; inf where none is known
+        (nothing measured yet, or past twice the largest measured N)."""
+        trusted = sorted((n, t) for count, n, t in self._bins.values() if count >= _TRUSTED_SAMPLES)
+        if not trusted:
+            return np.full(num_tokens.shape, np.inf)
+        xs = np.array([n for n, _ in trusted])
+        ys = np.array([t for _, t in trusted])
+        seconds = np.interp(num_tokens, xs, ys)
+        if len(xs) >= 2:
+            slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
+            past = num_tokens > xs[-1]
+            seconds[past] = ys[-1] + slope * (num_tokens[past] - xs[-1])
+        seconds[num_tokens > 2 * xs[-1]] = np.inf
+        return seconds
+
+
+class AdaptiveSpeculation:
+    def __init__(self, max_k: int):
+        self.max_k = max_k
+        self.cost = StepCostModel()
+        self._engine = _Acceptance(np.zeros(max_k))
+        self._requests: dict[str, _RequestState] = {}
+        self._num_choices = 0
+
+    # ---- acceptance ------------------------------------------------------------------------
+    def observe(self, req_id: str, token_ids: list[int]) -> None:
+        """Closes the request's open measurement if its tokens now tell the accepted length."""
+        state = self._state(req_id)
+        state.steps_since_measured += 1
+        if not state.pending:
+            return
+        start, proposal = state.pending_start, state.pending
+        known = token_ids[start : start + len(proposal)]
+        accepted = next((i for i, (p, t) in enumerate(zip(proposal, known)) if p != t), len(known))
+        if accepted == len(known) < len(proposal):
+            return  # every known token matched; the rest is still to come
+        self._measured(state, accepted)
+
+    def wants_measurement(self, req_id: str, k: int) -> bool:
+        """Whether a proposal made now for this request should open a measurement."""
+        state = self._state(req_id)
+        return not state.pending and (k > 0 or state.steps_since_measured >= self.max_k)
+
+    def start_measurement(self, req_id: str, num_tokens: int, proposal: list[int]) -> None:
+        state = self._state(req_id)
+        state.steps_since_measured = 0
+        if proposal:
+            state.pending, state.pending_start = proposal, num_tokens
+        else:
+            self._measured(state, 0)  # nothing proposed: rejected at every position
+
+    def acceptance(self, req_id: str) -> np.ndarray:
+        """a_r(i) for i = 1..max_k: this request's acceptance rate by position."""
+        engine = self._engine
+        prior = engine.hits / engine.attempts if engine.attempts else np.zeros(self.max_k)
+        own = self._state(req_id).acceptance
+        return (own.hits + _PRIOR_WEIGHT * prior) / (own.attempts + _PRIOR_WEIGHT)
+
+    def _measured(self, state: _RequestState, accepted_len: int) -> None:
+        state.pending = []
+        state.acceptance.add(accepted_len, _REQUEST_DECAY)
+        self._engine.add(accepted_len, _ENGINE_DECAY)
+
+    def _state(self, req_id: str) -> _RequestState:
+        state = self._requests.get(req_id)
+        if state is None:
+            state = self._requests[req_id] = _RequestState(_Acceptance(np.zeros(self.max_k)))
+        return state
+
+    def drop(self, req_ids: set[str]) -> None:
+        for req_id in req_ids:
+            self._requests.pop(req_id, None)
+
+    # ---- the choice ------------------------------------------------------------------------
+    def choose(self, req_ids: list[str]) -> list[int]:
+        """How many proposed tokens each of these decodes (the step's) should verify."""
+        num_decodes = len(req_ids)
+        self._num_choices += 1
+        if not num_decodes or self._num_choices % _BASELINE_REFRESH == 0:
+            return [0] * num_decodes
+        accept = np.stack([self.acceptance(r) for r in req_ids])  # [num_decodes, max_k]
+        order = np.argsort(-accept, axis=None, kind="stable")  # each row's positions in order
+        gains = accept.ravel()[order]
+        num_positive = int(np.count_nonzero(gains > 0))
+        counts = np.arange(num_positive + 1)  # positions verified
+        expected = num_decodes + np.concatenate(([0.0], np.cumsum(gains[:num_positive])))
+        goodput = expected / self.cost.predict(num_decodes + counts)  # 0 where T is unknown
+        best = int(np.argmax(goodput))  # the first best: fewer positions on a tie
+        chosen = np.bincount(order[:best] // self.max_k, minlength=num_decodes)
+        return chosen.tolist()
+
+    def record_step(self, num_tokens: int, seconds: float) -> None:
+        """The measured time of a decode-only step of `num_tokens` tokens."""
+        self.cost.record(num_tokens, seconds)

@@ -1,0 +1,104 @@
+"""Speculator: the engine core's side of speculative decoding. Before each step it gives every
+running decode its proposed tokens (`Request.spec_token_ids`, which the scheduler trims to the
+budget and sends); after the step it counts what the worker accepted and, with adaptive
+speculation, feeds the step's time to the cost model.
+
+A request is a decode ready for proposals when all its known tokens but the last are computed:
+a request still in its prompt, or replaying its tokens after a preemption, gets none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from quire.config import SpeculativeConfig
+from quire.messages import ModelRunnerOutput, SchedulerOutput
+from quire.spec_decode.adaptive import AdaptiveSpeculation
+from quire.spec_decode.ngram import NgramProposer
+
+if TYPE_CHECKING:
+    from quire.engine.request import Request
+
+
+@dataclass
+class SpecDecodingStats:
+    """Running totals since the engine started (vLLM's spec_decode_* counters)."""
+
+    num_speculative_tokens: int  # the most a request verifies in one step
+    num_drafts: int = 0  # (request, step) pairs that verified proposals
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.num_accepted_tokens_per_pos = [0] * self.num_speculative_tokens
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verifying step gives a request: the accepted proposals plus one."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.adaptive = (
+            AdaptiveSpeculation(config.num_speculative_tokens) if config.adaptive else None
+        )
+        self.stats = SpecDecodingStats(config.num_speculative_tokens)
+        self._ready: set[str] = set()  # this step's decodes ready for proposals
+
+    def propose(self, running: list[Request]) -> None:
+        """Sets the proposals of every running decode ready for them."""
+        ready = [
+            r for r in running if r.num_prompt_tokens <= r.num_computed_tokens == r.num_tokens - 1
+        ]
+        self._ready = {r.request_id for r in ready}
+        gone = self.proposer.req_ids - {r.request_id for r in running}
+        self.proposer.drop(gone)
+        adaptive = self.adaptive
+        if adaptive is None:
+            k = self.config.num_speculative_tokens
+            for r in ready:
+                r.spec_token_ids = self.proposer.propose(r.request_id, r.token_ids, k)
+            return
+        adaptive.drop(gone)
+        for r in ready:
+            adaptive.observe(r.request_id, r.token_ids)
+        for r, k in zip(ready, adaptive.choose([r.request_id for r in ready])):
+            measure = adaptive.wants_measurement(r.request_id, k)
+            if not (k or measure):
+                continue
+            num = adaptive.max_k if measure else k
+            proposal = self.proposer.propose(r.request_id, r.token_ids, num)
+            if measure:
+                adaptive.start_measurement(r.request_id, r.num_tokens, proposal)
+            r.spec_token_ids = proposal[:k]
+
+    def record_step(
+        self, output: SchedulerOutput, runner_output: ModelRunnerOutput, seconds: float
+    ) -> None:
+        """Counts the step's accepted proposals; a decode-only step's time goes to the
+        adaptive cost model."""
+        stats, spec = self.stats, output.scheduled_spec_decode_tokens
+        for req_id, proposal in spec.items():
+            sampled = runner_output.sampled_token_ids.get(req_id)
+            if sampled is None:
+                continue
+            num_accepted = len(sampled) - 1
+            stats.num_drafts += 1
+            stats.num_draft_tokens += len(proposal)
+            stats.num_accepted_tokens += num_accepted
+            for i in range(num_accepted):
+                stats.num_accepted_tokens_per_pos[i] += 1
+        if self.adaptive is not None and all(
+            req_id in self._ready and n == 1 + len(spec.get(req_id, ()))
+            for req_id, n in output.num_scheduled_tokens.items()
+        ):
+            self.adaptive.record_step(output.total_num_scheduled_tokens, seconds)
