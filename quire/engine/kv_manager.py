@@ -68,6 +68,11 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
+    def table_end(self, request_id: str) -> tuple[int, int]:
+        """(number of blocks, the last block's id or -1) of a request's block table."""
+        blocks = self.req_blocks.get(request_id)
+        return (len(blocks), blocks[-1].block_id) if blocks else (0, -1)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

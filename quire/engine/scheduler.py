@@ -240,9 +240,9 @@ class Scheduler:
             num_scheduled[request_id] = num_new
             if request.spec_token_ids:
                 spec_tokens[request_id] = list(request.spec_token_ids)
-            block_ids = self.kv_manager.get_block_ids(request_id)
             sent = self._sent.get(request_id)
             if sent is None:
+                block_ids = self.kv_manager.get_block_ids(request_id)
                 new_reqs.append(
                     NewRequestData(
                         req_id=request_id,
@@ -256,17 +256,17 @@ class Scheduler:
                 )
                 self._sent[request_id] = _SentState(request.num_tokens, block_ids)
                 continue
-            start = _first_difference(sent.block_ids, block_ids)
+            start, new_block_ids = self._block_table_delta(request_id, sent)
             cached_reqs.append(
                 CachedRequestData(
                     req_id=request_id,
                     new_token_ids=request.token_ids[sent.num_tokens :],
                     block_ids_start=start,
-                    new_block_ids=block_ids[start:],
+                    new_block_ids=new_block_ids,
                     num_computed_tokens=request.num_computed_tokens,
                 )
             )
-            sent.num_tokens, sent.block_ids = request.num_tokens, block_ids
+            sent.num_tokens = request.num_tokens
         forks = []
         for child, parent in forked:
             parent_sent = self._sent[parent.request_id]
@@ -286,6 +286,20 @@ class Scheduler:
             finished_req_ids=finished_ids,
             preempted_req_ids=preempted_ids,
         )
+
+    def _block_table_delta(self, request_id: str, sent: _SentState) -> tuple[int, list[int]]:
+        """(first changed index, the table from there on) since `sent`; updates `sent`. Tables
+        only grow or shrink at their end, and copy-on-write replaces their last block, so a table
+        of the same length and last block is unchanged: most decode steps build no list."""
+        num_blocks, last_block = self.kv_manager.table_end(request_id)
+        if num_blocks == len(sent.block_ids) and (
+            num_blocks == 0 or last_block == sent.block_ids[-1]
+        ):
+            return num_blocks, []
+        block_ids = self.kv_manager.get_block_ids(request_id)
+        start = _first_difference(sent.block_ids, block_ids)
+        sent.block_ids = block_ids
+        return start, block_ids[start:]
 
     def update(
         self, output: SchedulerOutput, runner_output: ModelRunnerOutput

@@ -402,6 +402,8 @@ class ModelRunner:
 
 def _accept(step: Step, first_rows: list[int], row_tokens: list[int]) -> dict[str, list[int]]:
     """Each request's new tokens from a decode-only step whose every row sampled."""
+    if len(row_tokens) == len(step):  # one row each: no proposals to verify
+        return {s.req_id: [token_id] for (s, _), token_id in zip(step, row_tokens)}
     sampled = []
     for i, (s, n) in enumerate(step):
         sampled.extend((s, first_rows[i] + j, j) for j in range(n))
