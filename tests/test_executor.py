@@ -40,7 +40,7 @@ def test_a_killed_worker_fails_the_step_within_seconds(tiny_llama):
     (process,) = llm.engine.core.executor._processes
     os.kill(process.pid, signal.SIGKILL)
     start = time.monotonic()
-    with pytest.raises(WorkerDiedError, match="rank 0 died"):
+    with pytest.raises(WorkerDiedError, match="worker rank 0 process died"):
         llm.generate(PROMPTS, SamplingParams(max_tokens=4), use_tqdm=False)
     assert time.monotonic() - start < 5
     llm.engine.shutdown()

@@ -22,9 +22,9 @@ import torch
 from quire.config import EngineConfig
 from quire.engine.core import CoreStats, EngineCore, EngineCoreOutput
 from quire.engine.request import Request, RequestStatus
+from quire.executor import child_process
 from quire.model.model_config import ModelConfig
 
-_POLL_S = 1.0  # how often a wait on the core checks that it is still alive
 _STALL_WAIT_S = 0.001  # the core's pause after a step that could schedule nothing
 _SHUTDOWN_TIMEOUT_S = 10.0
 
@@ -89,18 +89,7 @@ class CoreProcessClient:
         return self._stats
 
     def _receive(self):
-        while not self._pipe.poll(_POLL_S):
-            if not self._process.is_alive():
-                raise EngineCoreDiedError(
-                    f"The engine-core process died (exit code {self._process.exitcode})."
-                )
-        try:
-            kind, payload = self._pipe.recv()
-        except (EOFError, ConnectionError) as error:
-            raise EngineCoreDiedError(f"The engine-core process died: {error!r}") from error
-        if kind == "error":
-            raise RuntimeError(f"The engine core failed:\n{payload}")
-        return payload
+        return child_process.receive(self._pipe, self._process, "engine-core", EngineCoreDiedError)
 
     def shutdown(self) -> None:
         if self._process is None:

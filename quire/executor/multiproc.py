@@ -17,13 +17,13 @@ from multiprocessing.connection import Connection
 import torch
 
 from quire.config import EngineConfig
+from quire.executor import child_process
 from quire.executor.base import Executor
 from quire.messages import ModelRunnerOutput, SchedulerOutput
 from quire.model.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
-_POLL_S = 1.0  # how often a wait on a worker checks that it is still alive
 _SHUTDOWN_TIMEOUT_S = 10.0
 
 
@@ -69,19 +69,9 @@ class MultiprocExecutor(Executor):
         return outputs[0]
 
     def _receive(self, rank: int):
-        pipe, process = self._pipes[rank], self._processes[rank]
-        while not pipe.poll(_POLL_S):
-            if not process.is_alive():
-                raise WorkerDiedError(
-                    f"Worker process of rank {rank} died (exit code {process.exitcode})."
-                )
-        try:
-            kind, payload = pipe.recv()
-        except (EOFError, ConnectionError) as error:
-            raise WorkerDiedError(f"Worker process of rank {rank} died: {error!r}") from error
-        if kind == "error":
-            raise RuntimeError(f"Worker rank {rank} failed:\n{payload}")
-        return payload
+        return child_process.receive(
+            self._pipes[rank], self._processes[rank], f"worker rank {rank}", WorkerDiedError
+        )
 
     def shutdown(self) -> None:
         for pipe in self._pipes:
