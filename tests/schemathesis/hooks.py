@@ -110,11 +110,12 @@ def _tool_rules(body: dict[str, Any]) -> bool:
 
 
 def _fits_context(prompt_lengths: list[int] | None, max_tokens: Any) -> bool:
-    """A prompt shorter than max_model_len, with room for max_tokens after it."""
+    """A prompt of at least one token (a text of control characters can tokenize to none),
+    shorter than max_model_len, with room for max_tokens after it."""
     if prompt_lengths is None:  # schema-invalid prompt: the server must say 400 anyway
         return True
     budget = _max_model_len() - (max_tokens if _is_int(max_tokens) else 1)
-    return all(length <= budget for length in prompt_lengths)
+    return all(1 <= length <= budget for length in prompt_lengths)
 
 
 def _completion_prompt_lengths(prompt: Any) -> list[int] | None:
