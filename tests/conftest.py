@@ -64,12 +64,17 @@ def default_model() -> str:
 
 
 @pytest.fixture(scope="session")
-def tokenizer_dir(tmp_path_factory, default_model) -> str:
-    """The default model's tokenizer saved as tokenizer.json, reused by the tiny checkpoints."""
+def tokenizer_dir(tmp_path_factory, request) -> str:
+    """The default model's tokenizer saved as tokenizer.json, reused by the tiny checkpoints.
+
+    QUIRE_TEST_TOKENIZER_DIR names a folder holding that tokenizer already saved, for machines
+    without the default model's package (the GPU machine of scripts/gpu_checks.sh)."""
     from quire.model.tokenizer import load_tokenizer
 
+    if saved := os.environ.get("QUIRE_TEST_TOKENIZER_DIR"):
+        return saved
     path = tmp_path_factory.mktemp("tokenizer")
-    tok = load_tokenizer(default_model)
+    tok = load_tokenizer(request.getfixturevalue("default_model"))
     tok.save_pretrained(path)
     return str(path)
 

@@ -49,6 +49,11 @@ def runner_of(llm: LLM):
     return llm.engine.core.executor.worker.runner
 
 
+# Triton runs on CPU tensors only in its interpreter, which conftest turns on where there is no
+# GPU; on a GPU machine the Triton-backend tests below run on the GPU instead.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def tiny_llm(model: str, **kwargs) -> LLM:
     return LLM(
         **{"model": model, "dtype": "float32", "max_model_len": 256, "num_kv_blocks": 64, **kwargs}
@@ -96,7 +101,7 @@ def test_cuda_graphs_are_used_on_cuda_with_triton_unless_enforce_eager(tiny_llam
 
 
 def test_a_cpu_runner_has_no_cuda_graphs(tiny_llama):
-    assert runner_of(tiny_llm(tiny_llama)).cuda_graphs is None
+    assert runner_of(tiny_llm(tiny_llama, device="cpu")).cuda_graphs is None
 
 
 # ---- the static buffers ----------------------------------------------------------------------
@@ -200,7 +205,7 @@ def install_checked_runner(llm: LLM, runner: CUDAGraphRunner) -> list[tuple[int,
 def test_padded_decode_forward_matches_eager_and_the_torch_backend_tokens(tiny_llama):
     pytest.importorskip("triton")
     expected = greedy_tokens(tiny_llm(tiny_llama, attention_backend="torch", device="cpu"))
-    llm = tiny_llm(tiny_llama, attention_backend="triton", device="cpu", max_num_seqs=6)
+    llm = tiny_llm(tiny_llama, attention_backend="triton", device=TRITON_DEVICE, max_num_seqs=6)
     model_runner = runner_of(llm)
     runner = EagerPaddedRunner(
         model_runner.model,
@@ -212,7 +217,7 @@ def test_padded_decode_forward_matches_eager_and_the_torch_backend_tokens(tiny_l
     checks = install_checked_runner(llm, runner)
     assert greedy_tokens(llm) == expected
     assert [size for size, _ in checks] == [5, 4, 3, 2, 1]  # padded to 6, 4, 4, 2, 1
-    assert max(diff for _, diff in checks) < 1e-5
+    assert max(diff for _, diff in checks) < (1e-4 if TRITON_DEVICE == "cuda" else 1e-5)
 
 
 # ---- the profiled KV pool size ---------------------------------------------------------------
@@ -221,7 +226,8 @@ def test_padded_decode_forward_matches_eager_and_the_torch_backend_tokens(tiny_l
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_dummy_step_runs_on_a_one_block_cache_and_leaves_the_kv_cache_alone(tiny_llama, backend):
     pytest.importorskip("triton")
-    llm = tiny_llm(tiny_llama, attention_backend=backend, device="cpu", max_model_len=32)
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    llm = tiny_llm(tiny_llama, attention_backend=backend, device=device, max_model_len=32)
     runner = runner_of(llm)
     before = [(k.clone(), v.clone()) for k, v in runner.kv_cache.layers]
     # 40 tokens > max_model_len 32: two requests, 32 and 8 tokens.

@@ -40,9 +40,12 @@ QWEN3_0_6B_SHAPE = dict(
 )
 
 
-def build_qwen3_random(model_dir: str = DEFAULT_MODEL_DIR, seed: int = 0) -> str:
+def build_qwen3_random(
+    model_dir: str = DEFAULT_MODEL_DIR, seed: int = 0, tokenizer_source: str | None = None
+) -> str:
     """The random Qwen3-0.6B-shaped checkpoint folder, built on first use. Built in a temporary
-    folder next to `model_dir` and renamed into place, so an interrupted build is never reused."""
+    folder next to `model_dir` and renamed into place, so an interrupted build is never reused.
+    The tokenizer is the default model's, or the one saved at `tokenizer_source` (a folder)."""
     model_dir = os.path.expanduser(model_dir)
     if os.path.isfile(os.path.join(model_dir, "config.json")):
         return model_dir
@@ -54,7 +57,7 @@ def build_qwen3_random(model_dir: str = DEFAULT_MODEL_DIR, seed: int = 0) -> str
     start = time.perf_counter()
     parent = os.path.dirname(os.path.abspath(model_dir))
     os.makedirs(parent, exist_ok=True)
-    tokenizer = load_tokenizer(default_model_path())
+    tokenizer = load_tokenizer(tokenizer_source or default_model_path())
     config = Qwen3Config(
         architectures=["Qwen3ForCausalLM"],
         bos_token_id=tokenizer.bos_token_id,
