@@ -11,15 +11,13 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
+from server_utils import ServerThread, wait_until
 
 from quire import SamplingParams
 from quire.config import EngineConfig
@@ -34,34 +32,6 @@ NUM_KV_BLOCKS = 1024
 MAX_MODEL_LEN = 1024  # the tiny checkpoints' max_position_embeddings
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 IGNORE_EOS = {"ignore_eos": True}
-
-
-class ServerThread:
-    """uvicorn serving `app` on a free loopback port, in a background thread."""
-
-    def __init__(self, app) -> None:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False))
-        self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [sock]}, daemon=True
-        )
-        self.thread.start()
-        assert wait_until(lambda: self.server.started, timeout=30)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 @contextlib.contextmanager

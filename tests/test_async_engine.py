@@ -7,10 +7,9 @@ import asyncio
 import logging
 import re
 import threading
-import time
-from collections.abc import Callable
 
 import pytest
+from server_utils import wait_until
 
 from quire import LLM, SamplingParams
 from quire.config import EngineConfig
@@ -32,15 +31,6 @@ def engine_config(model: str) -> EngineConfig:
 
 def run(coro, timeout: float = 60.0):
     return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def assert_idle_with_all_blocks_free(llm: AsyncLLM) -> None:

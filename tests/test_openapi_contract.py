@@ -13,7 +13,7 @@ import sys
 
 import httpx
 import pytest
-from test_api_server import ServerThread
+from server_utils import ServerThread
 
 from quire.config import EngineConfig
 from quire.engine.async_engine import AsyncLLM

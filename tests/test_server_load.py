@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import importlib.util
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
+from server_utils import ServerThread, wait_until
 
 from quire.config import EngineConfig
 from quire.engine.async_engine import AsyncLLM
@@ -34,37 +33,6 @@ MAX_MODEL_LEN = 8192  # the long-context tiny model's max_position_embeddings = 
 NUM_KV_BLOCKS = MAX_MODEL_LEN // 16
 MAX_NUM_SEQS = 4
 LONG = {"max_tokens": MAX_MODEL_LEN // 2, "ignore_eos": True}  # far longer than tests wait
-
-
-class ServerThread:
-    """uvicorn serving `app` on a free loopback port, in a background thread."""
-
-    def __init__(self, app) -> None:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False))
-        self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [sock]}, daemon=True
-        )
-        self.thread.start()
-        assert wait_until(lambda: self.server.started, timeout=30)
-
-    def post(self, path: str, **kwargs) -> httpx.Response:
-        return httpx.post(self.url + path, timeout=60, **kwargs)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 @pytest.fixture(scope="module")
