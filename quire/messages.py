@@ -59,6 +59,18 @@ class ForkedRequestData:
 
 
 @dataclass
+class KVConnectorMetadata:
+    """A step's KV transfers, for a connector that moves K/V between engine instances
+    (prefill/decode disaggregation): built by the connector's engine side, carried out by its
+    worker side through `KVCache.read_blocks` / `write_blocks` around the forward."""
+
+    # req id -> the request's block ids to fill from elsewhere before the forward
+    load: dict[str, list[int]] = field(default_factory=dict)
+    # req id -> block ids whose K/V is final after this step and goes elsewhere
+    save: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: list[CachedRequestData]
@@ -79,6 +91,8 @@ class SchedulerOutput:
     # tokens has k + 1 consecutive rows). Packed bits, 32 tokens per int32, as xgrammar writes.
     grammar_bitmask: np.ndarray | None = None  # [num_rows, ceil(vocab / 32)] int32
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    # None unless a KV connector is configured (no connector ships yet).
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def is_empty(self) -> bool:
