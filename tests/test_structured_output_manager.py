@@ -7,9 +7,11 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
 from quire.messages import ForkedRequestData, SchedulerOutput
 from quire.model.tokenizer import load_tokenizer
+from quire.sample.sampler import apply_token_bitmask
 from quire.sampling_params import SamplingParams, StructuredOutputsParams
 from quire.structured_output.compiler import GrammarCompiler, GrammarError, choice_grammar
 from quire.structured_output.manager import RequestGrammar, StructuredOutputManager
@@ -176,3 +178,16 @@ class _Plain:
     grammar = None
     num_computed_tokens = 0
     num_tokens = 1
+
+
+def test_the_bitmask_leaves_exactly_the_allowed_tokens_of_the_masked_rows():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, VOCAB_SIZE, generator=generator)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (2, VOCAB_SIZE // 32), dtype=torch.int32)
+    expected = logits.clone()
+    for mask_row, logits_row in enumerate([2, 0]):
+        allowed_ids = sorted(allowed(bitmask[mask_row].numpy()))
+        keep = torch.full((VOCAB_SIZE,), float("-inf"))
+        keep[allowed_ids] = 0.0
+        expected[logits_row] += keep
+    assert torch.equal(apply_token_bitmask(logits, bitmask, [2, 0]), expected)

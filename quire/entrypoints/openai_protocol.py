@@ -86,29 +86,31 @@ class FieldError(ValueError):
 
 
 class JsonSchemaFormat(_Strict):
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
-
     name: str
     description: str | None = None
-    json_schema: dict[str, Any] = Field(alias="schema")  # the output must validate under it
-    strict: bool | None = None  # always enforced: the output is generated under the schema
+    json_schema: dict[str, Any] = Field(
+        alias="schema", description="A JSON schema; the output is generated to validate under it."
+    )
+    strict: bool | None = Field(None, description="Ignored: the schema is always enforced.")
 
 
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None  # with type "json_schema"
+    json_schema: JsonSchemaFormat | None = Field(None, description='Needed by type "json_schema".')
 
 
 class StructuredOutputsRequest(_Strict):
     """vLLM's `structured_outputs`: exactly one of these."""
 
-    json_: dict[str, Any] | str | None = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(
+        None, alias="json", description="A JSON schema (or its text) the output validates under."
+    )
+    regex: str | None = Field(None, description="A regular expression the output fully matches.")
+    choice: list[str] | None = Field(None, description="The output is one of these strings.")
+    grammar: str | None = Field(
+        None, description="An EBNF grammar (xgrammar's GBNF syntax, start rule `root`)."
+    )
+    json_object: bool | None = Field(None, description="true: the output is a JSON object.")
 
 
 _DEPRECATED = {"deprecated": True}
@@ -149,12 +151,24 @@ class _SamplingRequest(_Strict):
     include_stop_str_in_output: bool = False
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or (deprecated)
     # vLLM's guided_* fields; one of them at most.
-    response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputsRequest | None = None
-    guided_json: dict[str, Any] | str | None = Field(None, json_schema_extra=_DEPRECATED)
-    guided_regex: str | None = Field(None, json_schema_extra=_DEPRECATED)
-    guided_choice: list[str] | None = Field(None, json_schema_extra=_DEPRECATED)
-    guided_grammar: str | None = Field(None, json_schema_extra=_DEPRECATED)
+    response_format: ResponseFormat | None = Field(
+        None, description="OpenAI's: json_object or json_schema constrain the output."
+    )
+    structured_outputs: StructuredOutputsRequest | None = Field(
+        None, description="vLLM's: constrain the output to a JSON schema, regex, choice or grammar."
+    )
+    guided_json: dict[str, Any] | str | None = Field(
+        None, description="Deprecated: structured_outputs.json.", json_schema_extra=_DEPRECATED
+    )
+    guided_regex: str | None = Field(
+        None, description="Deprecated: structured_outputs.regex.", json_schema_extra=_DEPRECATED
+    )
+    guided_choice: list[str] | None = Field(
+        None, description="Deprecated: structured_outputs.choice.", json_schema_extra=_DEPRECATED
+    )
+    guided_grammar: str | None = Field(
+        None, description="Deprecated: structured_outputs.grammar.", json_schema_extra=_DEPRECATED
+    )
 
     @field_validator("logit_bias")
     @classmethod

@@ -112,7 +112,7 @@ def _compile(
         if kind == "choice":
             return compiler.compile_grammar(choice_grammar(params.choice))
         return compiler.compile_grammar(params.grammar)
-    except RuntimeError as error:  # xgrammar reports every parse or conversion error so
+    except (RuntimeError, ValueError, TypeError) as error:  # xgrammar's parse/convert errors
         detail = _XGRAMMAR_LOCATION.sub("", str(error).strip().splitlines()[0])
         raise GrammarError(kind, detail) from None
 
