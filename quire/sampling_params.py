@@ -189,13 +189,8 @@ class SamplingParams:
     @property
     def argmax_only(self) -> bool:
         """Whether the token is the argmax of the raw logits (when no token is banned): greedy,
-        unpenalized, no logprobs, no grammar."""
-        return (
-            self.is_greedy
-            and self.logprobs is None
-            and not self.uses_penalties
-            and self.structured_outputs is None
-        )
+        unpenalized, no logprobs. A grammar's mask, where it applies, comes first."""
+        return self.is_greedy and self.logprobs is None and not self.uses_penalties
 
     def clone(self) -> SamplingParams:
         copy = SamplingParams.__new__(SamplingParams)

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from quire.kernels.cpu import pointwise
 from quire.messages import ForkedRequestData, SchedulerOutput
 from quire.model.tokenizer import load_tokenizer
 from quire.sample.sampler import apply_token_bitmask
-from quire.sampling_params import SamplingParams, StructuredOutputsParams
+from quire.sampling_params import StructuredOutputsParams
 from quire.structured_output.compiler import GrammarCompiler, GrammarError, choice_grammar
 from quire.structured_output.manager import RequestGrammar, StructuredOutputManager
 
@@ -98,11 +99,6 @@ def test_choice_grammar_escapes_quotes_and_backslashes():
     assert choice_grammar(['a "b"', "c\\d"]) == 'root ::= "a \\"b\\"" | "c\\\\d"'
 
 
-def test_a_grammar_request_is_never_the_raw_argmax():
-    params = SamplingParams(temperature=0, structured_outputs=StructuredOutputsParams(regex="a"))
-    assert not params.argmax_only
-
-
 def test_proposals_are_trimmed_at_the_first_rejected_token(compiler, tokenizer):
     grammar = RequestGrammar(compiler.compile(StructuredOutputsParams(regex="[0-9]+;")))
     digits = tokenizer.encode("123")
@@ -180,7 +176,10 @@ class _Plain:
     num_tokens = 1
 
 
-def test_the_bitmask_leaves_exactly_the_allowed_tokens_of_the_masked_rows():
+@pytest.mark.parametrize("kernel", ["quire C", "xgrammar"])
+def test_the_bitmask_leaves_exactly_the_allowed_tokens_of_the_masked_rows(kernel, monkeypatch):
+    if kernel == "xgrammar":  # the GPU path's kernel, on CPU rows
+        monkeypatch.setattr(pointwise, "apply_token_bitmask", lambda *args: False)
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(3, VOCAB_SIZE, generator=generator)
     bitmask = torch.randint(-(2**31), 2**31 - 1, (2, VOCAB_SIZE // 32), dtype=torch.int32)

@@ -334,9 +334,11 @@ def apply_token_bitmask(
     bitmask: torch.Tensor,  # [R, ceil(V / 32)] int32: bit j of word w allows token 32 w + j
     rows: list[int],  # the R rows of logits the masks apply to
 ) -> torch.Tensor:  # [S, V], forbidden tokens of those rows at -inf
-    """Structured outputs: each masked row keeps only the tokens its grammar allows. In place,
-    by xgrammar's kernel (C++ on a CPU, CUDA or Triton on a GPU): unpacking the bits with torch
-    ops costs several times more at batch 32."""
+    """Structured outputs: each masked row keeps only the tokens its grammar allows. In place:
+    quire's C kernel on a CPU (one parallel pass; xgrammar's CPU kernel is single-threaded),
+    xgrammar's CUDA or Triton kernel on a GPU."""
+    if pointwise.apply_token_bitmask(logits, bitmask, rows):
+        return logits
     import xgrammar
 
     if bitmask.shape[0] != logits.shape[0] or rows != list(range(len(rows))):
