@@ -35,6 +35,7 @@ CONVERSATIONS = [
     [{"role": "user", "content": "Another person, as JSON, please."}],
 ]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+NUM_KV_BLOCKS = 256  # 4096 tokens, ~90 MB: not the default 4 GiB pool per engine
 
 
 def json_params(temperature: float = 0.0, seed: int | None = None) -> SamplingParams:
@@ -52,7 +53,7 @@ MIXED = [json_params(), json_params(0.8, 1), PLAIN, json_params(1.0, 2)]
 
 @pytest.fixture(scope="module")
 def llm(default_model):
-    return LLM(default_model, dtype="bfloat16")
+    return LLM(default_model, dtype="bfloat16", num_kv_blocks=NUM_KV_BLOCKS)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,9 @@ def test_a_constrained_request_is_the_same_alone_and_in_a_batch(llm, mixed_refer
 
 
 def test_ngram_speculation_keeps_the_constrained_tokens(default_model, mixed_reference):
-    spec = LLM(default_model, dtype="bfloat16", speculative_config=NGRAM)
+    spec = LLM(
+        default_model, dtype="bfloat16", num_kv_blocks=NUM_KV_BLOCKS, speculative_config=NGRAM
+    )
     outputs = [o.outputs[0] for o in spec.chat(CONVERSATIONS, MIXED, use_tqdm=False)]
     assert [o.token_ids for o in outputs] == [o.token_ids for o in mixed_reference]
     assert json.loads(outputs[0].text) == json.loads(SAMPLE)
@@ -151,3 +154,20 @@ def test_an_invalid_grammar_raises_before_anything_is_queued(llm):
         llm.generate(["a", "b"], [PLAIN, bad], use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     assert_no_leak(llm)
+
+
+def test_a_core_in_its_own_process_compiles_and_follows_its_grammars(default_model, llm):
+    choices = ["alpha", "beta"]
+    params = SamplingParams(
+        n=2, temperature=1.0, seed=1, structured_outputs=StructuredOutputsParams(choice=choices)
+    )
+    remote = LLM(
+        default_model, dtype="bfloat16", num_kv_blocks=NUM_KV_BLOCKS, engine_core_process=True
+    )
+    try:
+        outputs = remote.chat(CONVERSATIONS[2], params, use_tqdm=False)[0].outputs
+    finally:
+        remote.engine.shutdown()
+    local = llm.chat(CONVERSATIONS[2], params, use_tqdm=False)[0].outputs
+    assert [o.text for o in outputs] == [o.text for o in local]
+    assert all(o.text in choices for o in outputs)
