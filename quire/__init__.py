@@ -14,7 +14,7 @@ from quire.config import EngineConfig
 from quire.engine_args import EngineArgs
 from quire.entrypoints.llm import LLM
 from quire.outputs import CompletionOutput, Logprob, RequestOutput
-from quire.sampling_params import SamplingParams
+from quire.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = [
@@ -25,4 +25,5 @@ __all__ = [
     "Logprob",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]

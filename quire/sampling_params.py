@@ -2,9 +2,82 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 _GREEDY_EPS = 1e-5
+_STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrains a request's output to a language (vLLM's names); exactly one is given.
+
+    `json`: a JSON schema (a dict or its text): the output is a JSON value valid under it.
+    `regex`: the output fully matches the regular expression. `choice`: the output is one of the
+    strings. `grammar`: an EBNF grammar in xgrammar's (GBNF) syntax, from the rule `root`.
+    `json_object=True`: the output is a JSON object, any one.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in _STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must give exactly one of json, regex, choice, grammar or "
+                f"json_object=True; got {', '.join(given) or 'none'}: keep one."
+            )
+        if isinstance(self.json, dict | str):
+            if isinstance(self.json, str):
+                try:
+                    parsed = json.loads(self.json)
+                except json.JSONDecodeError as error:
+                    raise ValueError(
+                        f"structured_outputs.json is not valid JSON: {error}; give a JSON schema."
+                    ) from None
+                if not isinstance(parsed, dict | bool):
+                    raise ValueError("structured_outputs.json must be a JSON schema (an object).")
+        elif self.json is not None:
+            raise ValueError("structured_outputs.json must be a JSON schema: a dict or its text.")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError("structured_outputs.regex must be a non-empty string.")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise ValueError("structured_outputs.grammar must be a non-empty string.")
+        if self.choice is not None:
+            if not isinstance(self.choice, list | tuple) or not self.choice:
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings.")
+            if any(not isinstance(c, str) or not c for c in self.choice):
+                raise ValueError("structured_outputs.choice must hold non-empty strings only.")
+            object.__setattr__(self, "choice", list(self.choice))
+        if self.json_object not in (True, False):
+            raise ValueError("structured_outputs.json_object must be a boolean.")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: json, regex, choice, grammar or json_object."""
+        return next(k for k in _STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, text): equal for equal constraints; the grammar cache's key."""
+        kind = self.kind
+        if kind == "json":
+            text = (
+                self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            )
+        elif kind == "choice":
+            text = json.dumps(self.choice, ensure_ascii=False)
+        elif kind == "json_object":
+            text = ""
+        else:
+            text = getattr(self, kind)
+        return kind, text
 
 
 @dataclass
@@ -15,6 +88,7 @@ class SamplingParams:
     and frequency penalties apply to generated tokens, repetition_penalty to prompt and generated
     tokens (> 1 discourages repeats). `logprobs=k` returns the k most likely tokens' logprobs at
     each sampled position (plus the sampled token's); `prompt_logprobs=k` the same for the prompt.
+    `structured_outputs` constrains the output to a JSON schema, regex, choice or grammar.
     """
 
     n: int = 1
@@ -35,6 +109,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: the model's EOS ids (stops the request unless ignore_eos).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -90,6 +165,13 @@ class SamplingParams:
             raise ValueError("stop must be a string or a list of non-empty strings.")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of non-negative integers.")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsParams(json=..., regex=..., "
+                "choice=... or grammar=...)."
+            )
 
     @property
     def is_greedy(self) -> bool:
@@ -107,7 +189,7 @@ class SamplingParams:
     @property
     def argmax_only(self) -> bool:
         """Whether the token is the argmax of the raw logits (when no token is banned): greedy,
-        unpenalized, no logprobs."""
+        unpenalized, no logprobs. A grammar's mask, where it applies, comes first."""
         return self.is_greedy and self.logprobs is None and not self.uses_penalties
 
     def clone(self) -> SamplingParams:

@@ -85,3 +85,20 @@ def test_schemathesis_finds_no_failure_with_every_check(contract_server, tiny_ll
     with contextlib.chdir(ROOT):
         result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-5000:]
+
+
+def test_structured_output_fields_are_documented(contract_server):
+    schemas = httpx.get(contract_server.url + "/openapi.json").json()["components"]["schemas"]
+    for request in ("CompletionRequest", "ChatCompletionRequest"):
+        properties = schemas[request]["properties"]
+        assert {"response_format", "structured_outputs"} <= set(properties)
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            assert properties[name]["deprecated"] is True
+    assert set(schemas["StructuredOutputsRequest"]["properties"]) == {
+        "json",
+        "regex",
+        "choice",
+        "grammar",
+        "json_object",
+    }
+    assert "schema" in schemas["JsonSchemaFormat"]["required"]

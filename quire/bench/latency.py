@@ -8,6 +8,11 @@ of read bandwidth within one run), so each timed step or prefill is followed at 
 of the machine (a read of 512 MB, a 2048^3 matmul), and the fraction of roofline reported is the
 median over the measurements of floor / measured, each floor from its own probe: a ratio taken in
 one moment, as the project's benchmarks take every comparison. 1.0 is the roofline.
+
+`--grammar-rounds N` then measures what structured outputs cost a decode step: N rounds, each a
+decode without a grammar and then with a JSON-schema grammar on every request (GRAMMAR_SCHEMA,
+long enough never to end within the steps), at batch 1 and batch B; the overhead is each round's
+ratio of median step times, reported as the median over the rounds and their spread.
 """
 
 from __future__ import annotations
@@ -27,6 +32,31 @@ from quire.bench import roofline
 from quire.bench.models import add_model_dir_arg, resolve_model
 
 _WARMUP_DECODE_STEPS = 2
+# Objects, bounded strings and integers, enums, arrays: a grammar whose states vary as a real
+# schema's do, with at least 40 items so that it cannot end within the timed steps.
+GRAMMAR_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "people": {
+            "type": "array",
+            "minItems": 40,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 12},
+                    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                    "tags": {
+                        "type": "array",
+                        "items": {"type": "string", "enum": ["red", "green", "blue"]},
+                        "maxItems": 3,
+                    },
+                },
+                "required": ["name", "age", "tags"],
+            },
+        }
+    },
+    "required": ["people"],
+}
 
 
 @dataclass
@@ -97,14 +127,17 @@ def measure_decode(
     num_steps: int,
     probe: roofline.BandwidthProbe,
     rng: random.Random,
+    structured_outputs=None,
 ) -> DecodeResult:
     """Prefills `batch_size` requests, then times `num_steps` steps in which every request
     decodes one token, each followed by a bandwidth probe. A step's floor uses the requests'
-    context lengths at that step."""
+    context lengths at that step. `structured_outputs` constrains every request."""
     from quire.sampling_params import SamplingParams
 
     mc, dtype = engine.model_config, engine.dtype
-    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=None, ignore_eos=True, structured_outputs=structured_outputs
+    )
     ids = [f"decode-{batch_size}-{i}" for i in range(batch_size)]
     num_output = dict.fromkeys(ids, 0)
     for request_id in ids:
@@ -151,6 +184,49 @@ def measure_decode(
     )
 
 
+@dataclass
+class GrammarOverhead:
+    batch_size: int
+    rounds: int
+    step_seconds: float  # median over the rounds of each round's median step, no grammar
+    grammar_step_seconds: float  # the same with the grammar
+    overhead: float  # median over the rounds of (grammar / no grammar) - 1
+    min_overhead: float
+    max_overhead: float
+
+
+def measure_grammar_overhead(
+    engine,
+    batch_size: int,
+    prompt_len: int,
+    num_steps: int,
+    num_rounds: int,
+    probe: roofline.BandwidthProbe,
+    rng: random.Random,
+) -> GrammarOverhead:
+    """Interleaved rounds of decode steps without, then with, GRAMMAR_SCHEMA on every request."""
+    from quire.sampling_params import StructuredOutputsParams
+
+    grammar = StructuredOutputsParams(json=GRAMMAR_SCHEMA)
+    plain, constrained = [], []
+    for _ in range(num_rounds):
+        for constraint, times in ((None, plain), (grammar, constrained)):
+            result = measure_decode(
+                engine, batch_size, prompt_len, num_steps, probe, rng, constraint
+            )
+            times.append(result.median_step_seconds)
+    ratios = [g / p - 1.0 for p, g in zip(plain, constrained)]
+    return GrammarOverhead(
+        batch_size,
+        num_rounds,
+        statistics.median(plain),
+        statistics.median(constrained),
+        statistics.median(ratios),
+        min(ratios),
+        max(ratios),
+    )
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from quire.engine_args import EngineArgs
 
@@ -164,6 +240,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=32, help="B of the batch-B decode")
     p.add_argument("--decode-steps", type=int, default=16, help="timed decode steps per batch")
     p.add_argument("--num-iters", type=int, default=3, help="timed prefills")
+    p.add_argument(
+        "--grammar-rounds",
+        type=int,
+        default=0,
+        help="rounds of decode without / with a JSON-schema grammar (0: skip)",
+    )
     p.add_argument("--output-json", default="quire-bench-latency.json")
     add_model_dir_arg(p)
     EngineArgs.add_cli_args(p)
@@ -177,6 +259,8 @@ def main(args: argparse.Namespace) -> int:
     for name in ("prompt_len", "batch_size", "decode_steps", "num_iters"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1.")
+    if args.grammar_rounds < 0:
+        raise ValueError("--grammar-rounds must be >= 0.")
     args.model = resolve_model(args.model, args.model_dir)
     engine = LLM.from_engine_config(EngineArgs.from_cli_args(args).create_engine_config()).engine
     mc, dtype, device = engine.model_config, engine.dtype, engine.config.device
@@ -190,6 +274,13 @@ def main(args: argparse.Namespace) -> int:
     decodes = [
         measure_decode(engine, b, args.prompt_len, args.decode_steps, bandwidth_probe, rng)
         for b in batch_sizes
+    ]
+
+    grammar = [
+        measure_grammar_overhead(
+            engine, b, args.prompt_len, args.decode_steps, args.grammar_rounds, bandwidth_probe, rng
+        )
+        for b in (batch_sizes if args.grammar_rounds else [])
     ]
 
     weight_gb = roofline.num_params(mc) * dtype.itemsize / 1e9
@@ -213,6 +304,12 @@ def main(args: argparse.Namespace) -> int:
             f"floor {d.roofline_seconds * 1e3:.2f} ms "
             f"-> {d.roofline_fraction:.1%} of the memory roofline"
         )
+    for g in grammar:
+        print(
+            f"grammar batch {g.batch_size}: {g.step_seconds * 1e3:.2f} -> "
+            f"{g.grammar_step_seconds * 1e3:.2f} ms/step, overhead {g.overhead:+.1%} (median of "
+            f"{g.rounds} rounds, {g.min_overhead:+.1%} to {g.max_overhead:+.1%})"
+        )
     report = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
@@ -224,6 +321,7 @@ def main(args: argparse.Namespace) -> int:
         "hardware": asdict(hardware),
         "prefill": asdict(prefill),
         "decode": [asdict(d) | {"tokens_per_s": d.tokens_per_s} for d in decodes],
+        "grammar": [asdict(g) for g in grammar],
     }
     with open(args.output_json, "w") as f:
         json.dump(report, f, indent=2)

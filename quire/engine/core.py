@@ -1,7 +1,10 @@
 """EngineCore: schedule -> executor.execute_model -> scheduler.update, and nothing else.
 
 With speculative decoding on, a Speculator (spec_decode/speculator.py) gives running decodes
-their proposed tokens before each schedule and counts what the worker accepted after it.
+their proposed tokens before each schedule and counts what the worker accepted after it. With
+structured outputs, a StructuredOutputManager (structured_output/manager.py) gives a request its
+grammar matcher when it is added, cuts proposals its grammar rejects, and fills the step's
+bitmask rows after the schedule.
 
 It takes tokenized `Request`s and gives back, per step, plain `EngineCoreOutput`s (new token ids,
 logprobs, finish status) for each sequence that made progress. Text (tokenizing, detokenizing,
@@ -11,6 +14,7 @@ stop strings) belongs to the front end (llm_engine.py), which only calls `add_re
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -24,7 +28,10 @@ from quire.engine.scheduler import Scheduler
 from quire.executor.base import make_executor
 from quire.messages import TopLogprobs
 from quire.model.model_config import ModelConfig
+from quire.model.tokenizer import load_tokenizer
 from quire.spec_decode.speculator import SpecDecodingStats, Speculator
+from quire.structured_output.compiler import GrammarCompiler
+from quire.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +73,10 @@ class EngineCore:
         model_config: ModelConfig,
         dtype: torch.dtype,
         max_model_len: int,
+        grammar_compiler: GrammarCompiler | None = None,
     ):
+        """`grammar_compiler`: the front end's, when the core runs in its process (one cache);
+        otherwise the core makes its own."""
         self.executor = make_executor(config, model_config, dtype, max_model_len)
         pool_tokens = self.executor.num_kv_blocks * config.block_size
         if max_model_len > pool_tokens:
@@ -91,9 +101,22 @@ class EngineCore:
             max_model_len,
             num_lookahead_tokens=spec_config.num_speculative_tokens if spec_config else 0,
         )
+        if grammar_compiler is None:
+            grammar_compiler = GrammarCompiler(
+                functools.partial(load_tokenizer, config.model, config.tokenizer),
+                model_config.vocab_size,
+                model_config.eos_token_ids,
+            )
+        num_spec = spec_config.num_speculative_tokens if spec_config else 0
+        self.structured_output = StructuredOutputManager(
+            grammar_compiler, config.max_num_seqs * (1 + num_spec)
+        )
         self.num_steps = 0
 
     def add_request(self, request: Request) -> None:
+        """Queues a request; raises GrammarError (a ValueError) for a grammar xgrammar rejects
+        (the front end validates before, so this is a cache lookup)."""
+        request.grammar = self.structured_output.grammar_for(request.sampling_params)
         self.scheduler.add_request(request)
 
     def abort_requests(
@@ -130,9 +153,11 @@ class EngineCore:
         start = time.perf_counter()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
+            self.structured_output.trim_spec_tokens(self.scheduler.running)
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
+        self.structured_output.fill_bitmask(scheduler_output, self.scheduler.requests)
         runner_output = self.executor.execute_model(scheduler_output)
         self.num_steps += 1
         requests = self.scheduler.requests

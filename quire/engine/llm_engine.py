@@ -25,6 +25,7 @@ from quire.model.tokenizer import load_tokenizer
 from quire.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from quire.sampling_params import SamplingParams
 from quire.spec_decode.speculator import SpecDecodingStats
+from quire.structured_output.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -92,10 +93,17 @@ class LLMEngine:
                 f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                 f"({model_config.max_position_embeddings}); pass a smaller max_model_len."
             )
+        # Compiles structured outputs' grammars to validate them; the core shares its cache when
+        # it runs in this process.
+        self.grammar_compiler = GrammarCompiler(
+            lambda: self.tokenizer, model_config.vocab_size, model_config.eos_token_ids
+        )
         if config.engine_core_process:
             self.core = CoreProcessClient(config, model_config, self.dtype, max_model_len)
         else:
-            self.core = EngineCore(config, model_config, self.dtype, max_model_len)
+            self.core = EngineCore(
+                config, model_config, self.dtype, max_model_len, self.grammar_compiler
+            )
         self.max_model_len = self.core.max_model_len
         eos = set(model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -167,6 +175,8 @@ class LLMEngine:
             )
         prompt_text, token_ids = self.tokenize_prompt(prompt)
         self._validate_prompt(token_ids)
+        if params.structured_outputs is not None:
+            self.grammar_compiler.compile(params.structured_outputs)  # GrammarError if invalid
         params.all_stop_token_ids |= self.eos_token_ids
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)

@@ -5,9 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from quire.outputs import PositionLogprobs
 from quire.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from quire.structured_output.manager import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -71,6 +75,9 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        # Structured outputs: the matcher of its grammar, advanced with each accepted token
+        # (set by the engine core when it takes the request).
+        self.grammar: RequestGrammar | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -108,4 +115,6 @@ class Request:
         child.num_cached_tokens = self.num_cached_tokens
         child.num_forks_pending = 0
         child.first_scheduled_time = self.first_scheduled_time
+        if self.grammar is not None:
+            child.grammar = self.grammar.fork()
         return child

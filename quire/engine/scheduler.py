@@ -26,11 +26,13 @@ reads: the price of the bits, paid only after a preemption.
 
 `update` takes each request's list of new tokens (several when speculative tokens were verified),
 appends them one by one under the stop rules (tokens after a stop are dropped), and gives back the
-slots of rejected speculative tokens.
+slots of rejected speculative tokens. A request with a grammar (structured outputs) advances its
+matcher with each token it keeps, and stops when the matcher terminates.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -45,6 +47,8 @@ from quire.messages import (
     NewRequestData,
     SchedulerOutput,
 )
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -337,6 +341,8 @@ class Scheduler:
         for i, token_id in enumerate(token_ids):
             request.append_token(token_id)
             status = self._check_stop(request, token_id)
+            if request.grammar is not None:
+                status = _check_grammar(request, token_id) or status
             if status is not None:
                 return token_ids[: i + 1], status
         return token_ids, None
@@ -356,6 +362,23 @@ class Scheduler:
         ):
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def _check_grammar(request: Request, token_id: int) -> RequestStatus | None:
+    """Advances the request's matcher: it stops when the grammar is complete (its stop token
+    accepted). A token the grammar forbids can only come from a row with nothing allowed (a
+    grammar that needs EOS while min_tokens bans it): the request is aborted."""
+    grammar = request.grammar
+    if not grammar.accept_token(token_id):
+        logger.warning(
+            "Request %s: token %d is not allowed by its grammar; aborting it.",
+            request.request_id,
+            token_id,
+        )
+        return RequestStatus.FINISHED_ABORTED
+    if grammar.is_terminated:
+        return RequestStatus.FINISHED_STOPPED
+    return None
 
 
 def _first_difference(old: list[int], new: list[int]) -> int:

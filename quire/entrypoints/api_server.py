@@ -61,10 +61,11 @@ from quire.entrypoints.openai_protocol import (
 )
 from quire.entrypoints.openapi import install_openapi
 from quire.entrypoints.tokenizer_pool import TokenizerPool
-from quire.entrypoints.tool_choice import request_tool_parser
+from quire.entrypoints.tool_choice import request_tool_choice
 from quire.entrypoints.tool_parsers import TOOL_PARSERS, ToolParser
 from quire.outputs import RequestOutput
 from quire.sampling_params import SamplingParams
+from quire.structured_output.compiler import GrammarError
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,8 @@ def bad_request(
     messages start with the name of the field at fault, which becomes `param` when it is a
     sampling field or one of `fields` (the request's)."""
     message = str(error)
+    if isinstance(error, protocol.FieldError):
+        return APIError(400, message, error.param)
     first_word = message.split(" ", 1)[0]
     known = first_word in _SAMPLING_FIELDS or first_word in fields
     return APIError(400, message, first_word if known else param)
@@ -226,6 +229,18 @@ class OpenAIServing:
                     "context_length_exceeded",
                 )
 
+    async def check_structured_outputs(self, params: SamplingParams, param: str | None) -> None:
+        """Compiles the request's grammar on the tokenizer pool (cached: the engine then finds
+        it compiled); a schema, regex or grammar xgrammar rejects is a 400 naming `param`."""
+        constraint = params.structured_outputs
+        if constraint is None:
+            return
+        compiler = self.engine.engine.grammar_compiler
+        try:
+            await self.tokenizers.run(len(constraint.key[1]), compiler.compile, constraint)
+        except GrammarError as error:
+            raise APIError(400, f"{param} is invalid: {error.detail}", param) from error
+
     # ---- engine requests -------------------------------------------------------------------
     async def add_requests(
         self,
@@ -295,6 +310,7 @@ class OpenAIServing:
     async def create_completion(self, body: CompletionRequest, raw: Request) -> Response:
         arrival_time = time.monotonic()
         params = self.sampling_params(body)
+        await self.check_structured_outputs(params, body.structured_outputs_field)
         prompts = await self.completion_prompts(body.prompt)
         self.check_context(prompts, body.max_tokens, "prompt")
         if body.echo:  # the echoed text of token-id prompts
@@ -317,9 +333,25 @@ class OpenAIServing:
         arrival_time = time.monotonic()
         params = self.sampling_params(body)
         try:
-            tool_parser = request_tool_parser(body.tools, body.tool_choice, self.auto_tool_parser)
+            tool_choice = request_tool_choice(
+                body.tools, body.tool_choice, body.parallel_tool_calls, self.auto_tool_parser
+            )
         except ValueError as error:
             raise APIError(400, str(error), "tool_choice") from error
+        tool_parser = tool_choice.parser
+        if tool_choice.structured_outputs is not None:
+            field = body.structured_outputs_field
+            if field is not None:
+                raise APIError(
+                    400,
+                    f"{field} cannot be combined with tool_choice {body.tool_choice!r}, which "
+                    "constrains the output itself: leave one out.",
+                    field,
+                )
+            params.structured_outputs = tool_choice.structured_outputs
+            await self.check_structured_outputs(params, "tools")
+        else:
+            await self.check_structured_outputs(params, body.structured_outputs_field)
         prompt = await self.chat_prompt(body.messages, body.add_generation_prompt, body.tools)
         self.check_context([prompt], body.max_output_tokens, "messages")
         response_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -30,7 +30,7 @@ from quire.entrypoints.tool_parsers import (
     tool_call_json,
 )
 from quire.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from quire.sampling_params import SamplingParams
+from quire.sampling_params import SamplingParams, StructuredOutputsParams
 
 # OpenAI caps top_logprobs at 20; completions' `logprobs` follows (OpenAI's own cap there is 5).
 MAX_LOGPROBS = 20
@@ -77,6 +77,52 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class FieldError(ValueError):
+    """A ValueError about one request field (`param`), answered as a 400 naming it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(
+        alias="schema", description="A JSON schema; the output is generated to validate under it."
+    )
+    strict: bool | None = Field(None, description="Ignored: the schema is always enforced.")
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(None, description='Needed by type "json_schema".')
+
+
+class StructuredOutputsRequest(_Strict):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(
+        None, alias="json", description="A JSON schema (or its text) the output validates under."
+    )
+    regex: str | None = Field(None, description="A regular expression the output fully matches.")
+    choice: list[str] | None = Field(None, description="The output is one of these strings.")
+    grammar: str | None = Field(
+        None, description="An EBNF grammar (xgrammar's GBNF syntax, start rule `root`)."
+    )
+    json_object: bool | None = Field(None, description="true: the output is a JSON object.")
+
+
+_DEPRECATED = {"deprecated": True}
+# vLLM's older spellings of structured_outputs' fields.
+_GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
 class _SamplingRequest(_Strict):
     """Fields that completions and chat share."""
 
@@ -103,6 +149,26 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or (deprecated)
+    # vLLM's guided_* fields; one of them at most.
+    response_format: ResponseFormat | None = Field(
+        None, description="OpenAI's: json_object or json_schema constrain the output."
+    )
+    structured_outputs: StructuredOutputsRequest | None = Field(
+        None, description="vLLM's: constrain the output to a JSON schema, regex, choice or grammar."
+    )
+    guided_json: dict[str, Any] | str | None = Field(
+        None, description="Deprecated: structured_outputs.json.", json_schema_extra=_DEPRECATED
+    )
+    guided_regex: str | None = Field(
+        None, description="Deprecated: structured_outputs.regex.", json_schema_extra=_DEPRECATED
+    )
+    guided_choice: list[str] | None = Field(
+        None, description="Deprecated: structured_outputs.choice.", json_schema_extra=_DEPRECATED
+    )
+    guided_grammar: str | None = Field(
+        None, description="Deprecated: structured_outputs.grammar.", json_schema_extra=_DEPRECATED
+    )
 
     @field_validator("logit_bias")
     @classmethod
@@ -115,12 +181,51 @@ class _SamplingRequest(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def structured_outputs_field(self) -> str | None:
+        """The field that constrains the output, if any (FieldError when several do)."""
+        given = []
+        if self.response_format is not None and self.response_format.type != "text":
+            given.append("response_format")
+        if self.structured_outputs is not None:
+            given.append("structured_outputs")
+        given += [name for name in _GUIDED_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise FieldError(
+                given[1], f"{given[1]} cannot be combined with {given[0]}: give one constraint."
+            )
+        return given[0] if given else None
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        field = self.structured_outputs_field
+        if field is None:
+            return None
+        if field == "response_format":
+            fmt = self.response_format
+            if fmt.type == "json_object":
+                kwargs: dict[str, Any] = {"json_object": True}
+            elif fmt.json_schema is None:
+                raise FieldError(field, 'response_format of type "json_schema" needs json_schema.')
+            else:
+                kwargs = {"json": fmt.json_schema.json_schema}
+        elif field == "structured_outputs":
+            kwargs = self.structured_outputs.model_dump(exclude_none=True)
+            if "json_" in kwargs:
+                kwargs["json"] = kwargs.pop("json_")
+        else:
+            kwargs = {_GUIDED_FIELDS[field]: getattr(self, field)}
+        try:
+            return StructuredOutputsParams(**kwargs)
+        except ValueError as error:
+            raise FieldError(field, f"{field}: {error}") from None
+
     def _sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
     ) -> SamplingParams:
         """Raises ValueError naming the field (SamplingParams validates)."""
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true.")
+        structured_outputs = self._structured_outputs()
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -140,6 +245,7 @@ class _SamplingRequest(_Strict):
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=structured_outputs,
         )
 
 
@@ -570,7 +676,7 @@ class ChatCompletionFormatter:
                 message["content"] = content
                 if calls:
                     message["tool_calls"] = [tool_call_json(call) for call in calls]
-                    finish_reason = _tool_calls_finish_reason(finish_reason)
+                    finish_reason = _tool_calls_finish_reason(finish_reason, self.tool_parser)
             choices.append(
                 {
                     "index": completion.index,
@@ -625,7 +731,7 @@ class ChatCompletionFormatter:
                             for i, call in enumerate(calls)
                         ]
                     if stream.num_calls:
-                        finish_reason = _tool_calls_finish_reason(finish_reason)
+                        finish_reason = _tool_calls_finish_reason(finish_reason, self.tool_parser)
                 if text:
                     delta = {"content": text, **delta}
                 if not (delta or state.finished or (logprobs and has_new_tokens)):
@@ -685,7 +791,8 @@ class ChatCompletionFormatter:
         )
 
 
-def _tool_calls_finish_reason(finish_reason: str | None) -> str | None:
-    """A choice that called tools and then stopped on its own ends with "tool_calls"; one cut
+def _tool_calls_finish_reason(finish_reason: str | None, parser: ToolParser) -> str | None:
+    """A choice that called tools and then stopped on its own ends with the parser's
+    `calls_finish_reason` ("tool_calls"; "stop" for a function named by tool_choice); one cut
     short (length) keeps its reason."""
-    return "tool_calls" if finish_reason == "stop" else finish_reason
+    return parser.calls_finish_reason if finish_reason == "stop" else finish_reason

@@ -334,15 +334,19 @@ def apply_token_bitmask(
     bitmask: torch.Tensor,  # [R, ceil(V / 32)] int32: bit j of word w allows token 32 w + j
     rows: list[int],  # the R rows of logits the masks apply to
 ) -> torch.Tensor:  # [S, V], forbidden tokens of those rows at -inf
-    """Structured outputs: each masked row keeps only the tokens its grammar allows."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)  # [R, 32 * words]
-    vocab_size = logits.shape[-1]
-    if allowed.shape[1] < vocab_size:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
-    logits = logits.clone()
-    index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed[:, :vocab_size], float("-inf"))
+    """Structured outputs: each masked row keeps only the tokens its grammar allows. In place:
+    quire's C kernel on a CPU (one parallel pass; xgrammar's CPU kernel is single-threaded),
+    xgrammar's CUDA or Triton kernel on a GPU."""
+    if pointwise.apply_token_bitmask(logits, bitmask, rows):
+        return logits
+    import xgrammar
+
+    if bitmask.shape[0] != logits.shape[0] or rows != list(range(len(rows))):
+        # xgrammar masks logits row i with bitmask row i: spread the rows, all allowed between.
+        spread = bitmask.new_full((logits.shape[0], bitmask.shape[1]), -1)
+        spread[torch.tensor(rows, device=bitmask.device)] = bitmask
+        bitmask = spread
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
     return logits
 
 

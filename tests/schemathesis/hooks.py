@@ -18,11 +18,19 @@ import functools
 import os
 from typing import Any
 
+import pydantic
 import schemathesis
 
 from quire.entrypoints.chat_template import load_chat_template, render_chat
-from quire.entrypoints.openai_protocol import INT64_MAX, INT64_MIN
+from quire.entrypoints.openai_protocol import (
+    INT64_MAX,
+    INT64_MIN,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from quire.entrypoints.tool_choice import request_tool_choice
 from quire.model.tokenizer import load_tokenizer
+from quire.structured_output.compiler import GrammarCompiler, GrammarError
 
 MAX_GENERATED_TOKENS = 1024
 MIN_TIMEOUT_S = 60.0
@@ -38,6 +46,11 @@ def _chat_template() -> str:
     return load_chat_template(os.environ["QUIRE_CONTRACT_CHAT_TEMPLATE"])
 
 
+@functools.cache
+def _grammar_compiler() -> GrammarCompiler:
+    return GrammarCompiler(_tokenizer, len(_tokenizer()), [])
+
+
 def _max_model_len() -> int:
     return int(os.environ["QUIRE_CONTRACT_MAX_MODEL_LEN"])
 
@@ -51,6 +64,7 @@ def completion_rules(ctx: Any, case: Any) -> bool:
     lengths = _completion_prompt_lengths(body.get("prompt"))
     return (
         _sampling_rules(body, max_tokens)
+        and _structured_output_rules(CompletionRequest, body)
         # best_of: one sample per choice.
         and body.get("best_of") in (None, body.get("n", 1))
         and _fits_context(lengths, max_tokens)
@@ -69,6 +83,7 @@ def chat_rules(ctx: Any, case: Any) -> bool:
         # top_logprobs needs logprobs.
         and (body.get("top_logprobs") is None or body.get("logprobs") is True)
         and _tool_rules(body)
+        and _structured_output_rules(ChatCompletionRequest, body)
         and _fits_context(_chat_prompt_lengths(body), max_tokens)
         and _within_budget(body, 1, max_tokens)
     )
@@ -99,14 +114,44 @@ def _sampling_rules(body: dict[str, Any], max_tokens: Any) -> bool:
 
 
 def _tool_rules(body: dict[str, Any]) -> bool:
-    """tool_choice other than "none" needs tools; "required" and a named function need
-    structured outputs (not in quire yet). The server runs with --enable-auto-tool-choice."""
+    """tool_choice other than "none" needs tools; a named function must be one of them. The
+    server runs with --enable-auto-tool-choice."""
     tools, choice = body.get("tools"), body.get("tool_choice")
-    if choice is None:
+    if choice is None or choice == "none":
         return True
-    if choice == "none":
-        return True
-    return bool(tools) and choice == "auto"
+    if not tools:
+        return False
+    if isinstance(choice, dict) and isinstance(tools, list):
+        name = (choice.get("function") or {}).get("name")
+        return any(
+            isinstance(t, dict) and (t.get("function") or {}).get("name") == name for t in tools
+        )
+    return True
+
+
+def _structured_output_rules(model: type[pydantic.BaseModel], body: dict[str, Any]) -> bool:
+    """One constraint at most (response_format, structured_outputs, a guided_* field, or a
+    forced tool choice), with exactly one kind given, that xgrammar compiles for the model's
+    tokenizer: the server answers 400 otherwise (a regex or schema's validity is xgrammar's)."""
+    try:
+        request = model.model_validate(body)
+    except pydantic.ValidationError:
+        return True  # schema-invalid: the server must answer 400 anyway
+    try:
+        params = request._sampling_params(None, None, None).structured_outputs
+        if isinstance(request, ChatCompletionRequest):
+            forced = request_tool_choice(
+                request.tools, request.tool_choice, request.parallel_tool_calls, None
+            ).structured_outputs
+            if forced is not None:
+                if params is not None:
+                    return False
+                params = forced
+        if params is not None:
+            _grammar_compiler().compile(params)
+    except (GrammarError, ValueError):
+        return False
+    return True
 
 
 def _fits_context(prompt_lengths: list[int] | None, max_tokens: Any) -> bool:

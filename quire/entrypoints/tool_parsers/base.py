@@ -34,6 +34,8 @@ class ToolParser(ABC):
     """Splits model output into content and function calls (see the module's contract)."""
 
     name: str
+    # A choice that called and then stopped ends with this finish_reason.
+    calls_finish_reason = "tool_calls"
 
     @abstractmethod
     def parse(self, text: str, final: bool) -> ParsedOutput: ...

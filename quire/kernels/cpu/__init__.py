@@ -64,6 +64,8 @@ _SIGNATURES = {
     "gemv_bf16_set_fma": [_I32],
     # x, rows, cols, out, num_threads.
     "argmax_f32": [_P, _I64, _I64, _P, _I32],
+    # x, cols, bitmask, words, rows (int64), number of masked rows, num_threads.
+    "apply_token_bitmask_f32": [_P, _I64, _P, _I64, _P, _I64, _I32],
     # DecodeModel*, DecodeStep*, token ids, positions, hidden, residual, out.
     "decode_step_bf16": [_P] * 7,
     # The same, then logits (float32) and the argmax ids (int64).

@@ -215,3 +215,29 @@ int argmax_f32(const float* x, int64_t rows, int64_t cols, int64_t* out, int num
     for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * cols, cols);
     return 0;
 }
+
+// Structured outputs: in each of `num_masks` rows of x [?, cols] float32 (row rows[i] masked by
+// bitmask row i, [num_masks, words] packed bits, bit j of word w for token 32 w + j), the
+// tokens whose bit is 0 become -inf. Words are split across threads; an all-ones word is
+// skipped, an all-zeros word filled.
+int apply_token_bitmask_f32(float* x, int64_t cols, const int32_t* bitmask, int64_t words,
+                            const int64_t* rows, int64_t num_masks, int num_threads) {
+    if (cols < 1 || words < (cols + 31) / 32 || num_masks < 0) return -1;
+    const int64_t n = num_masks * words;
+    const int threads = n >= 2048 ? num_threads : 1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t mask_row = i / words, w = i % words;
+        const uint32_t bits = (uint32_t)bitmask[mask_row * words + w];
+        if (bits == 0xFFFFFFFFu) continue;
+        float* row = x + rows[mask_row] * cols;
+        const int64_t start = 32 * w, end = start + 32 < cols ? start + 32 : cols;
+        if (bits == 0) {  // the usual word: nothing allowed
+            for (int64_t t = start; t < end; t++) row[t] = -INFINITY;
+            continue;
+        }
+        for (int64_t t = start; t < end; t++)
+            if (!((bits >> (t - start)) & 1u)) row[t] = -INFINITY;
+    }
+    return 0;
+}

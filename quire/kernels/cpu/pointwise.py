@@ -93,20 +93,43 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [rows, 2 * d] contig
     return out
 
 
+def _float32_cpu_rows(x: torch.Tensor) -> bool:
+    """Whether the C kernels can read x as it is: contiguous float32 rows in CPU memory."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:  # [rows, cols] float32 -> [rows] int64
     """`x.argmax(dim=-1)` for contiguous float32 rows on CPU (ties and NaNs as torch: the first
     maximum, the first NaN), in one vectorized pass; torch's reduction over one row of a 49k
     vocabulary takes ~30 us, as long as the rest of a batch-1 step's sampling."""
     rows, cols = x.shape
     lib = load_library()
-    if (
-        lib is None
-        or x.dtype != torch.float32
-        or x.device.type != "cpu"
-        or not x.is_contiguous()
-        or cols < 1
-    ):
+    if lib is None or not _float32_cpu_rows(x) or cols < 1:
         return x.argmax(dim=-1)
     out = torch.empty(rows, dtype=torch.int64)
     lib.argmax_f32(x.data_ptr(), rows, cols, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def apply_token_bitmask(
+    logits: torch.Tensor,  # [S, V] float32
+    bitmask: torch.Tensor,  # [R, ceil(V / 32)] int32
+    rows: list[int],  # the R rows of logits the masks apply to
+) -> bool:
+    """Sets the tokens each masked row's bits forbid to -inf, in place, in one parallel pass;
+    False (logits untouched) where the C kernel does not run (not float32 CPU rows)."""
+    lib = load_library()
+    if lib is None or not _float32_cpu_rows(logits) or bitmask.dtype != torch.int32:
+        return False
+    bitmask = bitmask.contiguous()
+    index = torch.tensor(rows, dtype=torch.int64)
+    status = lib.apply_token_bitmask_f32(
+        logits.data_ptr(),
+        logits.shape[1],
+        bitmask.data_ptr(),
+        bitmask.shape[1],
+        index.data_ptr(),
+        len(rows),
+        torch.get_num_threads(),
+    )
+    return status == 0

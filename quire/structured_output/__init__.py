@@ -1,0 +1,1 @@
+"""Structured outputs: grammars compiled by xgrammar, per-request matchers, step bitmasks."""
