@@ -162,6 +162,17 @@ class Sampler(torch.nn.Module):
         return SamplerOutput(sampled, lps[:, 0], ids, lps, ranks)
 
 
+def banned_token_ids(params: SamplingParams, num_output_tokens: int) -> list[int]:
+    """The tokens a row cannot sample after `num_output_tokens` generated ones: below
+    min_tokens, EOS and the stop token ids."""
+    if num_output_tokens >= params.min_tokens:
+        return []
+    banned = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        banned |= params.all_stop_token_ids
+    return sorted(banned)
+
+
 def penalize(
     logits: torch.Tensor,  # [S, V]
     batch: SamplingBatch,
