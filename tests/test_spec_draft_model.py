@@ -176,3 +176,16 @@ def test_a_draft_whose_tokenizer_maps_other_ids_is_a_value_error(tiny_llama, tmp
     path.write_text(json.dumps(tokenizer))
     with pytest.raises(ValueError, match="maps tokens to other ids"):
         LLM(tiny_llama, speculative_config=draft_config(str(draft)))
+
+
+def test_the_cli_takes_a_draft_model_and_prints_the_plain_greedy_text(tiny_llama, drafts, capsys):
+    from quire.entrypoints.cli import main
+
+    argv = ["generate", "Hello there", "--model", tiny_llama, "--max-tokens", "12"]
+    argv += ["--num-kv-blocks", "64"]
+
+    assert main(argv) == 0
+    plain = capsys.readouterr().out  # the prompt and its completion (the summary is on stderr)
+    spec = json.dumps(draft_config(drafts["llama"]))
+    assert main([*argv, "--speculative-config", spec]) == 0
+    assert capsys.readouterr().out == plain
