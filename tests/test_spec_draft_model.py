@@ -115,6 +115,29 @@ def test_the_target_as_its_own_draft_has_every_proposal_accepted(tiny_llama):
     assert llm.engine.num_steps - steps_before == 1 + 5  # the prompts' step, then 5 of k + 1
 
 
+def test_stops_inside_an_accepted_run_cut_it_as_plain_decoding_does(tiny_llama):
+    """Every proposal of the target as its own draft is accepted, so a stop token id, min_tokens
+    and max_tokens fall inside accepted runs: the tokens after them are dropped."""
+    kwargs = dict(dtype="bfloat16", max_num_batched_tokens=512, **POOL)
+    plain = LLM(tiny_llama, **kwargs)
+    llm = LLM(tiny_llama, speculative_config=draft_config(tiny_llama), **kwargs)
+    (tokens, _), *_ = generate(plain, GREEDY, PROMPTS[:1])[0]
+    stop = tokens[6]
+    first_stop = tokens.index(stop)
+    for params in (
+        SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop]),
+        SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop], min_tokens=7),
+        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+    ):
+        out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0]
+        expected = plain.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert out.outputs[0].finish_reason == expected.outputs[0].finish_reason
+    assert first_stop <= 6
+    assert llm.engine.spec_decoding_stats.acceptance_rate == 1.0
+    assert_no_leak(llm)
+
+
 SEEDED = {
     "top-p": SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=24, ignore_eos=True),
     "top-k-penalties-n2": SamplingParams(
