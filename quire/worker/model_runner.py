@@ -10,7 +10,11 @@ Speculative tokens are verified position by position: the token sampled after th
 and the first j proposals is kept if every proposal before it matched what was sampled at its
 position. Each position samples with its own noise (sample/sampler.py, `noise_seed`) and sees
 the proposals before it as generated tokens (penalties, min_tokens), so a request gets the tokens
-it would get without speculation.
+it would get without speculation. That exact match is rejection sampling for proposals that are
+point masses (n-gram ones, a draft model's for a greedy request); a sampling request verifying a
+draft model's proposals goes through the rejection sampler with the draft's q instead
+(sample/rejection_sampler.py). With a draft model, after each step the draft catches up on the
+step's tokens and proposes the next step's tokens (spec_decode/draft_model.py).
 """
 
 from __future__ import annotations
@@ -109,14 +113,10 @@ class ModelRunner:
             if spec is not None and spec.method == "draft_model"
             else None
         )
-        if self.drafter is not None and self.drafter.model_config.vocab_size != (
+        # The front end refused a draft of another vocabulary (llm_engine.check_draft_vocabulary).
+        assert self.drafter is None or self.drafter.model_config.vocab_size == (
             model_config.vocab_size
-        ):
-            raise ValueError(
-                f"The draft model's vocabulary ({self.drafter.model_config.vocab_size} tokens) "
-                f"differs from the target's ({model_config.vocab_size}): speculative decoding "
-                "needs a draft model with the target's tokenizer."
-            )
+        )
         self.backend = make_backend(config.attention_backend)
         self.sampler = Sampler()
         self.num_blocks = config.num_kv_blocks or kv_cache.num_kv_blocks(
