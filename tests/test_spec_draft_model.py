@@ -115,6 +115,31 @@ def test_the_target_as_its_own_draft_has_every_proposal_accepted(tiny_llama):
     assert llm.engine.num_steps - steps_before == 1 + 5  # the prompts' step, then 5 of k + 1
 
 
+def test_the_target_as_its_own_draft_accepts_every_sampled_proposal(tiny_llama):
+    """q equals p bit for bit (the draft's decode and the verification of a position are the
+    same computation in bf16, with the same penalties, bans and filters), so min(1, p/q) = 1:
+    any misaligned position, penalty history or filter would show as a rejection."""
+    params = SamplingParams(
+        temperature=1.0,
+        top_k=30,
+        top_p=0.95,
+        min_p=0.01,
+        presence_penalty=2.0,
+        frequency_penalty=2.0,
+        repetition_penalty=1.5,
+        min_tokens=10,
+        seed=4,
+        max_tokens=25,
+    )
+    kwargs = dict(dtype="bfloat16", speculative_config=draft_config(tiny_llama), **POOL)
+    llm = LLM(tiny_llama, max_num_batched_tokens=512, **kwargs)
+    generate(llm, params)
+    stats = llm.engine.spec_decoding_stats
+    assert stats.num_draft_tokens > 0
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+    assert_no_leak(llm)
+
+
 def test_stops_inside_an_accepted_run_cut_it_as_plain_decoding_does(tiny_llama):
     """Every proposal of the target as its own draft is accepted, so a stop token id, min_tokens
     and max_tokens fall inside accepted runs: the tokens after them are dropped."""
