@@ -34,9 +34,15 @@ def default_model_path() -> str:
 
 
 # Proposal methods this engine has; vLLM's others are refused with a clear error.
-_SPEC_METHODS = ("ngram",)
-_SPEC_METHODS_NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
-_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+_SPEC_METHODS = ("ngram", "draft_model")
+_SPEC_METHODS_NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+_SPEC_KEYS = (
+    "method",
+    "model",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+)
 # With "num_speculative_tokens": "auto", the most tokens a request verifies in one step.
 AUTO_MAX_SPECULATIVE_TOKENS = 8
 
@@ -48,13 +54,17 @@ class SpeculativeConfig:
     n-gram prompt lookup (quire/spec_decode/ngram.py) proposes up to `num_speculative_tokens`
     tokens per running decode each step; with `adaptive` (the dict's "auto"), up to
     AUTO_MAX_SPECULATIVE_TOKENS, and the number verified is chosen each step from measured
-    acceptance and step cost (quire/spec_decode/adaptive.py)."""
+    acceptance and step cost (quire/spec_decode/adaptive.py). A draft model (`model`, any
+    checkpoint quire loads with the target's vocabulary; quire/spec_decode/draft_model.py)
+    proposes exactly `num_speculative_tokens`: "auto" is refused for it, as the adaptive model
+    measures neither the draft's k forwards per step nor the acceptance of sampled proposals."""
 
     method: str
     num_speculative_tokens: int
     adaptive: bool
     prompt_lookup_min: int
     prompt_lookup_max: int
+    model: str | None = None  # the draft model (method "draft_model")
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any]) -> SpeculativeConfig:
@@ -75,6 +85,25 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(
                 f"Unknown speculative_config keys {unknown}; accepted: {', '.join(_SPEC_KEYS)}."
+            )
+        model = spec.get("model")
+        if method == "draft_model":
+            if isinstance(model, os.PathLike):
+                model = os.fspath(model)
+            if not isinstance(model, str) or not os.path.exists(model):
+                raise ValueError(
+                    "speculative_config method 'draft_model' needs 'model': the path of a draft "
+                    f"model (Hugging Face folder or .gguf file) that exists; got {model!r}."
+                )
+            if spec.get("num_speculative_tokens") == "auto":
+                raise ValueError(
+                    "speculative_config 'num_speculative_tokens': 'auto' is not supported with "
+                    "method 'draft_model' (adaptive speculation measures deterministic n-gram "
+                    "proposals only); give an integer >= 1."
+                )
+        elif model is not None:
+            raise ValueError(
+                f"speculative_config 'model' applies to method 'draft_model' only, not {method!r}."
             )
         k = spec.get("num_speculative_tokens")
         adaptive = k == "auto"
@@ -101,7 +130,7 @@ class SpeculativeConfig:
                 f"speculative_config prompt_lookup_min ({low}) must be <= "
                 f"prompt_lookup_max ({high})."
             )
-        return cls(method, k, adaptive, low, high)
+        return cls(method, k, adaptive, low, high, model)
 
 
 @dataclass

@@ -103,7 +103,8 @@ class EngineArgs:
     speculative_config: dict | None = _knob(
         help='speculative decoding, vLLM\'s dict as JSON: \'{"method": "ngram", '
         '"num_speculative_tokens": 4 (or "auto"), "prompt_lookup_min": 2, '
-        '"prompt_lookup_max": 4}\'',
+        '"prompt_lookup_max": 4}\', or \'{"method": "draft_model", "model": PATH, '
+        '"num_speculative_tokens": 3}\'',
         metavar="JSON",
     )
     # The CPU kernel choices: on where they run, each can be turned off to compare against

@@ -116,3 +116,6 @@ class ModelRunnerOutput:
     # For requests that asked for logprobs (raw distribution), one row per sampled token.
     logprobs: dict[str, TopLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, TopLogprobs] = field(default_factory=dict)  # this step's chunk
+    # A draft model's proposals for the next step, per request that sampled (speculative
+    # decoding); the engine core hands them to the scheduler as the request's spec tokens.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

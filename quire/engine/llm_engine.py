@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import logging
 import numbers
+import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 from quire.config import EngineConfig
 from quire.engine.core import CoreStats, EngineCore, EngineCoreOutput
@@ -21,11 +22,15 @@ from quire.engine.detokenizer import IncrementalDetokenizer
 from quire.engine.request import Request, RequestStatus
 from quire.messages import TopLogprobs
 from quire.model.loader import load_model_config
+from quire.model.model_config import ModelConfig
 from quire.model.tokenizer import load_tokenizer
 from quire.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from quire.sampling_params import SamplingParams
 from quire.spec_decode.speculator import SpecDecodingStats
 from quire.structured_output.compiler import GrammarCompiler
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +85,28 @@ class RequestGroup:
         return [f"{self.request_id}#{i}" for i in range(self.params.n)]
 
 
+def check_draft_vocabulary(
+    config: EngineConfig, model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """A ValueError unless the draft model shares the target's vocabulary: its size, and its
+    tokenizer's token -> id map (skipped when the draft is the target itself)."""
+    draft = config.speculative_config.model
+    draft_config = load_model_config(replace(config, model=draft, tokenizer=None))
+    if draft_config.vocab_size != model_config.vocab_size:
+        raise ValueError(
+            f"The draft model's vocabulary ({draft_config.vocab_size} tokens, {draft}) differs "
+            f"from the target's ({model_config.vocab_size}): speculative decoding needs a draft "
+            "model with the target's tokenizer."
+        )
+    if os.path.realpath(draft) == os.path.realpath(config.model):
+        return
+    if load_tokenizer(draft).get_vocab() != tokenizer.get_vocab():
+        raise ValueError(
+            f"The draft model's tokenizer ({draft}) maps tokens to other ids than the target's: "
+            "speculative decoding needs a draft model with the target's tokenizer."
+        )
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -93,6 +120,9 @@ class LLMEngine:
                 f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                 f"({model_config.max_position_embeddings}); pass a smaller max_model_len."
             )
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            check_draft_vocabulary(config, model_config, self.tokenizer)
         # Compiles structured outputs' grammars to validate them; the core shares its cache when
         # it runs in this process.
         self.grammar_compiler = GrammarCompiler(

@@ -134,7 +134,7 @@ class Scheduler:
             is_decode = request.num_prompt_tokens <= request.num_computed_tokens
             if is_decode:
                 num_new += self._trim_spec_tokens(request, budget - num_new)
-            lookahead = self.num_lookahead_tokens if is_decode else 0
+            lookahead = self._lookahead(request, request.num_computed_tokens + num_new)
             while not self.kv_manager.allocate_slots(request, num_new, num_lookahead=lookahead):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -155,6 +155,14 @@ class Scheduler:
         # Decodes first (stable): the runner lays a step out as decodes, then prompt chunks.
         scheduled.sort(key=lambda entry: entry[0].num_computed_tokens < entry[0].num_prompt_tokens)
         return self._message(scheduled, forked, preempted)
+
+    def _lookahead(self, request: Request, num_computed_after: int) -> int:
+        """Slots to reserve past the step's tokens: for a request that samples this step (its
+        tokens all computed after it), room for the speculative tokens proposed next (a draft
+        model writes their K/V there), never past max_model_len (so a lone request still fits)."""
+        if num_computed_after < request.num_tokens:
+            return 0
+        return max(min(self.num_lookahead_tokens, self.max_model_len - num_computed_after), 0)
 
     def _trim_spec_tokens(self, request: Request, budget: int) -> int:
         """Cuts the request's speculative tokens to what the budget, max_model_len and its
@@ -185,7 +193,8 @@ class Scheduler:
                 request, request.num_tokens - num_cached, hits
             ):
                 break  # resumed: wait until its replay fits too, or it would preempt itself
-            if not self.kv_manager.allocate_slots(request, num_new, hits):
+            lookahead = self._lookahead(request, num_cached + num_new)
+            if not self.kv_manager.allocate_slots(request, num_new, hits, lookahead):
                 break
             self.waiting.popleft()
             request.num_computed_tokens = num_cached

@@ -154,16 +154,32 @@ class Sampler(torch.nn.Module):
         batch: SamplingBatch,
     ) -> SamplerOutput:
         raw_logprobs = None if batch.max_num_logprobs is None else logits.log_softmax(dim=-1)
-        processed = logits
-        if batch.any_banned:
-            processed = apply_banned_tokens(processed, batch.banned_token_ids)
-        processed = apply_penalties(processed, batch)
-        sampled = sample(processed, batch)  # [S]
+        sampled = sample(penalize(logits, batch), batch)  # [S]
 
         if raw_logprobs is None:
             return SamplerOutput(sampled, None, None, None, None)
         ids, lps, ranks = compute_topk_logprobs(raw_logprobs, sampled, batch.max_num_logprobs)
         return SamplerOutput(sampled, lps[:, 0], ids, lps, ranks)
+
+
+def banned_token_ids(params: SamplingParams, num_output_tokens: int) -> list[int]:
+    """The tokens a row cannot sample after `num_output_tokens` generated ones: below
+    min_tokens, EOS and the stop token ids."""
+    if num_output_tokens >= params.min_tokens:
+        return []
+    banned = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        banned |= params.all_stop_token_ids
+    return sorted(banned)
+
+
+def penalize(
+    logits: torch.Tensor,  # [S, V]
+    batch: SamplingBatch,
+) -> torch.Tensor:  # [S, V]: banned tokens at -inf, then the penalties
+    if batch.any_banned:
+        logits = apply_banned_tokens(logits, batch.banned_token_ids)
+    return apply_penalties(logits, batch)
 
 
 def token_counts(
@@ -238,6 +254,14 @@ def sample_random(
     logits: torch.Tensor,  # [S, V], penalized
     batch: SamplingBatch,
 ) -> torch.Tensor:  # [S] int64; meaningless for greedy rows
+    return exponential_race(filtered_probs(logits, batch), batch.noise_seeds)
+
+
+def filtered_probs(
+    logits: torch.Tensor,  # [S, V], penalized
+    batch: SamplingBatch,
+) -> torch.Tensor:  # [S, V], not renormalized after min-p; meaningless for greedy rows
+    """The distribution a random row samples from: temperature, top-k, top-p, softmax, min-p."""
     temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)
     logits = logits / temperature[:, None]
     if batch.max_top_k > 0:
@@ -247,7 +271,25 @@ def sample_random(
     probs = logits.softmax(dim=-1)
     if batch.any_min_p:
         probs = apply_min_p(probs, batch.min_p)
-    return exponential_race(probs, batch.noise_seeds)
+    return probs
+
+
+def sampling_probs(
+    logits: torch.Tensor,  # [S, V], raw
+    batch: SamplingBatch,
+) -> torch.Tensor:  # [S, V] float32, rows sum to 1
+    """Each row's processed distribution, the one `Sampler` draws from: penalties and filters
+    for a random row, a point mass on the argmax for a greedy row."""
+    processed = penalize(logits, batch)
+    if not batch.all_greedy:
+        probs = filtered_probs(processed, batch)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        if batch.all_random:
+            return probs
+    one_hot = torch.zeros_like(processed).scatter_(-1, greedy(processed)[:, None], 1.0)
+    if batch.all_greedy:
+        return one_hot
+    return torch.where((batch.temperature == 0)[:, None], one_hot, probs)
 
 
 def apply_top_k(
@@ -289,15 +331,26 @@ def apply_min_p(
 _MASK64 = (1 << 64) - 1
 
 
-def noise_seed(seed: int, index: int, position: int) -> int:
-    """The key of a seeded request's sampling noise for the token at `position` of completion
-    `index`: splitmix64 over (seed + index, position), so nearby keys give unrelated streams.
-    Completion i of a request with seed s draws the noise of a lone request with seed s + i
-    (vLLM's convention for n > 1)."""
-    x = ((seed + index) * 0x9E3779B97F4A7C15 + position) & _MASK64
+# Noise streams of one token position: the target's sample (and a speculative bonus token),
+# then speculative decoding's draft sample, acceptance test and residual sample.
+STREAM_SAMPLE, STREAM_DRAFT, STREAM_ACCEPT, STREAM_RESIDUAL = range(4)
+
+
+def _splitmix64(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
+
+
+def noise_seed(seed: int, index: int, position: int, stream: int = STREAM_SAMPLE) -> int:
+    """The key of a seeded request's sampling noise for the token at `position` of completion
+    `index`: splitmix64 over (seed + index, position), so nearby keys give unrelated streams.
+    Completion i of a request with seed s draws the noise of a lone request with seed s + i
+    (vLLM's convention for n > 1). Other `stream`s of the same position are mixed once more."""
+    key = _splitmix64(((seed + index) * 0x9E3779B97F4A7C15 + position) & _MASK64)
+    if stream == STREAM_SAMPLE:
+        return key
+    return _splitmix64((key + stream * 0xD1B54A32D192ED03) & _MASK64)
 
 
 @functools.cache
@@ -327,6 +380,19 @@ def exponential_race(
     # q can round to 0; a tiny floor keeps 0 / 0 (a filtered token) from becoming NaN.
     q.clamp_min_(torch.finfo(q.dtype).tiny)
     return probs.div(q).argmax(dim=-1)
+
+
+def uniform_noise(
+    noise_seeds: list[int | None], device: torch.device | str
+) -> torch.Tensor:  # [S] float32 in [0, 1)
+    """One uniform draw per row: from torch's default RNG, or from the row's key."""
+    u = torch.rand(len(noise_seeds), device=device)
+    generator = _noise_generator(torch.device(device))
+    for row, key in enumerate(noise_seeds):
+        if key is not None:
+            generator.manual_seed(key)
+            u[row] = torch.rand(1, generator=generator, device=device)[0]
+    return u
 
 
 def apply_token_bitmask(

@@ -1,7 +1,8 @@
 """Speculator: the engine core's side of speculative decoding. Before each step it gives every
 running decode its proposed tokens (`Request.spec_token_ids`, which the scheduler trims to the
-budget and sends); after the step it counts what the worker accepted and, with adaptive
-speculation, feeds the step's time to the cost model.
+budget and sends): the n-gram proposer's, or those a draft model made in the worker during the
+last step (`ModelRunnerOutput.draft_token_ids`). After the step it counts what the worker
+accepted and, with adaptive speculation, feeds the step's time to the cost model.
 
 A request is a decode ready for proposals when all its known tokens but the last are computed:
 a request still in its prompt, or replaying its tokens after a preemption, gets none.
@@ -47,7 +48,13 @@ class SpecDecodingStats:
 class Speculator:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        # A draft model proposes in the worker: its proposals come back with each step's output.
+        self.proposer = (
+            NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+            if config.method == "ngram"
+            else None
+        )
+        self._draft_token_ids: dict[str, list[int]] = {}
         self.adaptive = (
             AdaptiveSpeculation(config.num_speculative_tokens) if config.adaptive else None
         )
@@ -60,6 +67,11 @@ class Speculator:
             r for r in running if r.num_prompt_tokens <= r.num_computed_tokens == r.num_tokens - 1
         ]
         self._ready = {r.request_id for r in ready}
+        if self.proposer is None:
+            drafts = self._draft_token_ids
+            for r in ready:
+                r.spec_token_ids = list(drafts.get(r.request_id, ()))
+            return
         gone = self.proposer.req_ids - {r.request_id for r in running}
         self.proposer.drop(gone)
         adaptive = self.adaptive
@@ -86,6 +98,7 @@ class Speculator:
     ) -> None:
         """Counts the step's accepted proposals; a decode-only step's time goes to the
         adaptive cost model."""
+        self._draft_token_ids = runner_output.draft_token_ids
         stats, spec = self.stats, output.scheduled_spec_decode_tokens
         for req_id, proposal in spec.items():
             sampled = runner_output.sampled_token_ids.get(req_id)

@@ -152,8 +152,10 @@ def num_kv_blocks(
     model: nn.Module | None = None,
     backend: AttentionBackend | None = None,
     max_num_seqs: int = 256,
+    draft_model_config: ModelConfig | None = None,
 ) -> int:
-    """Blocks that fit the budget: `kv_cache_memory` if given; on CUDA, what
+    """Blocks that fit the budget (in the target's cache and, with a draft model, the draft's):
+    `kv_cache_memory` if given; on CUDA, what
     `gpu_memory_utilization` leaves after the loaded `model` and the activations of its largest
     step, profiled (a heuristic per batched token when no model is given); on CPU, a fixed share
     of physical memory."""
@@ -169,7 +171,10 @@ def num_kv_blocks(
         budget = gpu_kv_bytes(gpu_memory_utilization, activations, device)
     else:
         budget = default_cpu_kv_bytes()
-    num_blocks = budget // bytes_per_block(model_config, block_size, dtype)
+    block_bytes = bytes_per_block(model_config, block_size, dtype)
+    if draft_model_config is not None:  # a draft model's cache, indexed by the same block ids
+        block_bytes += bytes_per_block(draft_model_config, block_size, dtype)
+    num_blocks = budget // block_bytes
     if num_blocks < 1:
         raise ValueError(
             f"No room for the KV cache: the budget is {budget / 2**20:.0f} MiB. "

@@ -10,7 +10,11 @@ Speculative tokens are verified position by position: the token sampled after th
 and the first j proposals is kept if every proposal before it matched what was sampled at its
 position. Each position samples with its own noise (sample/sampler.py, `noise_seed`) and sees
 the proposals before it as generated tokens (penalties, min_tokens), so a request gets the tokens
-it would get without speculation.
+it would get without speculation. That exact match is rejection sampling for proposals that are
+point masses (n-gram ones, a draft model's for a greedy request); a sampling request verifying a
+draft model's proposals goes through the rejection sampler with the draft's q instead
+(sample/rejection_sampler.py). With a draft model, after each step the draft catches up on the
+step's tokens and proposes the next step's tokens (spec_decode/draft_model.py).
 """
 
 from __future__ import annotations
@@ -27,14 +31,23 @@ from quire.kernels import cpu as cpu_kernels
 from quire.messages import ModelRunnerOutput, SchedulerOutput, TopLogprobs
 from quire.model.loader import load_model
 from quire.model.model_config import ModelConfig
+from quire.sample.rejection_sampler import rejection_sample
 from quire.sample.sampler import (
+    STREAM_ACCEPT,
+    STREAM_RESIDUAL,
+    STREAM_SAMPLE,
     Sampler,
+    SamplerOutput,
     SamplingBatch,
     apply_token_bitmask,
+    banned_token_ids,
     compute_topk_logprobs,
     greedy,
     noise_seed,
+    sampling_probs,
+    uniform_noise,
 )
+from quire.spec_decode.draft_model import Draft, DraftModelProposer
 from quire.worker import host_memory, kv_cache
 from quire.worker.cpu_step import CpuStepRunner, StepWeights
 from quire.worker.cuda_graph import CUDAGraphRunner, use_cuda_graphs
@@ -94,6 +107,16 @@ class ModelRunner:
         self.model = load_model(config, model_config, dtype, max_model_len)
         if self.device.type == "cpu" and config.huge_pages:
             host_memory.move_to_huge_pages(self.model)
+        spec = config.speculative_config
+        self.drafter = (
+            DraftModelProposer(config, dtype, max_model_len)
+            if spec is not None and spec.method == "draft_model"
+            else None
+        )
+        # The front end refused a draft of another vocabulary (llm_engine.check_draft_vocabulary).
+        assert self.drafter is None or self.drafter.model_config.vocab_size == (
+            model_config.vocab_size
+        )
         self.backend = make_backend(config.attention_backend)
         self.sampler = Sampler()
         self.num_blocks = config.num_kv_blocks or kv_cache.num_kv_blocks(
@@ -107,6 +130,7 @@ class ModelRunner:
             model=self.model,
             backend=self.backend,
             max_num_seqs=config.max_num_seqs,
+            draft_model_config=None if self.drafter is None else self.drafter.model_config,
         )
         self.kv_cache = kv_cache.KVCache.allocate(
             model_config.num_hidden_layers,
@@ -118,6 +142,8 @@ class ModelRunner:
             config.device,
             config.huge_pages,
         )
+        if self.drafter is not None:
+            self.drafter.allocate(self.num_blocks, dtype, config.huge_pages)
         weights = StepWeights.from_model(self.model)
         self.cpu_step = (
             CpuStepRunner(weights, self.kv_cache)
@@ -249,9 +275,13 @@ class ModelRunner:
     # ---- the step --------------------------------------------------------------------------
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         step = self.input_batch.update(output)
+        if self.drafter is not None:
+            self.drafter.drop([*output.finished_req_ids, *output.preempted_req_ids])
         if output.block_copies:
             with torch.inference_mode():
                 self.kv_cache.copy_blocks(output.block_copies)
+                if self.drafter is not None:
+                    self.drafter.kv_cache.copy_blocks(output.block_copies)
         if not step:
             return ModelRunnerOutput({})
         input_ids, positions, metadata, first_rows = self._prepare(step)
@@ -265,11 +295,43 @@ class ModelRunner:
         ):
             # A decode-only step, every row's token the argmax: one C call (cpu_step.py).
             row_tokens = self.cpu_step.argmax_tokens(input_ids, positions, metadata)
-            return ModelRunnerOutput(_accept(step, first_rows, row_tokens))
-        with torch.inference_mode():  # entered only here: ~20 us each way with the caches cold
-            return self._forward_and_sample(
-                output, step, input_ids, positions, metadata, first_rows
+            result = ModelRunnerOutput(_accept(step, first_rows, row_tokens))
+        else:
+            with torch.inference_mode():  # entered only here: ~20 us each way, caches cold
+                result = self._forward_and_sample(
+                    output, step, input_ids, positions, metadata, first_rows
+                )
+        if self.drafter is not None:
+            with torch.inference_mode():
+                self.drafter.catch_up(input_ids, positions, metadata, self.backend)
+                result.draft_token_ids = self._propose(output, result)
+        return result
+
+    def _propose(self, output: SchedulerOutput, result: ModelRunnerOutput) -> dict[str, list[int]]:
+        """The draft's proposals for every request that sampled this step, after its new tokens;
+        none for a fork or its parent this step (they share a partial block the proposals would
+        write into)."""
+        forking = {f.req_id for f in output.forked_reqs}
+        forking |= {f.parent_req_id for f in output.forked_reqs}
+        batch, drafter = self.input_batch, self.drafter
+        proposing = []
+        for req_id, token_ids in result.sampled_token_ids.items():
+            if req_id in forking:
+                drafter.drop([req_id])
+                continue
+            s = batch.requests[req_id]
+            proposing.append(
+                drafter.proposing(
+                    req_id,
+                    s.row,
+                    int(batch.num_blocks[s.row]),
+                    s.prompt_token_ids,
+                    s.token_ids + token_ids,
+                    s.sampling_params,
+                    s.index,
+                )
             )
+        return drafter.propose(proposing, batch.block_table, self.backend)
 
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
@@ -321,22 +383,104 @@ class ModelRunner:
             token_ids = greedy(logits).tolist()
             result.sampled_token_ids.update(_accept_rows(sampled, token_ids))
             return result
-        batch = SamplingBatch.from_params(
-            [s.sampling_params for s, _, _ in sampled],
-            # Only penalized rows read their history: no per-step copy of every output.
-            [_seen_outputs(s, offset) for s, _, offset in sampled],
-            [s.prompt_token_ids for s, _, _ in sampled],
-            [_noise_key(s, offset) for s, _, offset in sampled],
-            [_banned_tokens(s, offset) for s, _, offset in sampled],
-            self.device,
-        )
+        batch = self._sampling_batch([(s, offset) for s, _, offset in sampled], seeded=True)
+        drafted = self._drafted(sampled)
+        num_logprobs = batch.max_num_logprobs
+        if drafted:  # logprobs of the tokens the rejection sampler emits, computed below
+            batch.max_num_logprobs = None
         out = self.sampler(logits, batch)
         token_ids = out.sampled_token_ids.tolist()
         accepted = _accept_rows(sampled, token_ids)
+        if drafted:
+            row_tokens = self._rejection_sample(
+                sampled, drafted, logits, out.sampled_token_ids, accepted
+            )
+            if num_logprobs is not None:
+                ids, lps, ranks = compute_topk_logprobs(
+                    logits.log_softmax(dim=-1), row_tokens, num_logprobs
+                )
+                out = SamplerOutput(row_tokens, lps[:, 0], ids, lps, ranks)
         result.sampled_token_ids.update(accepted)
         if out.logprob_token_ids is not None:
             self._sampled_logprobs(result, sampled, accepted, out)
         return result
+
+    def _sampling_batch(self, rows: list[tuple[RequestState, int]], seeded: bool) -> SamplingBatch:
+        """The sampling parameters of these (request, offset past its known tokens) rows, with
+        their sampling noise's keys if `seeded`."""
+        return SamplingBatch.from_params(
+            [s.sampling_params for s, _ in rows],
+            # Only penalized rows read their history: no per-step copy of every output.
+            [_seen_outputs(s, offset) for s, offset in rows],
+            [s.prompt_token_ids for s, _ in rows],
+            [_noise_key(s, offset) if seeded else None for s, offset in rows],
+            [_banned_tokens(s, offset) for s, offset in rows],
+            self.device,
+        )
+
+    def _drafted(self, sampled: list[tuple[RequestState, int, int]]) -> dict[int, Draft]:
+        """The sampling (not greedy) requests verifying a draft model's proposals: the index
+        of each one's first row in `sampled`, and its draft (proposals and q)."""
+        if self.drafter is None:
+            return {}
+        drafts = self.drafter.drafts
+        drafted = {}
+        for i, (s, _, offset) in enumerate(sampled):
+            draft = drafts.get(s.req_id) if offset == 0 and s.spec_token_ids else None
+            if draft is not None and draft.probs is not None:
+                assert draft.token_ids[: len(s.spec_token_ids)] == s.spec_token_ids
+                drafted[i] = draft
+        return drafted
+
+    def _rejection_sample(
+        self,
+        sampled: list[tuple[RequestState, int, int]],
+        drafted: dict[int, Draft],
+        logits: torch.Tensor,  # [num_sampled, vocab], a row per entry of `sampled`
+        sampled_tokens: torch.Tensor,  # [num_sampled], the target's sample at each row
+        accepted: dict[str, list[int]],  # updated: the drafted requests' emitted tokens
+    ) -> torch.Tensor:  # [num_sampled]: the token each row emits (the sample where not drafted)
+        """Verifies the drafted requests' proposals by rejection sampling, all at once
+        (sample/rejection_sampler.py). The target's p at each proposal is the distribution its
+        row samples from; the bonus token is the row's own sample."""
+        firsts = list(drafted)
+        states = [sampled[i][0] for i in firsts]
+        ks = [len(s.spec_token_ids) for s in states]
+        batch_size, max_k, dev = len(states), max(ks), self.device
+        # [B, K] in row-major order; padding past a request's k repeats its last proposal's row.
+        padded = [
+            (i, s, min(j, k - 1)) for i, s, k in zip(firsts, states, ks) for j in range(max_k)
+        ]
+        rows = torch.tensor([i + j for i, _, j in padded], device=dev)
+        target_batch = self._sampling_batch([(s, j) for _, s, j in padded], seeded=False)
+        target_probs = sampling_probs(logits[rows], target_batch)  # [B * K, V]
+        draft_probs = torch.zeros_like(target_probs).view(batch_size, max_k, -1)
+        for b, (i, k) in enumerate(zip(firsts, ks)):
+            draft_probs[b, :k] = drafted[i].probs[:k]
+        keys = [
+            (_noise_key(s, j, STREAM_ACCEPT), _noise_key(s, j, STREAM_RESIDUAL))
+            for s in states
+            for j in range(max_k)
+        ]
+        proposals = [s.spec_token_ids + [0] * (max_k - k) for s, k in zip(states, ks)]
+        out, num_emitted = rejection_sample(
+            torch.tensor(proposals, device=dev),
+            torch.tensor(ks, device=dev),
+            draft_probs,
+            target_probs.view(batch_size, max_k, -1),
+            sampled_tokens[torch.tensor([i + k for i, k in zip(firsts, ks)], device=dev)],
+            uniform_noise([a for a, _ in keys], dev).view(batch_size, max_k),
+            [r for _, r in keys],
+        )
+        emitted = out.tolist()
+        for s, tokens, num in zip(states, emitted, num_emitted.tolist()):
+            accepted[s.req_id] = tokens[:num]
+        positions = torch.arange(max_k + 1, device=dev)
+        valid = positions < num_emitted[:, None]
+        row_index = torch.tensor(firsts, device=dev)[:, None] + positions
+        row_tokens = sampled_tokens.clone()
+        row_tokens[row_index[valid]] = out[valid]
+        return row_tokens
 
     def _apply_grammar(
         self,
@@ -450,17 +594,12 @@ def _seen_outputs(state: RequestState, offset: int) -> list[int]:
     return state.token_ids[state.num_prompt_tokens :] + state.spec_token_ids[:offset]
 
 
-def _noise_key(state: RequestState, offset: int) -> int | None:
+def _noise_key(state: RequestState, offset: int, stream: int = STREAM_SAMPLE) -> int | None:
     seed = state.sampling_params.seed
-    return None if seed is None else noise_seed(seed, state.index, state.num_tokens + offset)
+    if seed is None:
+        return None
+    return noise_seed(seed, state.index, state.num_tokens + offset, stream)
 
 
 def _banned_tokens(state: RequestState, offset: int) -> list[int]:
-    """Below min_tokens, EOS and the stop token ids cannot be sampled."""
-    params = state.sampling_params
-    if state.num_output_tokens + offset >= params.min_tokens:
-        return []
-    banned = set(params.stop_token_ids)
-    if not params.ignore_eos:
-        banned |= params.all_stop_token_ids
-    return sorted(banned)
+    return banned_token_ids(state.sampling_params, state.num_output_tokens + offset)

@@ -1,0 +1,239 @@
+"""Speculative decoding with a draft model, end to end: greedy requests get the tokens of plain
+decoding whatever the draft proposes (in every batch shape the scheduler makes), the target as
+its own draft has every proposal accepted, seeded sampling is reproducible, and a draft of
+another vocabulary is refused.
+
+Drafts are tiny random checkpoints: the target's weights perturbed (so some proposals are
+accepted and some rejected), or a model of another architecture (nearly all rejected).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from quire import LLM, SamplingParams
+
+# Repetitive prompts of several lengths; the last two share a 32-token prefix (prefix hits).
+PROMPTS = [
+    [5, 9, 200, 17, 3] * 4,
+    [44, 45, 46, 47] * 9,
+    [300 + i % 11 for i in range(40)] + [7, 8, 9],
+    [300 + i % 11 for i in range(40)] + [1, 2],
+]
+K = 3
+POOL = dict(num_kv_blocks=128)  # 2048 tokens: a default-sized pool takes seconds to allocate
+
+
+def draft_config(path: str, k: int = K) -> dict:
+    return {"method": "draft_model", "model": path, "num_speculative_tokens": k}
+
+
+def perturbed_copy(src: str, dst: str, scale: float, seed: int = 7) -> str:
+    """The checkpoint at `src` with every weight multiplied by (1 + scale * noise)."""
+    if os.path.exists(dst):
+        return dst
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "model.safetensors")
+    generator = torch.Generator().manual_seed(seed)
+    weights = load_file(path)
+    for name, w in weights.items():
+        noise = torch.randn(w.shape, generator=generator, dtype=torch.float32)
+        weights[name] = (w.float() * (1 + scale * noise)).to(w.dtype)
+    save_file(weights, path, metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny_models, tmp_path_factory) -> dict[str, str]:
+    """Per target architecture: a draft close to it (its weights perturbed)."""
+    root = tmp_path_factory.mktemp("drafts")
+    return {
+        arch: perturbed_copy(path, str(root / arch), scale=0.05)
+        for arch, path in tiny_models.items()
+    }
+
+
+def generate(llm: LLM, params: SamplingParams, prompts=PROMPTS):
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [[(c.token_ids, c.logprobs) for c in o.outputs] for o in outputs]
+
+
+def assert_no_leak(llm: LLM) -> None:
+    kv = llm.engine.kv_manager
+    kv.check_invariants()
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_greedy_float32_tokens_equal_plain_decoding(tiny_models, drafts, arch):
+    kwargs = dict(dtype="float32", max_num_batched_tokens=32, **POOL)  # chunked prefill
+    reference = generate(LLM(tiny_models[arch], **kwargs), GREEDY)
+    llm = LLM(tiny_models[arch], speculative_config=draft_config(drafts[arch]), **kwargs)
+    for _ in range(2):  # the second pass hits the prefix cache
+        assert generate(llm, GREEDY) == reference
+    stats = llm.engine.spec_decoding_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # accepted and rejected
+    assert llm.engine.kv_manager.prefix_cache_hits > 0
+    assert_no_leak(llm)
+
+
+def test_greedy_with_an_unrelated_draft_under_preemption(tiny_models):
+    """A draft of another architecture (its proposals nearly all wrong), a pool so small that
+    requests are preempted and replayed, n = 2 forks: still the tokens of plain decoding."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, n=2, logprobs=2)
+    kwargs = dict(dtype="bfloat16", max_num_batched_tokens=64, num_kv_blocks=12, block_size=8)
+    reference = generate(LLM(tiny_models["llama"], **kwargs), params)
+    llm = LLM(tiny_models["llama"], speculative_config=draft_config(tiny_models["qwen3"]), **kwargs)
+    assert generate(llm, params) == reference  # tokens and logprobs, bit for bit
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.spec_decoding_stats.num_drafts > 0
+    assert_no_leak(llm)
+
+
+def test_the_target_as_its_own_draft_has_every_proposal_accepted(tiny_llama):
+    # 1 + 5 (k + 1): every step after the first token verifies a full draft of k.
+    params = SamplingParams(temperature=0.0, max_tokens=1 + 5 * (K + 1), ignore_eos=True)
+    kwargs = dict(dtype="bfloat16", max_num_batched_tokens=512, **POOL)
+    reference = generate(LLM(tiny_llama, **kwargs), params)
+    llm = LLM(tiny_llama, speculative_config=draft_config(tiny_llama), **kwargs)
+    steps_before = llm.engine.num_steps
+    assert generate(llm, params) == reference
+    stats = llm.engine.spec_decoding_stats
+    assert stats.num_drafts == 5 * len(PROMPTS)
+    assert stats.acceptance_rate == 1.0
+    assert stats.mean_acceptance_length == K + 1
+    assert stats.num_accepted_tokens_per_pos == [5 * len(PROMPTS)] * K
+    assert llm.engine.num_steps - steps_before == 1 + 5  # the prompts' step, then 5 of k + 1
+
+
+def test_the_target_as_its_own_draft_accepts_every_sampled_proposal(tiny_llama):
+    """q equals p bit for bit (the draft's decode and the verification of a position are the
+    same computation in bf16, with the same penalties, bans and filters), so min(1, p/q) = 1:
+    any misaligned position, penalty history or filter would show as a rejection."""
+    params = SamplingParams(
+        temperature=1.0,
+        top_k=30,
+        top_p=0.95,
+        min_p=0.01,
+        presence_penalty=2.0,
+        frequency_penalty=2.0,
+        repetition_penalty=1.5,
+        min_tokens=10,
+        seed=4,
+        max_tokens=25,
+    )
+    kwargs = dict(dtype="bfloat16", speculative_config=draft_config(tiny_llama), **POOL)
+    llm = LLM(tiny_llama, max_num_batched_tokens=512, **kwargs)
+    generate(llm, params)
+    stats = llm.engine.spec_decoding_stats
+    assert stats.num_draft_tokens > 0
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+    assert_no_leak(llm)
+
+
+def test_stops_inside_an_accepted_run_cut_it_as_plain_decoding_does(tiny_llama):
+    """Every proposal of the target as its own draft is accepted, so a stop token id, min_tokens
+    and max_tokens fall inside accepted runs: the tokens after them are dropped."""
+    kwargs = dict(dtype="bfloat16", max_num_batched_tokens=512, **POOL)
+    plain = LLM(tiny_llama, **kwargs)
+    llm = LLM(tiny_llama, speculative_config=draft_config(tiny_llama), **kwargs)
+    (tokens, _), *_ = generate(plain, GREEDY, PROMPTS[:1])[0]
+    stop = tokens[6]
+    first_stop = tokens.index(stop)
+    for params in (
+        SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop]),
+        SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop], min_tokens=7),
+        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+    ):
+        out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0]
+        expected = plain.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert out.outputs[0].finish_reason == expected.outputs[0].finish_reason
+    assert first_stop <= 6
+    assert llm.engine.spec_decoding_stats.acceptance_rate == 1.0
+    assert_no_leak(llm)
+
+
+SEEDED = {
+    "top-p": SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=24, ignore_eos=True),
+    "top-k-penalties-n2": SamplingParams(
+        temperature=1.2,
+        top_k=20,
+        seed=5,
+        n=2,
+        presence_penalty=0.5,
+        repetition_penalty=1.2,
+        max_tokens=20,
+        ignore_eos=True,
+        logprobs=1,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def small_vocab(build_model, tmp_path_factory) -> tuple[str, str]:
+    """A target of 1024 tokens and a draft close to it: sampling over SmolLM2's 49152 tokens
+    (top-p sorts them) would take most of these tests' time."""
+    root = tmp_path_factory.mktemp("small-vocab")
+    target = build_model(str(root / "target"), "llama", dtype=torch.bfloat16, vocab_size=1024)
+    return target, perturbed_copy(target, str(root / "draft"), scale=0.05)
+
+
+@pytest.mark.parametrize("name", SEEDED)
+def test_seeded_sampling_gives_the_same_tokens_across_runs_and_batches(small_vocab, name):
+    params, (target, draft) = SEEDED[name], small_vocab
+    kwargs = dict(dtype="bfloat16", speculative_config=draft_config(draft), **POOL)
+    llm = LLM(target, max_num_batched_tokens=512, **kwargs)
+    together = generate(llm, params)
+    assert generate(llm, params) == together
+    stats = llm.engine.spec_decoding_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # both branches ran
+    # One at a time, prompts in chunks of 16 tokens: other batches and step structures.
+    other = LLM(target, max_num_batched_tokens=16, **kwargs)
+    alone = [generate(other, params, [p])[0] for p in reversed(PROMPTS)][::-1]
+    assert alone == together
+    for completions in together:  # logprobs, where asked, include the emitted tokens
+        for token_ids, logprobs in completions:
+            if params.logprobs is not None:
+                assert all(t in lp for t, lp in zip(token_ids, logprobs))
+    assert_no_leak(llm)
+
+
+def test_a_draft_of_another_vocabulary_size_is_a_value_error(tiny_llama, build_model, tmp_path):
+    draft = build_model(str(tmp_path / "small-vocab"), "llama", vocab_size=1000)
+    with pytest.raises(ValueError, match="draft model's vocabulary"):
+        LLM(tiny_llama, speculative_config=draft_config(draft))
+
+
+def test_a_draft_whose_tokenizer_maps_other_ids_is_a_value_error(tiny_llama, tmp_path):
+    draft = shutil.copytree(tiny_llama, tmp_path / "other-tokenizer")
+    path = draft / "tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    vocab = tokenizer["model"]["vocab"]
+    a, b = "hello", "world"
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    path.write_text(json.dumps(tokenizer))
+    with pytest.raises(ValueError, match="maps tokens to other ids"):
+        LLM(tiny_llama, speculative_config=draft_config(str(draft)))
+
+
+def test_the_cli_takes_a_draft_model_and_prints_the_plain_greedy_text(tiny_llama, drafts, capsys):
+    from quire.entrypoints.cli import main
+
+    argv = ["generate", "Hello there", "--model", tiny_llama, "--max-tokens", "12"]
+    argv += ["--num-kv-blocks", "64"]
+
+    assert main(argv) == 0
+    plain = capsys.readouterr().out  # the prompt and its completion (the summary is on stderr)
+    spec = json.dumps(draft_config(drafts["llama"]))
+    assert main([*argv, "--speculative-config", spec]) == 0
+    assert capsys.readouterr().out == plain
