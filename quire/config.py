@@ -143,7 +143,18 @@ class EngineConfig(EngineArgs):
                 "distributed_executor_backend must be 'uni' (in process) or 'mp' (a worker "
                 f"process per rank); got {self.distributed_executor_backend!r}."
             )
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
+            self.distributed_executor_backend = "mp"  # a process per rank
+        if self.tensor_parallel_port is not None and not 0 < self.tensor_parallel_port < 65536:
+            raise ValueError(
+                f"tensor_parallel_port must be in 1..65535, got {self.tensor_parallel_port}."
+            )
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "tensor_parallel_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
         if self.block_size & (self.block_size - 1):
