@@ -145,6 +145,12 @@ class EngineConfig(EngineArgs):
             )
         if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
             self.distributed_executor_backend = "mp"  # a process per rank
+        if self.engine_core_process and self.distributed_executor_backend == "mp":
+            raise ValueError(
+                "engine_core_process cannot start worker processes (mp, or "
+                "tensor_parallel_size > 1) yet: its process is a daemon, which may have no "
+                "children. Run the engine core in the front end's process."
+            )
         if self.tensor_parallel_port is not None and not 0 < self.tensor_parallel_port < 65536:
             raise ValueError(
                 f"tensor_parallel_port must be in 1..65535, got {self.tensor_parallel_port}."

@@ -190,3 +190,8 @@ def test_the_server_answers_with_two_ranks(models):
     finally:
         server.stop()
         engine.shutdown()
+
+
+def test_an_engine_core_process_with_ranks_is_refused_at_start():
+    with pytest.raises(ValueError, match="engine_core_process cannot start worker processes"):
+        EngineConfig(tensor_parallel_size=2, engine_core_process=True)

@@ -97,6 +97,11 @@ def _errors(rank: int) -> dict[str, float]:
     logits = gather_logits(head(x), ODD)
     errors["lm_head"] = (logits - x @ table.T).abs().max().item()
 
+    # a part larger than the shared-memory slot (4 KiB) goes through gloo
+    wide = torch.randn(5, 600)
+    parts = parallel_state.all_gather_last_dim(wide[:, rank * 300 : (rank + 1) * 300].clone())
+    errors["gloo_all_gather"] = (parts - wide).abs().max().item()
+
     gloo_sum = torch.arange(6.0) * (rank + 1)
     shm = parallel_state._group.shm
     shm_sum = shm.all_reduce(torch.arange(6.0) * (rank + 1))
@@ -139,6 +144,7 @@ LAYERS = [
     "lm_head",
     "shm_all_reduce",
     "gloo_all_reduce",
+    "gloo_all_gather",
 ]
 
 

@@ -35,7 +35,7 @@ class RankPlacement:
 class _Group:
     rank: int
     size: int
-    shm: ShmAllReduce | None  # ranks on one host: decode-sized all-reduces over shared memory
+    shm: ShmAllReduce | None  # ranks on one host: step-sized collectives over shared memory
 
 
 _group: _Group | None = None
@@ -97,6 +97,8 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """[..., n] per rank -> [..., size * n], rank 0's columns first."""
     if _group is None or _group.size == 1:
         return x
+    if _group.shm is not None and _group.shm.fits(x):
+        return _group.shm.all_gather_last_dim(x)
     parts = [torch.empty_like(x) for _ in range(_group.size)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)

@@ -1,4 +1,4 @@
-"""All-reduce through shared memory, for tensor-parallel ranks on one host (CPU).
+"""All-reduce (and all-gather) through shared memory, for tensor-parallel ranks on one host (CPU).
 
 Every rank has a slot in one mapped file (/dev/shm): it copies its tensor in, publishes the
 call's sequence number in its flag, waits until every rank's flag has reached that number, and
@@ -6,7 +6,8 @@ sums the slots in rank order, so every rank gets the same bits. Slots alternate 
 sets by the sequence number's parity: a rank can write call s + 2's data only after every rank
 has published call s + 1, which each does after reading call s's slots. A decode step's
 all-reduce is a few KiB, where gloo's TCP round trips over loopback cost more than the copies
-(docs/BENCHMARKS.md). Tensors larger than a slot go to gloo.
+(docs/BENCHMARKS.md). The LM head's logits are all-gathered the same way (each rank then
+concatenates the slots). Tensors larger than a slot go to gloo.
 
 The file is unlinked as soon as every rank has mapped it, so nothing is left behind however the
 processes end.
@@ -22,6 +23,9 @@ import numpy as np
 import torch
 
 _FLAG_STRIDE = 8  # int64s per rank's flag: one 64-byte cache line each, no false sharing
+# Checks (~1 us each) before a waiting rank yields its core: ranks on cores of their own meet
+# within that, and a yield on a busy host can cost a whole time slice.
+_SPINS_BEFORE_YIELD = 64
 
 
 class ShmAllReduce:
@@ -79,16 +83,28 @@ class ShmAllReduce:
             self._views[key] = views
         return views
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum over the ranks of `x`, written into `x` (also returned)."""
+    def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Publishes `x` in this rank's slot and returns every rank's, once all have written."""
         self._calls += 1
         call = self._calls
         slots = self._slots(x, call & 1)
         slots[self.rank].copy_(x)
         self._flags[self.rank] = call  # after the copy: x86 keeps stores in order
         flags = self._flags
+        spins = 0
         while flags.min() < call:
-            os.sched_yield()
+            spins += 1
+            if spins > _SPINS_BEFORE_YIELD:  # more ranks than free cores: let the others run
+                os.sched_yield()
+        return slots
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] per rank -> [..., world_size * n], rank 0's columns first."""
+        return torch.cat(self._exchange(x), dim=-1)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks of `x`, written into `x` (also returned)."""
+        slots = self._exchange(x)
         torch.add(slots[0], slots[1], out=x)
         for r in range(2, self.world_size):
             x.add_(slots[r])

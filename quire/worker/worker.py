@@ -29,6 +29,8 @@ class Worker:
         self.rank = placement.rank
         if placement.world_size > 1:
             pin_rank(placement)
+            if config.device == "cuda":  # one GPU per rank: "cuda" is this rank's
+                torch.cuda.set_device(placement.rank)
             # every tensor an all-reduce sums is at most a step's tokens x hidden size
             rows = max(config.max_num_batched_tokens, config.max_num_seqs)
             init_tensor_parallel(
