@@ -1,6 +1,8 @@
-"""Benchmark models: a random-weight checkpoint shaped like Qwen3-0.6B (workload W2).
+"""Benchmark models: random-weight checkpoints shaped like Qwen3-0.6B (workload W2), and like
+SmolLM2-135M with 8 query and 2 KV heads (`smollm2-8h-random`: a shape two ranks can split, for
+tensor parallelism).
 
-    python -m quire.bench.models [--model-dir ~/.cache/quire/qwen3-0.6b-random]
+    python -m quire.bench.models [--name smollm2-8h-random] [--model-dir DIR]
 
 The weights are random (seeded), saved in bfloat16 with SmolLM2's tokenizer, so the checkpoint
 needs no download: it measures speed, not quality. Built once, then reused from the cache folder.
@@ -22,7 +24,9 @@ from quire import envs
 logger = logging.getLogger(__name__)
 
 QWEN3_RANDOM = "qwen3-0.6b-random"
-DEFAULT_MODEL_DIR = os.path.join(envs.XDG_CACHE_HOME, "quire", QWEN3_RANDOM)
+SMOLLM2_8H_RANDOM = "smollm2-8h-random"
+CACHE_DIR = os.path.join(envs.XDG_CACHE_HOME, "quire")
+DEFAULT_MODEL_DIR = os.path.join(CACHE_DIR, QWEN3_RANDOM)
 
 # Qwen3-0.6B's architecture (config.json of Qwen/Qwen3-0.6B).
 QWEN3_0_6B_SHAPE = dict(
@@ -39,17 +43,46 @@ QWEN3_0_6B_SHAPE = dict(
     rms_norm_eps=1e-6,
 )
 
+# SmolLM2-135M's shape (hidden 576, 30 layers, intermediate 1536, tied) with 8 query heads of
+# 64 and 2 KV heads instead of 9 and 3, so that 1, 2, 4 and 8 ranks split it.
+SMOLLM2_8H_SHAPE = dict(
+    hidden_size=576,
+    num_hidden_layers=30,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=1536,
+    vocab_size=49152,
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+)
+
+# name -> (architecture, model_type, shape)
+RANDOM_MODELS = {
+    QWEN3_RANDOM: ("Qwen3ForCausalLM", "qwen3", QWEN3_0_6B_SHAPE),
+    SMOLLM2_8H_RANDOM: ("LlamaForCausalLM", "llama", SMOLLM2_8H_SHAPE),
+}
+
 
 def build_qwen3_random(
     model_dir: str = DEFAULT_MODEL_DIR, seed: int = 0, tokenizer_source: str | None = None
 ) -> str:
-    """The random Qwen3-0.6B-shaped checkpoint folder, built on first use. Built in a temporary
-    folder next to `model_dir` and renamed into place, so an interrupted build is never reused.
-    The tokenizer is the default model's, or the one saved at `tokenizer_source` (a folder)."""
+    """The W2 checkpoint (scripts/gpu_checks.sh builds it with a saved tokenizer)."""
+    return build_random_model(QWEN3_RANDOM, model_dir, seed, tokenizer_source)
+
+
+def build_random_model(
+    name: str, model_dir: str, seed: int = 0, tokenizer_source: str | None = None
+) -> str:
+    """The random checkpoint folder `name` (RANDOM_MODELS), built on first use. Built in a
+    temporary folder next to `model_dir` and renamed into place, so an interrupted build is never
+    reused. The tokenizer is the default model's, or the one saved at `tokenizer_source`."""
     model_dir = os.path.expanduser(model_dir)
     if os.path.isfile(os.path.join(model_dir, "config.json")):
         return model_dir
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from quire.config import default_model_path
     from quire.model.tokenizer import load_tokenizer
@@ -58,11 +91,13 @@ def build_qwen3_random(
     parent = os.path.dirname(os.path.abspath(model_dir))
     os.makedirs(parent, exist_ok=True)
     tokenizer = load_tokenizer(tokenizer_source or default_model_path())
-    config = Qwen3Config(
-        architectures=["Qwen3ForCausalLM"],
+    architecture, model_type, shape = RANDOM_MODELS[name]
+    config = AutoConfig.for_model(
+        model_type,
+        architectures=[architecture],
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        **QWEN3_0_6B_SHAPE,
+        **shape,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -76,7 +111,7 @@ def build_qwen3_random(
     num_params = sum(p.numel() for p in model.parameters())
     logger.warning(
         "Built %s (%.0fM random params, bfloat16) at %s in %.0f s",
-        QWEN3_RANDOM,
+        name,
         num_params / 1e6,
         model_dir,
         time.perf_counter() - start,
@@ -84,29 +119,33 @@ def build_qwen3_random(
     return model_dir
 
 
-def resolve_model(model: str | None, model_dir: str = DEFAULT_MODEL_DIR) -> str | None:
-    """`--model qwen3-0.6b-random` names the random checkpoint (built at `model_dir` if absent);
-    any other value is a path, and None the engine's default model."""
-    if model == QWEN3_RANDOM:
-        return build_qwen3_random(model_dir)
+def resolve_model(model: str | None, model_dir: str | None = None) -> str | None:
+    """`--model qwen3-0.6b-random` (or another RANDOM_MODELS name) names a random checkpoint,
+    built at `model_dir` (default ~/.cache/quire/NAME) if absent; any other value is a path,
+    and None the engine's default model."""
+    if model in RANDOM_MODELS:
+        return build_random_model(model, model_dir or os.path.join(CACHE_DIR, model))
     return model
 
 
 def add_model_dir_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model-dir",
-        default=DEFAULT_MODEL_DIR,
-        help=f"where `--model {QWEN3_RANDOM}` is cached (built on first use)",
+        default=None,
+        help=f"where `--model {'|'.join(RANDOM_MODELS)}` is cached (built on first use; "
+        f"default {CACHE_DIR}/NAME)",
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_dir_arg(parser)
+    parser.add_argument("--name", choices=tuple(RANDOM_MODELS), default=QWEN3_RANDOM)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    print(build_qwen3_random(args.model_dir, args.seed))
+    model_dir = args.model_dir or os.path.join(CACHE_DIR, args.name)
+    print(build_random_model(args.name, model_dir, args.seed))
     return 0
 
 
