@@ -172,7 +172,24 @@ class EngineConfig(EngineArgs):
                 "distributed_executor_backend must be 'uni' (in process) or 'mp' (a worker "
                 f"process per rank); got {self.distributed_executor_backend!r}."
             )
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
+            self.distributed_executor_backend = "mp"  # a process per rank
+        if self.engine_core_process and self.distributed_executor_backend == "mp":
+            raise ValueError(
+                "engine_core_process cannot start worker processes (mp, or "
+                "tensor_parallel_size > 1) yet: its process is a daemon, which may have no "
+                "children. Run the engine core in the front end's process."
+            )
+        if self.tensor_parallel_port is not None and not 0 < self.tensor_parallel_port < 65536:
+            raise ValueError(
+                f"tensor_parallel_port must be in 1..65535, got {self.tensor_parallel_port}."
+            )
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "tensor_parallel_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
         if self.block_size & (self.block_size - 1):
@@ -185,6 +202,13 @@ class EngineConfig(EngineArgs):
             self.speculative_config, SpeculativeConfig
         ):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        spec = self.speculative_config
+        if self.tensor_parallel_size > 1 and spec is not None and spec.method == "draft_model":
+            raise ValueError(
+                "speculative_config method 'draft_model' does not run under "
+                "tensor_parallel_size > 1 yet (the draft is not split across ranks); use "
+                "method 'ngram', or tensor_parallel_size 1."
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."

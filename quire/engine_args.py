@@ -36,10 +36,18 @@ def _knob(
     choices: tuple[str, ...] | None = None,
     metavar: str | None = None,
     env: str | None = None,
+    aliases: tuple[str, ...] = (),
 ) -> Any:
     """A field with its help text (and its flag's choices or metavar). `env` names the variable
-    in quire/envs.py that gives the default, read when an EngineArgs is made."""
-    metadata = {"help": help, "choices": choices, "metavar": metavar, "env": env}
+    in quire/envs.py that gives the default, read when an EngineArgs is made; `aliases` are
+    extra flag spellings (vLLM's short ones)."""
+    metadata = {
+        "help": help,
+        "choices": choices,
+        "metavar": metavar,
+        "env": env,
+        "aliases": aliases,
+    }
     if env is not None:
         return field(default_factory=lambda: getattr(envs, env), metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -94,6 +102,15 @@ class EngineArgs:
         "uni",
         choices=("uni", "mp"),
         help="where the workers run: uni, in the engine core's process; mp, a process per rank",
+    )
+    tensor_parallel_size: int = _knob(
+        1,
+        aliases=("-tp",),
+        help="ranks that split each layer's heads and MLP (a worker process each, sharing "
+        "the cores); the model's head counts must divide by it",
+    )
+    tensor_parallel_port: int | None = _knob(
+        help="TCP port on 127.0.0.1 where the tensor-parallel ranks meet (default: a free one)"
     )
     engine_core_process: bool = _knob(
         False,
@@ -173,7 +190,8 @@ class EngineArgs:
                 kwargs["metavar"] = f.metadata["metavar"] or _metavar(
                     f.name, kwargs["type"], f.metadata["choices"]
                 )
-            group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+            flag = "--" + f.name.replace("_", "-")
+            group.add_argument(flag, *f.metadata["aliases"], **kwargs)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -40,3 +40,9 @@ def test_an_explicit_dtype_is_kept_whatever_the_cpu(cpu_config, monkeypatch):
     monkeypatch.setattr(config_module, "onednn_runs_bf16", lambda: False)
     cpu_config.dtype = "bfloat16"
     assert cpu_config.resolve_dtype("float32") == torch.bfloat16
+
+
+def test_a_draft_model_under_tensor_parallelism_is_refused_at_start(tmp_path):
+    spec = {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 3}
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
+        EngineConfig(tensor_parallel_size=2, speculative_config=spec)

@@ -1,8 +1,10 @@
-"""Benchmark models: a random-weight checkpoint shaped like Qwen3-0.6B (workload W2), and a
-random 2-layer draft model of SmolLM2's vocabulary (`quire bench speculative`).
+"""Benchmark models: random-weight checkpoints shaped like Qwen3-0.6B (workload W2), like
+SmolLM2-135M with 8 query and 2 KV heads (`smollm2-8h-random`: a shape two ranks can split, for
+tensor parallelism), and a 2-layer model of SmolLM2's width and vocabulary
+(`smollm2-draft-random`: a draft model for `quire bench speculative`, as SmolLM2 has no smaller
+sibling).
 
-    python -m quire.bench.models [--model-dir ~/.cache/quire/qwen3-0.6b-random]
-    python -m quire.bench.models --draft      # ~/.cache/quire/smollm2-draft-random
+    python -m quire.bench.models [--name smollm2-8h-random] [--model-dir DIR]
 
 The weights are random (seeded), saved in bfloat16 with SmolLM2's tokenizer, so the checkpoint
 needs no download: it measures speed, not quality. Built once, then reused from the cache folder.
@@ -24,9 +26,10 @@ from quire import envs
 logger = logging.getLogger(__name__)
 
 QWEN3_RANDOM = "qwen3-0.6b-random"
-DEFAULT_MODEL_DIR = os.path.join(envs.XDG_CACHE_HOME, "quire", QWEN3_RANDOM)
+SMOLLM2_8H_RANDOM = "smollm2-8h-random"
 SMOLLM2_DRAFT_RANDOM = "smollm2-draft-random"
-DEFAULT_DRAFT_DIR = os.path.join(envs.XDG_CACHE_HOME, "quire", SMOLLM2_DRAFT_RANDOM)
+CACHE_DIR = os.path.join(envs.XDG_CACHE_HOME, "quire")
+DEFAULT_MODEL_DIR = os.path.join(CACHE_DIR, QWEN3_RANDOM)
 
 # Qwen3-0.6B's architecture (config.json of Qwen/Qwen3-0.6B).
 QWEN3_0_6B_SHAPE = dict(
@@ -43,57 +46,52 @@ QWEN3_0_6B_SHAPE = dict(
     rms_norm_eps=1e-6,
 )
 
+# SmolLM2-135M's shape (hidden 576, 30 layers, intermediate 1536, tied) with 8 query heads of
+# 64 and 2 KV heads instead of 9 and 3, so that 1, 2, 4 and 8 ranks split it.
+SMOLLM2_8H_SHAPE = dict(
+    hidden_size=576,
+    num_hidden_layers=30,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=1536,
+    vocab_size=49152,
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+)
+
+# SmolLM2-135M's width (its GGUF's metadata) with 2 of its 30 layers.
+SMOLLM2_DRAFT_SHAPE = SMOLLM2_8H_SHAPE | dict(
+    num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3
+)
+
+# name -> (architecture, model_type, shape)
+RANDOM_MODELS = {
+    QWEN3_RANDOM: ("Qwen3ForCausalLM", "qwen3", QWEN3_0_6B_SHAPE),
+    SMOLLM2_8H_RANDOM: ("LlamaForCausalLM", "llama", SMOLLM2_8H_SHAPE),
+    SMOLLM2_DRAFT_RANDOM: ("LlamaForCausalLM", "llama", SMOLLM2_DRAFT_SHAPE),
+}
+
 
 def build_qwen3_random(
     model_dir: str = DEFAULT_MODEL_DIR, seed: int = 0, tokenizer_source: str | None = None
 ) -> str:
-    """The random Qwen3-0.6B-shaped checkpoint folder, built on first use. The tokenizer is the
-    default model's, or the one saved at `tokenizer_source` (a folder)."""
-    from transformers import Qwen3Config
-
-    return _build_random(
-        model_dir,
-        QWEN3_RANDOM,
-        lambda tokenizer: Qwen3Config(
-            architectures=["Qwen3ForCausalLM"],
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            **QWEN3_0_6B_SHAPE,
-        ),
-        seed,
-        tokenizer_source,
-    )
+    """The W2 checkpoint (scripts/gpu_checks.sh builds it with a saved tokenizer)."""
+    return build_random_model(QWEN3_RANDOM, model_dir, seed, tokenizer_source)
 
 
-def build_smollm2_draft_random(model_dir: str = DEFAULT_DRAFT_DIR, seed: int = 0) -> str:
-    """A random 2-layer model of SmolLM2-135M's width and tokenizer: a draft model for
-    `quire bench speculative` (SmolLM2 has no smaller sibling). Built on first use."""
-    from transformers import LlamaConfig
-
-    return _build_random(
-        model_dir,
-        SMOLLM2_DRAFT_RANDOM,
-        lambda tokenizer: LlamaConfig(
-            architectures=["LlamaForCausalLM"],
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            **SMOLLM2_DRAFT_SHAPE,
-        ),
-        seed,
-        None,
-    )
-
-
-def _build_random(
-    model_dir: str, name: str, make_config, seed: int, tokenizer_source: str | None
+def build_random_model(
+    name: str, model_dir: str, seed: int = 0, tokenizer_source: str | None = None
 ) -> str:
-    """A random bf16 checkpoint of `make_config(tokenizer)` at `model_dir`, unless one is there.
-    Built in a temporary folder next to it and renamed into place, so an interrupted build is
-    never reused."""
+    """The random checkpoint folder `name` (RANDOM_MODELS), built on first use. Built in a
+    temporary folder next to `model_dir` and renamed into place, so an interrupted build is never
+    reused. The tokenizer is the default model's, or the one saved at `tokenizer_source`."""
     model_dir = os.path.expanduser(model_dir)
     if os.path.isfile(os.path.join(model_dir, "config.json")):
         return model_dir
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from quire.config import default_model_path
     from quire.model.tokenizer import load_tokenizer
@@ -102,8 +100,16 @@ def _build_random(
     parent = os.path.dirname(os.path.abspath(model_dir))
     os.makedirs(parent, exist_ok=True)
     tokenizer = load_tokenizer(tokenizer_source or default_model_path())
+    architecture, model_type, shape = RANDOM_MODELS[name]
+    config = AutoConfig.for_model(
+        model_type,
+        architectures=[architecture],
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **shape,
+    )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(make_config(tokenizer), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with tempfile.TemporaryDirectory(dir=parent) as tmp:
         build_dir = os.path.join(tmp, "model")
         model.save_pretrained(build_dir)
@@ -122,55 +128,33 @@ def _build_random(
     return model_dir
 
 
-# SmolLM2-135M's width (its GGUF's metadata) with 2 of its 30 layers.
-SMOLLM2_DRAFT_SHAPE = dict(
-    hidden_size=576,
-    num_hidden_layers=2,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-    intermediate_size=1536,
-    vocab_size=49152,
-    tie_word_embeddings=True,
-    max_position_embeddings=8192,
-    rope_theta=100000.0,
-    rms_norm_eps=1e-5,
-)
-
-
-def resolve_model(model: str | None, model_dir: str = DEFAULT_MODEL_DIR) -> str | None:
-    """`--model qwen3-0.6b-random` names the random checkpoint (built at `model_dir` if absent);
-    any other value is a path, and None the engine's default model."""
-    if model == QWEN3_RANDOM:
-        return build_qwen3_random(model_dir)
+def resolve_model(model: str | None, model_dir: str | None = None) -> str | None:
+    """`--model qwen3-0.6b-random` (or another RANDOM_MODELS name) names a random checkpoint,
+    built at `model_dir` (default ~/.cache/quire/NAME) if absent; any other value is a path,
+    and None the engine's default model."""
+    if model in RANDOM_MODELS:
+        return build_random_model(model, model_dir or os.path.join(CACHE_DIR, model))
     return model
 
 
 def add_model_dir_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model-dir",
-        default=DEFAULT_MODEL_DIR,
-        help=f"where `--model {QWEN3_RANDOM}` is cached (built on first use)",
+        default=None,
+        help=f"where `--model {'|'.join(RANDOM_MODELS)}` is cached (built on first use; "
+        f"default {CACHE_DIR}/NAME)",
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_dir_arg(parser)
+    parser.add_argument("--name", choices=tuple(RANDOM_MODELS), default=QWEN3_RANDOM)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--draft",
-        action="store_true",
-        help=f"build {SMOLLM2_DRAFT_RANDOM} (a 2-layer SmolLM2-vocabulary draft model) instead, "
-        f"at --model-dir if given, else {DEFAULT_DRAFT_DIR}",
-    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    if args.draft:
-        model_dir = DEFAULT_DRAFT_DIR if args.model_dir == DEFAULT_MODEL_DIR else args.model_dir
-        print(build_smollm2_draft_random(model_dir, args.seed))
-    else:
-        print(build_qwen3_random(args.model_dir, args.seed))
+    model_dir = args.model_dir or os.path.join(CACHE_DIR, args.name)
+    print(build_random_model(args.name, model_dir, args.seed))
     return 0
 
 

@@ -10,11 +10,13 @@ speculation, and tokens of the same distribution with a draft model):
     copy    chat prompts that ask to repeat or lightly edit a given passage (the model's answer
             reuses it: what prompt lookup is for), one request at a time (batch 1)
 
-A draft model for SmolLM2 (`"method": "draft_model"`): `python -m quire.bench.models --draft`
-builds a random 2-layer one of its vocabulary; or the target itself as its own draft.
     random  prompts of random token ids (nothing to look up), `--batch-size` requests at once;
             greedy, a small model soon repeats itself, which lookup finds: `--temperature 1`
             keeps its output from repeating too
+
+A draft model for SmolLM2 (`"method": "draft_model"`): `python -m quire.bench.models --name
+smollm2-draft-random` builds a random 2-layer one of its vocabulary; or the target itself as its
+own draft.
 
 Decode tokens/s counts the tokens after each request's first and the time after the batch's
 first tokens, so prefill is left out.

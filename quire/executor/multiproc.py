@@ -1,22 +1,31 @@
-"""MultiprocExecutor: one worker process per rank, each step sent to all of them as a message.
+"""MultiprocExecutor: one worker process per tensor-parallel rank, each step sent to all of them
+as a message.
 
 The step (`SchedulerOutput`) goes to every rank over a pipe (pickled: plain data); rank 0's
-`ModelRunnerOutput` comes back. A rank that dies (killed, crashed) is noticed within a second
-while the engine waits on it, and raises `WorkerDiedError` instead of hanging; a rank whose step
-raised sends its traceback back. Workers end when told to, or when the engine's end of their pipe
-closes (the engine process died).
+`ModelRunnerOutput` comes back. The ranks meet at a TCP port on 127.0.0.1 (a free one unless
+`tensor_parallel_port` is set) and form a gloo group (NCCL on a GPU); each gets an equal share of
+the cores, pinned to them where the OS allows.
+
+A rank that dies (killed, crashed) is noticed within a second while the engine waits on any
+rank, and raises `WorkerDiedError` instead of hanging; a rank whose step raised sends its
+traceback back. Either way the other ranks may be stuck in a collective that will never
+complete, so every worker is ended and the executor runs no more steps. Workers end when told
+to, or when the engine's end of their pipe closes (the engine process died).
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
+import socket
 import traceback
 from multiprocessing.connection import Connection
 
 import torch
 
 from quire.config import EngineConfig
+from quire.distributed.parallel_state import RankPlacement
 from quire.executor import child_process
 from quire.executor.base import Executor
 from quire.messages import ModelRunnerOutput, SchedulerOutput
@@ -38,16 +47,18 @@ class MultiprocExecutor(Executor):
         model_config: ModelConfig,
         dtype: torch.dtype,
         max_model_len: int,
-        world_size: int = 1,
     ):
+        world_size = config.tensor_parallel_size
+        port = config.tensor_parallel_port or free_port()
         context = multiprocessing.get_context("spawn")  # no fork of a process with threads
         self._processes: list[multiprocessing.Process] = []
         self._pipes: list[Connection] = []
         for rank in range(world_size):
             engine_end, worker_end = context.Pipe()
+            placement = RankPlacement(rank, world_size, port, rank_cores(rank, world_size))
             process = context.Process(
                 target=_worker_main,
-                args=(worker_end, config, model_config, dtype, max_model_len, rank),
+                args=(worker_end, config, model_config, dtype, max_model_len, placement),
                 name=f"quire-worker-{rank}",
                 daemon=True,
             )
@@ -56,22 +67,51 @@ class MultiprocExecutor(Executor):
             self._processes.append(process)
             self._pipes.append(engine_end)
         try:
-            self.num_kv_blocks = min(self._receive(rank) for rank in range(world_size))
+            self.num_kv_blocks = min(self._receive_all())
         except BaseException:
-            self.shutdown()
+            self._end_workers()
             raise
-        logger.info("Started %d worker process(es)", world_size)
+        logger.info("Started %d worker process(es), rendezvous port %d", world_size, port)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        for pipe in self._pipes:
-            pipe.send(("execute", scheduler_output))
-        outputs = [self._receive(rank) for rank in range(len(self._pipes))]
-        return outputs[0]
+        if not self._processes:
+            raise WorkerDiedError("The workers have ended; this engine can run no more steps.")
+        try:
+            for pipe in self._pipes:
+                pipe.send(("execute", scheduler_output))
+            return self._receive_all()[0]
+        except BaseException:
+            self._end_workers()  # the other ranks may wait in a collective forever
+            raise
 
-    def _receive(self, rank: int):
-        return child_process.receive(
-            self._pipes[rank], self._processes[rank], f"worker rank {rank}", WorkerDiedError
-        )
+    def _receive_all(self) -> list:
+        """Each rank's next payload, in rank order; raises WorkerDiedError within
+        child_process.POLL_S of any rank's death, while waiting on whichever rank."""
+        payloads = []
+        for rank, pipe in enumerate(self._pipes):
+            while not pipe.poll(child_process.POLL_S):
+                for other, process in enumerate(self._processes):
+                    if not process.is_alive():
+                        raise WorkerDiedError(
+                            f"The worker rank {other} process died (exit code {process.exitcode})."
+                        )
+            payloads.append(
+                child_process.receive(
+                    pipe, self._processes[rank], f"worker rank {rank}", WorkerDiedError
+                )
+            )
+        return payloads
+
+    def _end_workers(self) -> None:
+        """Ends every worker at once (no shutdown message: some may be stuck)."""
+        for process in self._processes:
+            if process.is_alive():
+                process.terminate()
+        for process in self._processes:
+            process.join()
+        for pipe in self._pipes:
+            pipe.close()
+        self._pipes, self._processes = [], []
 
     def shutdown(self) -> None:
         for pipe in self._pipes:
@@ -89,18 +129,36 @@ class MultiprocExecutor(Executor):
         self._pipes, self._processes = [], []
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_cores(rank: int, world_size: int) -> list[int] | None:
+    """The cores rank `rank` of `world_size` is pinned to: an equal, disjoint share of the
+    cores this process may run on; None where there are fewer cores than ranks or the OS has
+    no affinity call (the rank then runs one thread, unpinned)."""
+    if world_size == 1 or not hasattr(os, "sched_getaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // world_size
+    return cores[rank * share : (rank + 1) * share] if share else None
+
+
 def _worker_main(
     pipe: Connection,
     config: EngineConfig,
     model_config: ModelConfig,
     dtype: torch.dtype,
     max_model_len: int,
-    rank: int,
+    placement: RankPlacement,
 ) -> None:
     from quire.worker.worker import Worker
 
     try:
-        worker = Worker(config, model_config, dtype, max_model_len, rank)
+        worker = Worker(config, model_config, dtype, max_model_len, placement)
     except BaseException:
         pipe.send(("error", traceback.format_exc()))
         return

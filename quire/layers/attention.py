@@ -11,10 +11,14 @@ from torch import nn
 from quire.attention.forward_context import get_forward_context
 from quire.kernels.cpu import pointwise
 from quire.layers.norm import RMSNorm
+from quire.layers.parallel_linear import QKVParallelLinear, RowParallelLinear
 from quire.layers.rotary import apply_rotary
 
 
 class Attention(nn.Module):
+    """One rank's heads: `num_heads` and `num_kv_heads` are the model's, the layer holds its
+    share (parallel_linear.QKVParallelLinear) and o_proj sums the ranks' outputs."""
+
     def __init__(
         self,
         layer_idx: int,
@@ -27,14 +31,16 @@ class Attention(nn.Module):
     ):
         super().__init__()
         self.layer_idx = layer_idx  # which (K, V) of the forward context's caches it uses
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
+        self.qkv_proj = QKVParallelLinear(
+            hidden_size, head_dim, num_heads, num_kv_heads, bias=qkv_bias
+        )
+        self.num_heads = self.qkv_proj.num_heads  # this rank's
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
-        self.q_size = num_heads * head_dim
-        self.kv_size = num_kv_heads * head_dim
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
         self.scale = head_dim**-0.5
-        self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=False)
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
 

@@ -24,7 +24,9 @@ import sys
 import torch
 from torch import nn
 
+from quire.distributed.parallel_state import all_reduce, tp_size
 from quire.kernels.cpu import gemv
+from quire.layers.parallel_linear import RowParallelLinear
 
 
 @functools.cache
@@ -78,6 +80,8 @@ class PackedLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, use_gemv: bool) -> PackedLinear:
+        if isinstance(linear, RowParallelLinear) and tp_size() > 1:
+            return PackedRowParallelLinear(linear.weight, linear.bias, use_gemv=use_gemv)
         return cls(linear.weight, linear.bias, use_gemv=use_gemv)
 
     def forward(
@@ -106,6 +110,19 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+
+class PackedRowParallelLinear(PackedLinear):
+    """A RowParallelLinear's shard, packed: the partial product summed over the ranks, then the
+    bias added once."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, use_gemv: bool):
+        super().__init__(weight, None, use_gemv=use_gemv)
+        self.row_bias = None if bias is None else bias.detach()
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        out = all_reduce(super().forward(x, out_dtype))
+        return out if self.row_bias is None else out + self.row_bias
 
 
 def pack_linear_layers(module: nn.Module, *, use_gemv: bool) -> int:

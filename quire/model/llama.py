@@ -15,15 +15,21 @@ from quire.layers.activation import silu_and_mul
 from quire.layers.attention import Attention
 from quire.layers.linear import PackedLinear
 from quire.layers.norm import RMSNorm
+from quire.layers.parallel_linear import (
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    load_full,
+)
 from quire.layers.rotary import RotaryEmbedding
+from quire.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding, gather_logits
 from quire.model.model_config import ModelConfig
 
 
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -69,7 +75,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.rotary = RotaryEmbedding(config.head_dim, max_position, config.rope)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, self.qkv_bias, self.qk_norm)
             for i in range(config.num_hidden_layers)
@@ -78,7 +84,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
 
     @property
     def attention_layers(self) -> list[Attention]:
@@ -98,57 +104,66 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # -> [n, vocab] float32
         if self.lm_head is None:  # tied to the embedding table
-            return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
-        if isinstance(self.lm_head, PackedLinear):
-            return self.lm_head(hidden, out_dtype=torch.float32)
-        return self.lm_head(hidden).float()
+            logits = torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
+        elif isinstance(self.lm_head, PackedLinear):
+            logits = self.lm_head(hidden, out_dtype=torch.float32)
+        else:
+            logits = self.lm_head(hidden).float()
+        return gather_logits(logits, self.config.vocab_size)  # this rank's range -> all
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies checkpoint tensors (Hugging Face names) into the fused parameters. Raises
-        ValueError naming what is missing or unexpected, so a wrong checkpoint fails loudly."""
+        """Copies checkpoint tensors (Hugging Face names, full size) into the fused parameters,
+        each parallel layer taking this rank's shard (its `weight_loader`). Raises ValueError
+        naming what is missing or unexpected, so a wrong checkpoint fails loudly."""
         params = dict(self.named_parameters())
-        cfg = self.config
-        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        shards = {
-            "q_proj": ("qkv_proj", 0, q),
-            "k_proj": ("qkv_proj", q, kv),
-            "v_proj": ("qkv_proj", q + kv, kv),
-            "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
-            "up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
-        }
+        modules = dict(self.named_modules())
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.lm_head is None):
                 continue
-            target, offset, size = name, 0, None
-            for shard, (fused, shard_offset, shard_size) in shards.items():
+            target, shard_id = name, None
+            for shard, (fused, shard_key) in _SHARDS.items():
                 if f".{shard}." in name:
-                    target = name.replace(shard, fused)
-                    offset, size = shard_offset, shard_size
+                    target, shard_id = name.replace(shard, fused), shard_key
                     break
             param = params.get(target)
             if param is None:
-                raise ValueError(f"Checkpoint tensor {name!r} has no place in {cfg.architecture}.")
-            dest = param.data if size is None else param.data.narrow(0, offset, size)
-            if dest.shape != tensor.shape:
                 raise ValueError(
-                    f"Checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(dest.shape)}."
+                    f"Checkpoint tensor {name!r} has no place in {self.config.architecture}."
                 )
-            dest.copy_(tensor)
+            loader = getattr(modules[target.rpartition(".")[0]], "weight_loader", None)
+            try:
+                if loader is None:
+                    load_full(param.data, tensor)
+                elif shard_id is None:
+                    loader(param, tensor)
+                else:
+                    loader(param, tensor, shard_id)
+            except ValueError as error:
+                raise ValueError(f"Checkpoint tensor {name!r} {error}.") from None
             loaded.add(name)
-        expected = set().union(*(_checkpoint_name(n, shards) for n in params))
+        expected = set().union(*(_checkpoint_name(n) for n in params))
         missing = expected - loaded
         if missing:
             raise ValueError(f"Checkpoint is missing tensors: {sorted(missing)[:8]}")
 
 
-def _checkpoint_name(param_name: str, shards: dict[str, tuple[str, int, int]]) -> set[str]:
+# checkpoint projection -> (fused parameter, its shard in the fused layer's weight_loader)
+_SHARDS: dict[str, tuple[str, str | int]] = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def _checkpoint_name(param_name: str) -> set[str]:
     """The checkpoint names that fill a (possibly fused) parameter."""
     names = {
         param_name.replace(fused, shard)
-        for shard, (fused, _, _) in shards.items()
+        for shard, (fused, _) in _SHARDS.items()
         if f".{fused}." in param_name
     }
     return names or {param_name}

@@ -59,6 +59,21 @@ class ModelConfig:
             eos_token_ids=eos_ids,
         )
 
+    def tensor_parallel_sizes(self) -> list[int]:
+        """The rank counts that split this model's heads: query heads divide by it, and KV heads
+        divide by it or it by them (then each KV head is replicated on several ranks)."""
+        q, kv = self.num_attention_heads, self.num_key_value_heads
+        return [tp for tp in range(1, q + 1) if q % tp == 0 and (kv % tp == 0 or tp % kv == 0)]
+
+    def check_tensor_parallel_size(self, tp: int) -> None:
+        """Raises ValueError, naming the sizes that work, when `tp` ranks cannot split it."""
+        if tp not in self.tensor_parallel_sizes():
+            raise ValueError(
+                f"tensor_parallel_size {tp} cannot split {self.architecture}'s "
+                f"{self.num_attention_heads} query heads and {self.num_key_value_heads} KV heads; "
+                f"sizes that work: {', '.join(map(str, self.tensor_parallel_sizes()))}."
+            )
+
 
 def architecture_of(cfg: dict[str, Any]) -> str:
     """The model class name a config asks for (its first `architectures` entry)."""

@@ -19,6 +19,7 @@ step's tokens and proposes the next step's tokens (spec_decode/draft_model.py).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -119,8 +120,11 @@ class ModelRunner:
         )
         self.backend = make_backend(config.attention_backend)
         self.sampler = Sampler()
+        # this rank's share of the KV heads (all of them with one rank)
+        num_kv_heads = self.model.attention_layers[0].num_kv_heads
+        rank_config = dataclasses.replace(model_config, num_key_value_heads=num_kv_heads)
         self.num_blocks = config.num_kv_blocks or kv_cache.num_kv_blocks(
-            model_config,
+            rank_config,
             config.block_size,
             dtype,
             config.device,
@@ -136,7 +140,7 @@ class ModelRunner:
             model_config.num_hidden_layers,
             self.num_blocks,
             config.block_size,
-            model_config.num_key_value_heads,
+            num_kv_heads,
             model_config.head_dim,
             dtype,
             config.device,
@@ -144,12 +148,16 @@ class ModelRunner:
         )
         if self.drafter is not None:
             self.drafter.allocate(self.num_blocks, dtype, config.huge_pages)
-        weights = StepWeights.from_model(self.model)
-        self.cpu_step = (
-            CpuStepRunner(weights, self.kv_cache)
-            if CpuStepRunner.supported(weights, self.kv_cache)
-            else None
-        )
+        self.cpu_step = None
+        if config.tensor_parallel_size > 1:
+            logger.info(
+                "The C decode step is off under tensor parallelism (it has no all-reduce "
+                "between layers); decode steps run the modules"
+            )
+        else:
+            weights = StepWeights.from_model(self.model)
+            if CpuStepRunner.supported(weights, self.kv_cache):
+                self.cpu_step = CpuStepRunner(weights, self.kv_cache)
         self.cuda_graphs = (
             CUDAGraphRunner(self.model, self.kv_cache.layers, self.backend, config, max_model_len)
             if use_cuda_graphs(config)

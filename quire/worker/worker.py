@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 
 from quire.config import EngineConfig
+from quire.distributed.parallel_state import RankPlacement, init_tensor_parallel
 from quire.messages import ModelRunnerOutput, SchedulerOutput
 from quire.model.model_config import ModelConfig
 from quire.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 class Worker:
@@ -17,10 +23,24 @@ class Worker:
         model_config: ModelConfig,
         dtype: torch.dtype,
         max_model_len: int,
-        rank: int = 0,
+        placement: RankPlacement | None = None,
     ):
-        self.rank = rank
-        torch.manual_seed(config.seed)  # the unseeded sampling noise of this rank
+        placement = placement or RankPlacement()
+        self.rank = placement.rank
+        if placement.world_size > 1:
+            pin_rank(placement)
+            if config.device == "cuda":  # one GPU per rank: "cuda" is this rank's
+                torch.cuda.set_device(placement.rank)
+            # every tensor an all-reduce sums is at most a step's tokens x hidden size
+            rows = max(config.max_num_batched_tokens, config.max_num_seqs)
+            init_tensor_parallel(
+                placement.rank,
+                placement.world_size,
+                placement.port,
+                config.device,
+                shm_bytes=rows * model_config.hidden_size * max(dtype.itemsize, 4),
+            )
+        torch.manual_seed(config.seed)  # the unseeded sampling noise: the same on every rank
         self.runner = ModelRunner(config, model_config, dtype, max_model_len)
 
     @property
@@ -29,3 +49,13 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(scheduler_output)
+
+
+def pin_rank(placement: RankPlacement) -> None:
+    """Pins this rank to its cores and runs that many threads (torch's and the C kernels')."""
+    if placement.cores is None:
+        torch.set_num_threads(1)
+        return
+    os.sched_setaffinity(0, placement.cores)
+    torch.set_num_threads(len(placement.cores))
+    logger.info("Rank %d on cores %s", placement.rank, placement.cores)

@@ -1,0 +1,197 @@
+"""Tensor parallelism end to end (CPU, gloo): greedy tokens with two ranks equal one rank's in
+float32 up to the first near-tie, with close logprobs (vLLM's check_logprobs_close rule);
+unsupported splits fail at start naming the sizes that work; abort and preemption free every
+block; a killed rank fails the engine fast; shutdown ends every rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from quire import LLM, SamplingParams
+from quire.config import EngineConfig
+from quire.engine.async_engine import AsyncLLM
+from quire.engine.metrics import EngineMetrics
+from quire.entrypoints.api_server import build_app
+from quire.executor.multiproc import WorkerDiedError, rank_cores
+
+PROMPTS = [
+    {"prompt_token_ids": [5, 9, 200, 17, 3]},
+    {"prompt_token_ids": list(range(50, 90))},
+    {"prompt_token_ids": [1000 + 7 * i for i in range(23)]},
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+TIE_GAP = 1e-4  # top-2 logit gap under which two rank counts may pick different tokens
+LOGPROB_ATOL = 1e-4
+
+# arch -> config overrides: GQA with head_dim != hidden / heads, a vocabulary and an MLP that do
+# not divide by two ranks (llama); qkv bias with one KV head (qwen2); q/k norm with one KV head,
+# replicated on both ranks (qwen3).
+CASES = {
+    "llama": dict(vocab_size=49153, intermediate_size=129),
+    "qwen2": dict(),
+    "qwen3": dict(num_key_value_heads=1),
+}
+
+
+def run(llm: LLM, params: SamplingParams = GREEDY):
+    return [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def assert_close_greedy(want, got) -> None:
+    """Tokens equal up to the first position whose top-2 logprob gap (the logit gap) in the
+    reference is below TIE_GAP; the chosen tokens' logprobs within LOGPROB_ATOL until there."""
+    for ref, out in zip(want, got):
+        for i, (ref_token, token) in enumerate(zip(ref.token_ids, out.token_ids)):
+            top2 = sorted((lp.logprob for lp in ref.logprobs[i].values()), reverse=True)[:2]
+            if top2[0] - top2[1] < TIE_GAP:
+                break
+            assert token == ref_token, f"position {i}: {out.token_ids} != {ref.token_ids}"
+            assert abs(out.logprobs[i][token].logprob - ref.logprobs[i][token].logprob) < (
+                LOGPROB_ATOL
+            )
+        else:
+            assert len(out.token_ids) == len(ref.token_ids)
+
+
+@pytest.fixture(scope="module")
+def models(build_model, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tp_models")
+    return {arch: build_model(str(root / arch), arch, **o) for arch, o in CASES.items()}
+
+
+def two_ranks(model: str, **kwargs) -> LLM:
+    return LLM(model, dtype="float32", tensor_parallel_size=2, **kwargs)
+
+
+# 6 blocks of 16 tokens: the prompts below do not all fit at once, so requests are preempted
+SMALL_POOL = dict(num_kv_blocks=6, max_model_len=96)
+
+
+@pytest.fixture(scope="module")
+def tp_llama(models):
+    """Two-rank tiny Llama, shared by the tests below; the last one kills a rank."""
+    llm = two_ranks(models["llama"], **SMALL_POOL)
+    yield llm
+    llm.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tp_qwen(models):
+    """Two-rank Qwen2 and Qwen3; the shutdown test ends them."""
+    engines = {arch: two_ranks(models[arch], num_kv_blocks=64) for arch in ("qwen2", "qwen3")}
+    yield engines
+    for llm in engines.values():
+        llm.engine.shutdown()
+
+
+def test_two_ranks_give_one_ranks_greedy_tokens_llama(models, tp_llama):
+    one = LLM(models["llama"], dtype="float32", **SMALL_POOL)
+    assert_close_greedy(run(one), run(tp_llama))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_two_ranks_give_one_ranks_greedy_tokens(models, tp_qwen, arch):
+    one = LLM(models[arch], dtype="float32", num_kv_blocks=64)
+    assert_close_greedy(run(one), run(tp_qwen[arch]))
+
+
+def test_shutdown_ends_every_rank(tp_qwen):
+    for llm in tp_qwen.values():
+        processes = list(llm.engine.core.executor._processes)
+        assert len(processes) == 2 and all(p.is_alive() for p in processes)
+        llm.engine.shutdown()
+        assert not any(p.is_alive() for p in processes)
+
+
+def test_default_model_runs_on_three_ranks(default_model):
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
+    one = LLM(default_model, dtype="float32", num_kv_blocks=16, max_model_len=256)
+    three = LLM(
+        default_model, dtype="float32", num_kv_blocks=16, max_model_len=256, tensor_parallel_size=3
+    )
+    try:
+        prompts = PROMPTS[:1]
+        want = [o.outputs[0] for o in one.generate(prompts, params, use_tqdm=False)]
+        got = [o.outputs[0] for o in three.generate(prompts, params, use_tqdm=False)]
+        assert_close_greedy(want, got)
+    finally:
+        three.engine.shutdown()
+
+
+def test_default_model_refuses_two_ranks_naming_the_sizes_that_work(default_model):
+    with pytest.raises(ValueError, match="9 query heads and 3 KV heads; sizes that work: 1, 3, 9"):
+        LLM(default_model, tensor_parallel_size=2)
+
+
+def test_heads_not_divisible_fail_at_start(models):
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 .* sizes that work: 1, 2, 4"):
+        LLM(models["llama"], dtype="float32", tensor_parallel_size=3)
+
+
+def test_tensor_parallel_runs_a_process_per_rank(tp_llama):
+    assert len(tp_llama.engine.core.executor._processes) == 2
+    assert EngineConfig(tensor_parallel_size=2).distributed_executor_backend == "mp"
+
+
+def test_ranks_get_disjoint_cores():
+    cores = sorted(os.sched_getaffinity(0))
+    shares = [rank_cores(r, 2) for r in range(2)]
+    if len(cores) < 2:
+        assert shares == [None, None]
+    else:
+        assert set(shares[0]).isdisjoint(shares[1])
+        assert len(shares[0]) == len(shares[1]) == len(cores) // 2
+
+
+def test_preemption_and_abort_free_every_block(tp_llama):
+    engine = tp_llama.engine
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(100 * i + 10, 100 * i + 50))} for i in range(3)]
+    preemptions = engine.core.scheduler.num_preemptions
+    outputs = tp_llama.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [30, 30, 30]
+    assert engine.core.scheduler.num_preemptions > preemptions
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"abort-{i}", prompt, params)
+    engine.step()
+    engine.abort_request([f"abort-{i}" for i in range(3)])
+    kv = engine.kv_manager
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_a_killed_rank_fails_the_engine_within_seconds(tp_llama):
+    processes = list(tp_llama.engine.core.executor._processes)
+    os.kill(processes[1].pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="worker rank 1 process died"):
+        tp_llama.generate(PROMPTS, SamplingParams(max_tokens=4), use_tqdm=False)
+    assert time.monotonic() - start < 5
+    assert not any(p.is_alive() for p in processes)  # rank 0 ended too
+
+
+def test_the_server_answers_with_two_ranks(models):
+    from test_api_server import ServerThread
+
+    config = EngineConfig(
+        model=models["qwen2"], dtype="float32", num_kv_blocks=64, tensor_parallel_size=2
+    )
+    engine = AsyncLLM.from_engine_config(config, EngineMetrics("tiny"))
+    server = ServerThread(build_app(engine, "tiny"))
+    try:
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 5, "ignore_eos": True}
+        response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200
+        assert response.json()["usage"]["completion_tokens"] == 5
+    finally:
+        server.stop()
+        engine.shutdown()
+
+
+def test_an_engine_core_process_with_ranks_is_refused_at_start():
+    with pytest.raises(ValueError, match="engine_core_process cannot start worker processes"):
+        EngineConfig(tensor_parallel_size=2, engine_core_process=True)
