@@ -33,6 +33,20 @@ def scripted(lines: list[str]):
     return read_line
 
 
+@pytest.fixture
+def prompts(engine, monkeypatch) -> list[str]:
+    """The text prompts the engine is given from now on, in order."""
+    recorded: list[str] = []
+    add_request = engine.add_request
+
+    def recording_add_request(request_id, prompt, params):
+        recorded.append(prompt["prompt"])
+        add_request(request_id, prompt, params)
+
+    monkeypatch.setattr(engine, "add_request", recording_add_request)
+    return recorded
+
+
 def test_reply_streams_pieces_that_join_to_the_reply(engine):
     session = ChatSession(engine, GREEDY)
     pieces: list[str] = []
@@ -42,15 +56,7 @@ def test_reply_streams_pieces_that_join_to_the_reply(engine):
     assert not engine.has_unfinished_requests()
 
 
-def test_history_keeps_every_turn_and_feeds_the_next_prompt(engine, monkeypatch):
-    prompts: list[str] = []
-    add_request = engine.add_request
-
-    def recording_add_request(request_id, prompt, params):
-        prompts.append(prompt["prompt"])
-        add_request(request_id, prompt, params)
-
-    monkeypatch.setattr(engine, "add_request", recording_add_request)
+def test_history_keeps_every_turn_and_feeds_the_next_prompt(engine, prompts):
     session = ChatSession(engine, GREEDY, system_prompt="Be brief.")
     first = session.reply("Hi")
     second = session.reply("And then?")
@@ -109,15 +115,7 @@ def test_quire_chat_command_chats_with_the_model(tiny_llama, monkeypatch, capsys
     assert "/exit quits" in capsys.readouterr().out
 
 
-def test_a_chat_template_override_renders_the_prompt(engine, monkeypatch):
-    prompts: list[str] = []
-    add_request = engine.add_request
-
-    def recording_add_request(request_id, prompt, params):
-        prompts.append(prompt["prompt"])
-        add_request(request_id, prompt, params)
-
-    monkeypatch.setattr(engine, "add_request", recording_add_request)
+def test_a_chat_template_override_renders_the_prompt(engine, prompts):
     template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
     ChatSession(engine, GREEDY, chat_template=template).reply("Hi")
     assert prompts == ["<user>Hi"]
