@@ -44,7 +44,7 @@ from quire.sample.sampler import (
 )
 from quire.sampling_params import SamplingParams
 from quire.worker import kv_cache
-from quire.worker.cpu_step import CpuStepRunner, StepWeights
+from quire.worker.cpu_step import CpuStepRunner
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +103,7 @@ class DraftModelProposer:
             self.device,
             huge_pages,
         )
-        weights = StepWeights.from_model(self.model)
-        if CpuStepRunner.supported(weights, self.kv_cache):
-            self.cpu_step = CpuStepRunner(weights, self.kv_cache)
+        self.cpu_step = CpuStepRunner.for_model(self.model, self.kv_cache)
 
     def drop(self, req_ids: list[str]) -> None:
         for req_id in req_ids:

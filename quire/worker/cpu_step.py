@@ -200,6 +200,12 @@ class CpuStepRunner:
         self._layers = self._layer_structs(weights, kv_cache)
         self._model = self._model_struct(weights)
 
+    @classmethod
+    def for_model(cls, model: nn.Module, kv_cache: KVCache) -> CpuStepRunner | None:
+        """The C step of `model` over `kv_cache`, or None where it does not run (`supported`)."""
+        weights = StepWeights.from_model(model)
+        return cls(weights, kv_cache) if cls.supported(weights, kv_cache) else None
+
     @staticmethod
     def supported(weights: StepWeights, kv_cache: KVCache) -> bool:
         """Whether the path runs: bf16 on CPU, every projection GEMV-packed, and an attention

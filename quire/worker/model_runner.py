@@ -50,7 +50,7 @@ from quire.sample.sampler import (
 )
 from quire.spec_decode.draft_model import Draft, DraftModelProposer
 from quire.worker import host_memory, kv_cache
-from quire.worker.cpu_step import CpuStepRunner, StepWeights
+from quire.worker.cpu_step import CpuStepRunner
 from quire.worker.cuda_graph import CUDAGraphRunner, use_cuda_graphs
 from quire.worker.input_batch import TABLE_WIDTH_STEP, InputBatch, RequestState
 
@@ -155,9 +155,7 @@ class ModelRunner:
                 "between layers); decode steps run the modules"
             )
         else:
-            weights = StepWeights.from_model(self.model)
-            if CpuStepRunner.supported(weights, self.kv_cache):
-                self.cpu_step = CpuStepRunner(weights, self.kv_cache)
+            self.cpu_step = CpuStepRunner.for_model(self.model, self.kv_cache)
         self.cuda_graphs = (
             CUDAGraphRunner(self.model, self.kv_cache.layers, self.backend, config, max_model_len)
             if use_cuda_graphs(config)
