@@ -174,6 +174,24 @@ def test_latency_writes_prefill_and_decode_with_roofline(tiny_llama, tmp_path):
     assert report["hardware"]["read_gbps"] > 0 and report["hardware"]["matmul_tflops"] > 0
 
 
+@pytest.mark.parametrize("workload", ["copy", "random"])
+def test_speculative_compares_with_and_without_and_counts_drafts(tiny_llama, tmp_path, workload):
+    out = tmp_path / "speculative.json"
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    argv = ["bench", "speculative", "--model", tiny_llama, "--workload", workload]
+    argv += ["--num-prompts", "2", "--prompt-len", "24", "--output-len", "12", "--rounds", "2"]
+    argv += ["--speculative-config", spec, "--output-json", str(out)]
+    assert main(argv + TINY_RUN) == 0
+    report = _read_json(out)
+    assert len(report["ratios"]) == 2 and all(r > 0 for r in report["ratios"])
+    for result in report["rounds"]:
+        assert result["base"] > 0 and result["spec"] > 0
+    stats = report["spec_decoding"]
+    # A random tiny model repeats itself within a few tokens: lookup of length 1 finds it.
+    assert stats["num_drafts"] > 0
+    assert stats["num_accepted_tokens"] <= stats["num_draft_tokens"]
+
+
 def test_latency_pairs_each_decode_step_with_its_own_bandwidth_probe(tiny_llama, monkeypatch):
     """The floor of each step comes from the probe taken right after it: on a shared machine the
     bandwidth moves between steps. The fraction is the median of the per-step ratios."""

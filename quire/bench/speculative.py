@@ -3,16 +3,18 @@ two engines in one process, timed in ABBA order (A B B A ...) so a shared machin
 on both alike; reports the median of the per-round ratios, their spread, and the acceptance rate
 and mean accepted length.
 
-Workloads (`ignore_eos`, every request generates `--output-len` tokens; greedy, or with
-`--temperature` seeded sampling, which gives the same tokens with and without n-gram
-speculation, and tokens of the same distribution with a draft model):
+Workloads (greedy, or with `--temperature` seeded sampling, which gives the same tokens with and
+without n-gram speculation, and tokens of the same distribution with a draft model):
 
     copy    chat prompts that ask to repeat or lightly edit a given passage (the model's answer
-            reuses it: what prompt lookup is for), one request at a time (batch 1)
+            reuses it: what prompt lookup is for), one request at a time (batch 1); each answer
+            ends at the model's end of turn, or at `--output-len` tokens (past its end of turn
+            a small model starts an unrelated conversation of its own, which is not a copy)
 
-    random  prompts of random token ids (nothing to look up), `--batch-size` requests at once;
-            greedy, a small model soon repeats itself, which lookup finds: `--temperature 1`
-            keeps its output from repeating too
+    random  prompts of random token ids (nothing to look up), `--batch-size` requests at once,
+            `ignore_eos`: each generates `--output-len` tokens; greedy, a small model soon
+            repeats itself, which lookup finds: `--temperature 1` keeps its output from
+            repeating too
 
 A draft model for SmolLM2 (`"method": "draft_model"`): `python -m quire.bench.models --name
 smollm2-draft-random` builds a random 2-layer one of its vocabulary; or the target itself as its
@@ -76,7 +78,12 @@ def random_prompts(num_requests: int, prompt_len: int, seed: int) -> list[list[i
 
 
 def decode_rate(
-    engine, prompts: list[list[int]], output_len: int, temperature: float, tag: str
+    engine,
+    prompts: list[list[int]],
+    output_len: int,
+    temperature: float,
+    tag: str,
+    ignore_eos: bool = True,
 ) -> float:
     """Decode tokens/s of these prompts run together."""
     from quire.sampling_params import SamplingParams
@@ -86,7 +93,7 @@ def decode_rate(
             temperature=temperature,
             seed=i if temperature > 0 else None,
             max_tokens=output_len,
-            ignore_eos=True,
+            ignore_eos=ignore_eos,
         )
         engine.add_request(f"{tag}-{i}", prompt, params)
     seen = {f"{tag}-{i}": 0 for i in range(len(prompts))}
@@ -145,7 +152,14 @@ def main(args: argparse.Namespace) -> int:
 
     def rate(engine, tag: str) -> float:
         rates = [
-            decode_rate(engine, b, args.output_len, args.temperature, f"{tag}{i}")
+            decode_rate(
+                engine,
+                b,
+                args.output_len,
+                args.temperature,
+                f"{tag}{i}",
+                ignore_eos=args.workload == "random",
+            )
             for i, b in enumerate(batches)
         ]
         return statistics.fmean(rates)
