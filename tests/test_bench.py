@@ -192,6 +192,28 @@ def test_speculative_compares_with_and_without_and_counts_drafts(tiny_llama, tmp
     assert stats["num_accepted_tokens"] <= stats["num_draft_tokens"]
 
 
+def test_latency_and_throughput_report_speculation(tiny_llama, tmp_path, capsys):
+    spec = [
+        "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}',
+    ]
+    out = tmp_path / "latency.json"
+    argv = ["bench", "latency", "--model", tiny_llama, "--prompt-len", "16", "--batch-size", "2"]
+    argv += ["--decode-steps", "6", "--num-iters", "1", "--output-json", str(out)]
+    assert main(argv + TINY_RUN + spec) == 0
+    report = _read_json(out)
+    assert report["spec_decoding"]["num_drafts"] > 0
+    for d in report["decode"]:  # each step gives every request one token, or more
+        assert d["tokens_per_step"] >= d["batch_size"]
+        assert d["tokens_per_s"] == pytest.approx(d["tokens_per_step"] / d["step_seconds"])
+    out = tmp_path / "throughput.json"
+    argv = ["bench", "throughput", "--model", tiny_llama, "--num-requests", "2"]
+    argv += ["--input-len", "8", "16", "--output-len", "8", "12", "--output-json", str(out)]
+    assert main(argv + TINY_RUN + spec) == 0
+    assert _read_json(out)["spec_decoding"]["num_draft_tokens"] > 0
+    assert capsys.readouterr().out.count("speculative decoding: acceptance rate") == 2
+
+
 def test_latency_pairs_each_decode_step_with_its_own_bandwidth_probe(tiny_llama, monkeypatch):
     """The floor of each step comes from the probe taken right after it: on a shared machine the
     bandwidth moves between steps. The fraction is the median of the per-step ratios."""

@@ -30,6 +30,7 @@ import torch
 
 from quire.bench import roofline
 from quire.bench.models import add_model_dir_arg, resolve_model
+from quire.bench.speculative import describe_spec_decoding, spec_decoding_report
 
 _WARMUP_DECODE_STEPS = 2
 # Objects, bounded strings and integers, enums, arrays: a grammar whose states vary as a real
@@ -82,10 +83,11 @@ class DecodeResult:
     max_read_gbps: float
     roofline_seconds: float  # per step, mean bytes at the median bandwidth
     roofline_fraction: float  # median over the steps of (bytes / its probe) / its time
+    tokens_per_step: float  # mean generated tokens: the batch size, more under speculation
 
     @property
     def tokens_per_s(self) -> float:
-        return self.batch_size / self.step_seconds
+        return self.tokens_per_step / self.step_seconds
 
 
 def _random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
@@ -130,7 +132,8 @@ def measure_decode(
     structured_outputs=None,
 ) -> DecodeResult:
     """Prefills `batch_size` requests, then times `num_steps` steps in which every request
-    decodes one token, each followed by a bandwidth probe. A step's floor uses the requests'
+    decodes one token (or, under speculation, what it verifies: `tokens_per_step` counts them,
+    while the floor still counts one token per request), each followed by a bandwidth probe. A step's floor uses the requests'
     context lengths at that step. `structured_outputs` constrains every request."""
     from quire.sampling_params import SamplingParams
 
@@ -153,6 +156,7 @@ def measure_decode(
     for _ in range(_WARMUP_DECODE_STEPS):
         step()
     times, step_bytes, contexts, bandwidths = [], [], [], []
+    num_before = sum(num_output.values())
     for _ in range(num_steps):
         # Each request attends to its prompt plus every output token (the newest is computed now).
         context_lens = [prompt_len + n for n in num_output.values()]
@@ -162,6 +166,7 @@ def measure_decode(
         bandwidths.append(probe.read_gbps())
         step_bytes.append(roofline.decode_step_bytes(mc, dtype, context_lens))
         contexts.append(statistics.fmean(context_lens))
+    tokens_per_step = (sum(num_output.values()) - num_before) / num_steps
     engine.abort_request(ids)
     bandwidth = statistics.median(bandwidths)
     fraction = statistics.median(
@@ -181,6 +186,7 @@ def measure_decode(
         max(bandwidths),
         bytes_per_step / (bandwidth * 1e9),
         fraction,
+        tokens_per_step,
     )
 
 
@@ -304,6 +310,11 @@ def main(args: argparse.Namespace) -> int:
             f"floor {d.roofline_seconds * 1e3:.2f} ms "
             f"-> {d.roofline_fraction:.1%} of the memory roofline"
         )
+    for d in decodes if engine.spec_decoding_stats is not None else []:
+        print(
+            f"decode batch {d.batch_size}: {d.tokens_per_step / d.batch_size:.2f} tokens per request a step"
+        )
+    describe_spec_decoding(engine)
     for g in grammar:
         print(
             f"grammar batch {g.batch_size}: {g.step_seconds * 1e3:.2f} -> "
@@ -323,6 +334,9 @@ def main(args: argparse.Namespace) -> int:
         "decode": [asdict(d) | {"tokens_per_s": d.tokens_per_s} for d in decodes],
         "grammar": [asdict(g) for g in grammar],
     }
+    spec = spec_decoding_report(engine)
+    if spec is not None:
+        report["spec_decoding"] = spec
     with open(args.output_json, "w") as f:
         json.dump(report, f, indent=2)
     print(f"wrote {args.output_json}", file=sys.stderr)

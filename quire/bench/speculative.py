@@ -106,6 +106,31 @@ def decode_rate(
     return (sum(seen.values()) - first) / (time.perf_counter() - start)
 
 
+def spec_decoding_report(engine) -> dict | None:
+    """The engine's speculation counters with the acceptance rate and mean accepted length;
+    None when it does not speculate."""
+    from dataclasses import asdict
+
+    stats = engine.spec_decoding_stats
+    if stats is None:
+        return None
+    return asdict(stats) | {
+        "acceptance_rate": stats.acceptance_rate,
+        "mean_acceptance_length": stats.mean_acceptance_length,
+    }
+
+
+def describe_spec_decoding(engine) -> None:
+    """Prints the engine's acceptance rate and mean accepted length, if it speculates."""
+    stats = engine.spec_decoding_stats
+    if stats is not None:
+        print(
+            f"speculative decoding: acceptance rate {stats.acceptance_rate:.1%}, mean accepted "
+            f"length {stats.mean_acceptance_length:.2f}, {stats.num_drafts} drafts, "
+            f"{stats.num_draft_tokens} draft tokens"
+        )
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from quire.engine_args import EngineArgs
 
@@ -128,7 +153,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dataclasses import asdict, replace
+    from dataclasses import replace
 
     from quire.engine_args import EngineArgs
     from quire.entrypoints.llm import LLM
@@ -176,13 +201,11 @@ def main(args: argparse.Namespace) -> int:
             f"tok/s -> {ratios[-1]:.2f}x",
             flush=True,
         )
-    stats = spec.spec_decoding_stats
     print(
         f"{args.workload} workload, batch {len(batches[0])}: speedup {statistics.median(ratios):.2f}x "
-        f"(median of {len(ratios)} rounds, {min(ratios):.2f}-{max(ratios):.2f}); acceptance rate "
-        f"{stats.acceptance_rate:.1%}, mean accepted length {stats.mean_acceptance_length:.2f}, "
-        f"{stats.num_drafts} drafts"
+        f"(median of {len(ratios)} rounds, {min(ratios):.2f}-{max(ratios):.2f})"
     )
+    describe_spec_decoding(spec)
     report = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
@@ -192,11 +215,7 @@ def main(args: argparse.Namespace) -> int:
         "rounds": rounds,
         "ratios": ratios,
         "median_ratio": statistics.median(ratios),
-        "spec_decoding": asdict(stats)
-        | {
-            "acceptance_rate": stats.acceptance_rate,
-            "mean_acceptance_length": stats.mean_acceptance_length,
-        },
+        "spec_decoding": spec_decoding_report(spec),
     }
     with open(args.output_json, "w") as f:
         json.dump(report, f, indent=2)

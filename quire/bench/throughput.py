@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from quire.bench import roofline
 from quire.bench.models import QWEN3_RANDOM, add_model_dir_arg, resolve_model
+from quire.bench.speculative import describe_spec_decoding, spec_decoding_report
 from quire.model.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -382,6 +383,8 @@ def main(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     results = [run_quire(llm, requests)]
+    spec_decoding = spec_decoding_report(engine)
+    describe_spec_decoding(engine)
     model_path, dtype, device = engine.config.model, engine.dtype, engine.config.device
     model_config = engine.model_config
     del llm, engine
@@ -418,6 +421,8 @@ def main(args: argparse.Namespace) -> int:
         },
         "results": [r.to_dict() for r in results],
     }
+    if spec_decoding is not None:
+        report["spec_decoding"] = spec_decoding
     if args.roofline:
         report["roofline"] = _print_floor(model_config, dtype, device, requests, results)
     if hf_results:
