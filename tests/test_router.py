@@ -123,26 +123,50 @@ def test_requests_the_disaggregated_path_does_not_carry_go_to_the_decode_instanc
     assert_all_blocks_free(decode)
 
 
-def test_an_unreachable_prefill_instance_is_a_clear_error(instances):
-    (_, _), (decode_server, decode), _ = instances
+def router_over(instances: list[Instance]) -> ServerThread:
+    router = Router(instances, "round_robin", poll_interval_s=60.0)
+    return ServerThread(build_router_app(router))
+
+
+def test_a_dead_prefill_instance_leaves_the_decode_instance_to_compute(instances):
+    (_, _), (decode_server, decode), (collocated, _) = instances
     gone = "http://127.0.0.1:9"  # nothing listens on the discard port
-    router = Router(
-        [
-            Instance(gone, "prefill", kv_host="127.0.0.1", kv_port=9),
-            Instance(decode_server.url, "decode"),
-        ],
-        "round_robin",
-    )
-    server = ServerThread(build_router_app(router))
+    dead = Instance(gone, "prefill", kv_host="127.0.0.1", kv_port=9)
+    server = router_over([dead, Instance(decode_server.url, "decode")])
     try:
-        response = httpx.post(
-            server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=30
-        )
+        prompt = token_prompt(20, 8)
+        got = completion(server.url, prompt, ignore_eos=True)
+        load = httpx.get(server.url + "/load").json()
     finally:
         server.stop()
-    assert response.status_code == 502
-    assert f"The prefill instance {gone} is unreachable" in response.json()["error"]["message"]
+    assert (
+        got["choices"][0]["text"]
+        == completion(collocated.url, prompt, ignore_eos=True)["choices"][0]["text"]
+    )
+    assert load["instances"][0]["healthy"] is False
     assert_all_blocks_free(decode)
+
+
+def test_a_prefill_kv_endpoint_that_never_answers_is_a_clear_error(instances):
+    """The prefill instance computed the prompt, but its KV never comes (as when it dies
+    mid-transfer): the decode instance gives up after kv_transfer_timeout with the reason, and
+    both free every block (the prefill instance when its lease runs out)."""
+    (prefill_server, prefill), (decode_server, decode), _ = instances
+    silent = Instance(prefill_server.url, "prefill", kv_host="127.0.0.1", kv_port=9)
+    server = router_over([silent, Instance(decode_server.url, "decode")])
+    try:
+        body = {"model": MODEL, "prompt": token_prompt(20, 9), "max_tokens": 4}
+        response = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    finally:
+        server.stop()
+    assert response.status_code == 500
+    message = response.json()["error"]["message"]
+    assert "KV transfer failed: the prefill instance's KV endpoint 127.0.0.1:9 did not answer" in (
+        message
+    )
+    assert_all_blocks_free(decode)
+    assert wait_until(lambda: not prefill.engine.has_kv_transfers(), timeout=10)
+    assert_all_blocks_free(prefill)
 
 
 def test_bad_router_configuration_fails_at_start(instances):

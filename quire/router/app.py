@@ -10,7 +10,9 @@ client's. The policy picks among the collocated instances and the prefill instan
 instance standing for the disaggregated path), then among the decode instances.
 
 Requests the disaggregated path does not carry yet (n > 1, logprobs, echo, several prompts in
-one request) go to a decode instance as they are: it computes them itself.
+one request) go to a decode instance as they are: it computes them itself; so do requests while
+no prefill instance is reachable (one that refuses the connection is marked down until a poll of
+its /load succeeds).
 
 The router polls each instance's /load every `poll_interval_s` for the load-aware policies, and
 checks every instance when it starts: an unreachable URL, or an instance of the wrong role,
@@ -160,8 +162,9 @@ class Router:
     # ---- forwarding ------------------------------------------------------------------------
     async def forward(self, path: str, body: dict[str, Any]) -> Response:
         text = prompt_text(body)
-        first_choices = self.of_role("collocated") + self.of_role("prefill")
-        if not disaggregable(body):
+        prefills = [i for i in self.of_role("prefill") if i.healthy]
+        first_choices = self.of_role("collocated") + prefills
+        if not disaggregable(body) or not first_choices:
             first_choices = self.of_role("collocated") or self.of_role("decode")
         first = self.first.choose(self._live(first_choices), text)
         if first.role != "prefill":
@@ -181,6 +184,9 @@ class Router:
         first.sent_since_poll += 1
         try:
             response = await self.client.post(f"{first.url}{path}", json=prefill_body)
+        except httpx.ConnectError as error:  # nothing was sent: the decode instance computes it
+            self._unreachable(first, error)
+            return await self._proxy(decode, path, body)
         except httpx.HTTPError as error:
             return self._unreachable(first, error)
         if response.status_code != 200:
