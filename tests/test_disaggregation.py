@@ -215,3 +215,23 @@ def test_incompatible_instances_are_refused(tiny_llama, prefill):
         assert_all_blocks_free(other, prefill)
     finally:
         other.shutdown()
+
+
+def test_default_model_greedy_tokens_equal_collocated(default_model):
+    """SmolLM2 in its own dtype (bf16 where the CPU runs it): the prompt's KV computed by one
+    engine and decoded by another gives the bits of one engine computing it all (the decode
+    engine itself, given the request without kv_transfer_params)."""
+    kwargs = dict(dtype="auto", num_kv_blocks=16)
+    prefill = engine(default_model, disaggregation_mode="prefill", **kwargs)
+    decode = engine(default_model, disaggregation_mode="decode", **kwargs)
+    try:
+        sampling = params(max_tokens=8)
+        got = disaggregated(prefill, decode, PROMPTS["longer than a chunk"], sampling)
+        decode.kv_manager.reset_prefix_cache()  # computes it all, not from the received KV
+        decode.add_request("collocated", PROMPTS["longer than a chunk"], sampling)
+        expected = run_until_idle(decode)["collocated"]
+        assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert_all_blocks_free(prefill, decode)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
