@@ -99,9 +99,11 @@ class KVConnectorMetadata:
 
 @dataclass
 class KVLoaded:
-    """A finished pull: the request's K/V is in its blocks, and its first token came with it."""
+    """A finished pull: the request's K/V is in its blocks, and the first token of each of its
+    n sequences came with it (index order), with its logprobs when the request asked."""
 
-    first_token_id: int
+    first_token_ids: list[int]
+    first_logprobs: list[TopLogprobs | None]
     num_blocks: int
     num_bytes: int
     seconds: float
@@ -114,8 +116,6 @@ class KVConnectorOutput:
     loaded: dict[str, KVLoaded] = field(default_factory=dict)  # req id -> result
     failed: dict[str, str] = field(default_factory=dict)  # req id -> why its pull failed
     sent: list[str] = field(default_factory=list)  # transfer ids pulled and acknowledged
-    # The first token of each request whose blocks this step leased (req id -> token).
-    leased: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -114,6 +114,20 @@ def test_seeded_sampling_equals_collocated(prefill, decode, collocated):
     assert_all_blocks_free(prefill, decode)
 
 
+def test_n_sequences_with_logprobs_equal_collocated(prefill, decode, collocated):
+    """Each of the n sequences' first tokens (and their logprobs) comes from the prefill
+    instance; the decode instance forks the n sequences over the received blocks."""
+    sampling = params(temperature=0.8, seed=99, n=3, logprobs=2)
+    expected = collocated.generate([PROMPTS["exactly two blocks"]], sampling, use_tqdm=False)[0]
+    got = disaggregated(prefill, decode, PROMPTS["exactly two blocks"], sampling)
+    assert [o.token_ids for o in got.outputs] == [o.token_ids for o in expected.outputs]
+    for mine, theirs in zip(got.outputs, expected.outputs):
+        assert len(mine.logprobs) == len(theirs.logprobs) == 12
+        assert mine.logprobs[0].keys() == theirs.logprobs[0].keys()
+        assert mine.cumulative_logprob == pytest.approx(theirs.cumulative_logprob, abs=1e-4)
+    assert_all_blocks_free(prefill, decode)
+
+
 def test_prefix_cached_on_decode_side_is_not_transferred(prefill, decode, collocated):
     shared = prompt(3 * BLOCK, 7)["prompt_token_ids"]
     first = {"prompt_token_ids": shared + [11, 12, 13]}

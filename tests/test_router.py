@@ -112,13 +112,24 @@ def test_decode_instance_counts_the_bytes_it_pulled(instances, router):
     assert "quire_router_requests_total" in httpx.get(router.url + "/metrics").text
 
 
+def test_n_completions_with_logprobs_equal_collocated(instances, router):
+    (_, prefill), (_, decode), (collocated, _) = instances
+    prompt = token_prompt(9, 6)
+    sampling = dict(n=2, logprobs=1, temperature=0.7, seed=5, ignore_eos=True)
+    got = completion(router.url, prompt, **sampling)["choices"]
+    expected = completion(collocated.url, prompt, **sampling)["choices"]
+    assert [c["text"] for c in got] == [c["text"] for c in expected]
+    assert [c["logprobs"]["tokens"] for c in got] == [c["logprobs"]["tokens"] for c in expected]
+    assert_all_blocks_free(prefill, decode)
+
+
 def test_requests_the_disaggregated_path_does_not_carry_go_to_the_decode_instance(
     instances, router
 ):
     (_, _), (_, decode), (collocated, _) = instances
-    prompt = token_prompt(9, 6)
-    got = completion(router.url, prompt, n=2, ignore_eos=True)
-    expected = completion(collocated.url, prompt, n=2, ignore_eos=True)
+    prompts = [token_prompt(9, 6), token_prompt(12, 7)]  # two prompts in one request
+    got = completion(router.url, prompts, ignore_eos=True)
+    expected = completion(collocated.url, prompts, ignore_eos=True)
     assert [c["text"] for c in got["choices"]] == [c["text"] for c in expected["choices"]]
     assert_all_blocks_free(decode)
 

@@ -54,6 +54,7 @@ from quire.messages import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    TopLogprobs,
 )
 
 logger = logging.getLogger(__name__)
@@ -118,12 +119,10 @@ class Scheduler:
             request.remote_prefill = remote_prefill(params)
             request.remote_decode_id = remote_decode(params)
             sampling = request.sampling_params
-            if (request.remote_prefill or request.remote_decode_id) and (
-                sampling.n > 1 or sampling.logprobs is not None or sampling.prompt_logprobs
-            ):
+            if (request.remote_prefill or request.remote_decode_id) and sampling.prompt_logprobs:
                 raise ValueError(
-                    "n > 1, logprobs and prompt_logprobs do not go through the disaggregated "
-                    "path yet: send such a request without kv_transfer_params."
+                    "prompt_logprobs do not go through the disaggregated path yet: send such a "
+                    "request without kv_transfer_params."
                 )
         self.waiting.append(request)
         self.requests[request.request_id] = request
@@ -288,10 +287,13 @@ class Scheduler:
         self.kv_connector.add_load(request.request_id, spec)
         return True
 
-    def _kv_arrived(self, output: KVConnectorOutput) -> list[tuple[Request, list[int]]]:
-        """Requests whose prompt's K/V arrived start decoding (their first token, sampled by the
-        prefill instance, appended under the stop rules); those whose pull failed end with the
-        reason as their stop reason."""
+    def _kv_arrived(
+        self, output: KVConnectorOutput, logprobs: dict[str, TopLogprobs]
+    ) -> list[tuple[Request, list[int]]]:
+        """Requests whose prompt's K/V arrived start decoding: each of their n sequences (forked
+        now, sharing the blocks) with the first token the prefill instance sampled for it,
+        appended under the stop rules (its logprobs added to `logprobs`). Those whose pull
+        failed end with the reason as their stop reason."""
         self.kv_connector.record(output)
         for transfer_id in self.kv_connector.end_leases(output.sent):
             self.kv_manager.free(self.leased.pop(transfer_id))
@@ -300,14 +302,33 @@ class Scheduler:
             request = self.waiting_for_kv.pop(request_id, None)
             if request is None:  # aborted meanwhile
                 continue
+            if len(loaded.first_token_ids) != 1 + request.num_forks_pending:
+                output.failed[request_id] = (
+                    f"the prefill instance sampled {len(loaded.first_token_ids)} first tokens "
+                    f"for a request of n = {1 + request.num_forks_pending}"
+                )
+                self.waiting_for_kv[request_id] = request  # failed below
+                continue
             request.num_computed_tokens = request.num_prompt_tokens
             self.kv_manager.cache_blocks(request, request.num_prompt_tokens)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            kept, status = self._append_tokens(request, [loaded.first_token_id])
-            updated.append((request, kept))
-            if status is not None:
-                self.finish_requests([request_id], status)
+            sequences = [request]
+            for i in range(1, request.num_forks_pending + 1):
+                child = request.fork(request.index + i)
+                self.kv_manager.fork(request, child)
+                self.requests[child.request_id] = child
+                sequences.append(child)
+            request.num_forks_pending = 0
+            for sequence, token_id, top in zip(
+                sequences, loaded.first_token_ids, loaded.first_logprobs
+            ):
+                sequence.status = RequestStatus.RUNNING
+                self.running.append(sequence)
+                if top is not None:
+                    logprobs[sequence.request_id] = top
+                kept, status = self._append_tokens(sequence, [token_id])
+                updated.append((sequence, kept))
+                if status is not None:
+                    self.finish_requests([sequence.request_id], status)
         for request_id, error in output.failed.items():
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
@@ -448,7 +469,7 @@ class Scheduler:
         Requests whose prompt's K/V arrived from a prefill instance get their first token."""
         updated = []
         if runner_output.kv_connector_output is not None:
-            updated = self._kv_arrived(runner_output.kv_connector_output)
+            updated = self._kv_arrived(runner_output.kv_connector_output, runner_output.logprobs)
         for request_id, num_new in output.num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += num_new
         for fork in output.forked_reqs:

@@ -63,14 +63,16 @@ class Lease:
     """A request's prompt blocks, held on the prefill instance until pulled."""
 
     block_ids: list[int]
-    first_token_id: int
+    first_token_ids: list[int]  # one per sequence of the request (n), index order
+    first_logprobs: list[dict[str, Any] | None]  # TopLogprobs fields, when asked for
     num_prompt_tokens: int
     seed: int | None
 
 
 @dataclass
 class PulledKV:
-    first_token_id: int
+    first_token_ids: list[int]
+    first_logprobs: list[dict[str, Any] | None]
     seed: int | None
     data: torch.Tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
     seconds: float
@@ -170,7 +172,8 @@ class KVServer:
             data = self._read_blocks(lease.block_ids[skip:])
         header = _header(
             ok=True,
-            first_token_id=lease.first_token_id,
+            first_token_ids=lease.first_token_ids,
+            first_logprobs=lease.first_logprobs,
             seed=lease.seed,
             num_blocks=data.shape[2],
         )
@@ -210,7 +213,13 @@ class KVClient:
         ]
         data = torch.stack(layers) if layers else torch.empty((0, *shape), dtype=self.dtype)
         self.done(host, port, transfer_id)
-        return PulledKV(header["first_token_id"], header["seed"], data, time.perf_counter() - start)
+        return PulledKV(
+            header["first_token_ids"],
+            header["first_logprobs"],
+            header["seed"],
+            data,
+            time.perf_counter() - start,
+        )
 
     def done(self, host: str, port: int, transfer_id: str) -> None:
         """Ends a lease on the prefill instance (pulled, or no longer wanted)."""

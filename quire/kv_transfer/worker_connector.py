@@ -22,7 +22,14 @@ import torch
 import xxhash
 
 from quire.kv_transfer.transport import KVClient, KVLayout, KVServer, Lease, PulledKV
-from quire.messages import KVConnectorMetadata, KVConnectorOutput, KVLoaded, KVLoadSpec
+from quire.messages import (
+    ForkedRequestData,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVLoaded,
+    KVLoadSpec,
+    TopLogprobs,
+)
 from quire.worker.kv_cache import KVBlocks, KVCache
 
 logger = logging.getLogger(__name__)
@@ -81,7 +88,10 @@ class KVConnectorWorker:
                 result.failed[req_id] = str(error)
                 continue
             result.loaded[req_id] = KVLoaded(
-                first_token_id=pulled.first_token_id,
+                first_token_ids=pulled.first_token_ids,
+                first_logprobs=[
+                    None if t is None else TopLogprobs(**t) for t in pulled.first_logprobs
+                ],
                 num_blocks=len(spec.block_ids),
                 num_bytes=pulled.data.nbytes,
                 seconds=pulled.seconds,
@@ -104,15 +114,31 @@ class KVConnectorWorker:
             self.kv_cache.write_blocks(spec.block_ids, KVBlocks(pulled.data))
 
     def after_forward(
-        self, metadata: KVConnectorMetadata | None, sampled: dict[str, list[int]]
+        self,
+        metadata: KVConnectorMetadata | None,
+        sampled: dict[str, list[int]],
+        logprobs: dict[str, TopLogprobs],
+        forks: list[ForkedRequestData],
     ) -> None:
-        """Leases the blocks of each request saved this step, with the token it sampled."""
+        """Leases the blocks of each request saved this step, with the first token each of its
+        sequences sampled (the request's own, then its forks' in index order) and their
+        logprobs."""
         if metadata is None:
             return
         for req_id, spec in metadata.save.items():
+            children = sorted(
+                (f for f in forks if f.parent_req_id == req_id), key=lambda f: f.index
+            )
+            sequences = [req_id, *(f.req_id for f in children)]
             self.server.add(
                 spec.transfer_id,
-                Lease(spec.block_ids, sampled[req_id][0], spec.num_prompt_tokens, spec.seed),
+                Lease(
+                    spec.block_ids,
+                    [sampled[s][0] for s in sequences],
+                    [_first_row(logprobs.get(s)) for s in sequences],
+                    spec.num_prompt_tokens,
+                    spec.seed,
+                ),
             )
 
     @property
@@ -123,3 +149,10 @@ class KVConnectorWorker:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.server.close()
         self.client.close()
+
+
+def _first_row(top: TopLogprobs | None) -> dict | None:
+    """The first sampled position's logprobs as JSON-ready fields."""
+    if top is None:
+        return None
+    return {"token_ids": top.token_ids[:1], "logprobs": top.logprobs[:1], "ranks": top.ranks[:1]}

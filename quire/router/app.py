@@ -9,7 +9,7 @@ the first token and generates the rest). The decode instance's answer, streamed 
 client's. The policy picks among the collocated instances and the prefill instances (a prefill
 instance standing for the disaggregated path), then among the decode instances.
 
-Requests the disaggregated path does not carry yet (n > 1, logprobs, echo, several prompts in
+Requests the disaggregated path does not carry yet (echo, prompt logprobs, several prompts in
 one request) go to a decode instance as they are: it computes them itself; so do requests while
 no prefill instance is reachable (one that refuses the connection is marked down until a poll of
 its /load succeeds).
@@ -102,13 +102,7 @@ def disaggregable(body: dict[str, Any]) -> bool:
     """Whether the disaggregated path carries this request (see the module docstring)."""
     prompt = body.get("prompt")
     several = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
-    return not (
-        several
-        or body.get("n", 1) != 1
-        or body.get("logprobs")
-        or body.get("echo")
-        or body.get("prompt_logprobs")
-    )
+    return not (several or body.get("echo") or body.get("prompt_logprobs"))
 
 
 class Router:

@@ -301,7 +301,12 @@ class ModelRunner:
             kv_output = self.kv_connector.before_forward(output.kv_connector_metadata)
         result = self._execute(output)
         if self.kv_connector is not None:
-            self.kv_connector.after_forward(output.kv_connector_metadata, result.sampled_token_ids)
+            self.kv_connector.after_forward(
+                output.kv_connector_metadata,
+                result.sampled_token_ids,
+                result.logprobs,
+                output.forked_reqs,
+            )
             result.kv_connector_output = kv_output
         return result
 
