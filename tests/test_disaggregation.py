@@ -249,3 +249,34 @@ def test_default_model_greedy_tokens_equal_collocated(default_model):
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def test_a_request_preempted_on_the_decode_side_is_recomputed_there(
+    tiny_llama, prefill, collocated
+):
+    """Two requests that do not both fit in 8 blocks: one is preempted after its KV arrived,
+    and recomputed on the decode instance from its own prefix cache."""
+    small = engine(tiny_llama, disaggregation_mode="decode", num_kv_blocks=8)
+    try:
+        prompts = [prompt(40, 21), prompt(40, 22)]
+        sampling = params(max_tokens=40)
+        for i, p in enumerate(prompts):
+            prefill_params = sampling.clone()
+            prefill_params.max_tokens = 1
+            prefill_params.kv_transfer_params = {"do_remote_decode": True, "transfer_id": f"pre{i}"}
+            prefill.add_request(f"pre-p{i}", p, prefill_params)
+        while prefill.has_unfinished_requests():
+            prefill.step()
+        for i, p in enumerate(prompts):
+            small.add_request(
+                f"pre{i}", p, remote(f"pre{i}", prefill.config.kv_port, max_tokens=40)
+            )
+        got = run_until_idle(small, prefill)
+        assert small.scheduler.num_preemptions >= 1
+        expected = collocated.generate(prompts, sampling, use_tqdm=False)
+        assert [got[f"pre{i}"].outputs[0].token_ids for i in range(2)] == [
+            e.outputs[0].token_ids for e in expected
+        ]
+        assert_all_blocks_free(small, prefill)
+    finally:
+        small.shutdown()
