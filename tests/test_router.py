@@ -8,6 +8,8 @@ import json
 
 import httpx
 import pytest
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
 from server_utils import ServerThread, serve_engine, wait_until
 
 from quire.config import EngineConfig
@@ -176,6 +178,52 @@ def test_a_prefill_kv_endpoint_that_never_answers_is_a_clear_error(instances):
         message
     )
     assert_all_blocks_free(decode)
+    assert wait_until(lambda: not prefill.engine.has_kv_transfers(), timeout=10)
+    assert_all_blocks_free(prefill)
+
+
+def dying_decode_app() -> FastAPI:
+    """A decode instance that sends one event of its stream, then dies (the connection drops)."""
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions() -> StreamingResponse:
+        async def events():
+            yield b'data: {"choices": [{"index": 0, "text": " one"}]}\n\n'
+            raise RuntimeError("killed")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def test_a_decode_instance_dying_mid_stream_ends_the_stream_with_an_error(instances):
+    (prefill_server, prefill), _, _ = instances
+    dying = ServerThread(dying_decode_app())
+    server = router_over(
+        [
+            Instance(
+                prefill_server.url,
+                "prefill",
+                kv_host="127.0.0.1",
+                kv_port=prefill.engine.config.kv_port,
+            ),
+            Instance(dying.url, "decode"),
+        ]
+    )
+    try:
+        body = {"model": MODEL, "prompt": token_prompt(20, 10), "max_tokens": 8, "stream": True}
+        with httpx.stream(
+            "POST", server.url + "/v1/completions", json=body, timeout=30
+        ) as response:
+            events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    finally:
+        server.stop()
+        dying.stop()
+    assert json.loads(events[0][6:])["choices"][0]["text"] == " one"
+    error = json.loads(events[-1][6:])["error"]
+    assert error["code"] == 502 and error["message"].startswith("The instance stopped mid-stream")
+    # nobody pulls the prefill instance's lease: it runs out (5 s) and frees the blocks
     assert wait_until(lambda: not prefill.engine.has_kv_transfers(), timeout=10)
     assert_all_blocks_free(prefill)
 
