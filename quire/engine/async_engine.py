@@ -51,6 +51,9 @@ logger = logging.getLogger(__name__)
 
 # How long the loop sleeps when it has live requests but could schedule none of them.
 _STALL_WAIT_S = 0.001
+# How long it sleeps when it only holds KV leases for decode instances (prefill instance): the
+# KV server answers pulls on its own thread, the loop only frees what was pulled or ran out.
+_LEASE_WAIT_S = 0.01
 
 
 class EngineDeadError(RuntimeError):
@@ -316,7 +319,8 @@ class AsyncLLM:
         self.metrics.record_step(self.engine, outputs, time.monotonic())
         self._deliver(outputs)
         if self.engine.num_steps == num_steps:  # nothing could be scheduled: wait a little
-            time.sleep(_STALL_WAIT_S)
+            idle = not self.engine.has_unfinished_requests()
+            time.sleep(_LEASE_WAIT_S if idle else _STALL_WAIT_S)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]]

@@ -233,7 +233,9 @@ class Scheduler:
         while self.waiting and budget > 0:
             request = self.waiting[0]
             num_seqs = len(self.running) + len(forked) + 1 + request.num_forks_pending
-            if num_seqs + len(self.waiting_for_kv) > self.max_num_seqs:
+            # requests waiting for their K/V run as soon as it arrives, their forks with them
+            num_seqs += sum(1 + r.num_forks_pending for r in self.waiting_for_kv.values())
+            if num_seqs > self.max_num_seqs:
                 break
             if request.remote_prefill is not None and not request.num_output_tokens:
                 if not self._admit_remote_prefill(request):
