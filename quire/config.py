@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,8 @@ def default_model_path() -> str:
 
 
 # Proposal methods this engine has; vLLM's others are refused with a clear error.
+_KV_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
+_KV_TRANSFER_KEYS = {"kv_connector", "kv_role", "kv_ip", "kv_port"}
 _SPEC_METHODS = ("ngram", "draft_model")
 _SPEC_METHODS_NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
 _SPEC_KEYS = (
@@ -209,10 +212,69 @@ class EngineConfig(EngineArgs):
                 "tensor_parallel_size > 1 yet (the draft is not split across ranks); use "
                 "method 'ngram', or tensor_parallel_size 1."
             )
+        self._resolve_kv_transfer()
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
             )
+
+    def _resolve_kv_transfer(self) -> None:
+        """vLLM's kv_transfer_config as quire's flags; the KV endpoint's port chosen free."""
+        config = self.kv_transfer_config
+        if config is not None:
+            unknown = sorted(set(config) - _KV_TRANSFER_KEYS)
+            if unknown:
+                raise ValueError(
+                    f"Unknown kv_transfer_config keys {unknown}; accepted: "
+                    f"{', '.join(sorted(_KV_TRANSFER_KEYS))}."
+                )
+            role = config.get("kv_role", "kv_both")
+            if role not in _KV_ROLES:
+                raise ValueError(
+                    f"kv_transfer_config kv_role must be one of {', '.join(_KV_ROLES)}; "
+                    f"got {role!r}."
+                )
+            if self.disaggregation_mode not in (None, _KV_ROLES[role]):
+                raise ValueError(
+                    f"kv_transfer_config kv_role {role!r} contradicts disaggregation_mode "
+                    f"{self.disaggregation_mode!r}: give one of them."
+                )
+            self.disaggregation_mode = _KV_ROLES[role]
+            self.kv_host = config.get("kv_ip", self.kv_host)
+            self.kv_port = config.get("kv_port", self.kv_port)
+            self.kv_transfer_config = None
+        if self.disaggregation_mode is None:
+            return
+        if self.disaggregation_mode not in ("prefill", "decode", "both"):
+            raise ValueError(
+                "disaggregation_mode must be 'prefill' or 'decode'; got "
+                f"{self.disaggregation_mode!r}."
+            )
+        if self.tensor_parallel_size > 1:
+            raise ValueError(
+                "disaggregation does not run under tensor_parallel_size > 1 yet (each rank "
+                "would move its share of the heads); use tensor_parallel_size 1."
+            )
+        if self.engine_core_process:
+            raise ValueError(
+                "disaggregation does not run with engine_core_process yet; run the engine core "
+                "in the front end's process."
+            )
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            raise ValueError(
+                "disaggregation does not move a draft model's KV yet; use speculative_config "
+                "method 'ngram', or no speculation."
+            )
+        for name in ("kv_lease_timeout", "kv_transfer_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}.")
+        if self.kv_port is None:
+            with socket.socket() as sock:
+                sock.bind((self.kv_host, 0))
+                self.kv_port = sock.getsockname()[1]
+        elif not 0 < self.kv_port < 65536:
+            raise ValueError(f"kv_port must be in 1..65535, got {self.kv_port}.")
 
     @property
     def is_gguf(self) -> bool:

@@ -124,6 +124,32 @@ class EngineArgs:
         '"num_speculative_tokens": 3}\'',
         metavar="JSON",
     )
+    disaggregation_mode: str | None = _knob(
+        choices=("prefill", "decode"),
+        help="prefill/decode disaggregation (SGLang's flag): prefill, this instance computes "
+        "prompts and leases their KV to decode instances; decode, it pulls a prompt's KV from "
+        "a prefill instance and generates the rest (default: neither, collocated); either "
+        "role also serves plain requests. Run `quire router` in front",
+    )
+    kv_transfer_config: dict | None = _knob(
+        metavar="JSON",
+        help='the same as vLLM\'s dict: \'{"kv_connector": "QuireConnector", "kv_role": '
+        '"kv_producer" (prefill) | "kv_consumer" (decode) | "kv_both", "kv_ip": HOST, '
+        '"kv_port": PORT}\'',
+    )
+    kv_host: str = _knob(
+        "127.0.0.1",
+        help="address the KV transfer endpoint listens on and that decode instances reach",
+    )
+    kv_port: int | None = _knob(help="TCP port of the KV transfer endpoint (default: a free one)")
+    kv_lease_timeout: float = _knob(
+        30.0,
+        help="seconds a prefill instance keeps a prompt's KV blocks for a decode instance to "
+        "pull before freeing them",
+    )
+    kv_transfer_timeout: float = _knob(
+        10.0, help="seconds a decode instance waits for a prefill instance to answer a pull"
+    )
     # The CPU kernel choices: on where they run, each can be turned off to compare against
     # the path it replaces (README, "CPU"). Defaults from quire/envs.py.
     cpu_kernels: bool = _knob(

@@ -59,15 +59,63 @@ class ForkedRequestData:
 
 
 @dataclass
+class KVLoadSpec:
+    """Fill a request's blocks with K/V computed by a prefill instance (disaggregation)."""
+
+    transfer_id: str  # the prefill instance's name for the request's leased blocks
+    host: str  # the prefill instance's KV endpoint
+    port: int
+    block_ids: list[int]  # where the received blocks go: the request's blocks past its local hits
+    skip_blocks: int  # leading blocks found in this instance's prefix cache, not transferred
+    seed: int | None  # the request's seed here: the prefill instance's must be the same
+
+
+@dataclass
+class KVSaveSpec:
+    """Lease a request's prompt blocks once this step has computed them (and sampled its first
+    token), until a decode instance has pulled them or the lease runs out."""
+
+    transfer_id: str
+    block_ids: list[int]
+    num_prompt_tokens: int
+    seed: int | None  # what decoding needs besides the blocks travels with them
+
+
+@dataclass
 class KVConnectorMetadata:
     """A step's KV transfers, for a connector that moves K/V between engine instances
-    (prefill/decode disaggregation): built by the connector's engine side, carried out by its
-    worker side through `KVCache.read_blocks` / `write_blocks` around the forward."""
+    (prefill/decode disaggregation): built by the connector's scheduler side
+    (kv_transfer/scheduler_connector.py), carried out by its worker side
+    (kv_transfer/worker_connector.py) through `KVCache.read_blocks` / `write_blocks`."""
 
-    # req id -> the request's block ids to fill from elsewhere before the forward
-    load: dict[str, list[int]] = field(default_factory=dict)
-    # req id -> block ids whose K/V is final after this step and goes elsewhere
-    save: dict[str, list[int]] = field(default_factory=dict)
+    load: dict[str, KVLoadSpec] = field(default_factory=dict)  # req id -> blocks to pull
+    save: dict[str, KVSaveSpec] = field(default_factory=dict)  # req id -> blocks to lease
+    # Loads to drop before anything is written (the request was aborted: its blocks may
+    # already belong to another request).
+    cancel_loads: list[str] = field(default_factory=list)
+    # Leases given up (expired): stop serving them before their blocks are reused.
+    release: list[str] = field(default_factory=list)  # transfer ids
+
+
+@dataclass
+class KVLoaded:
+    """A finished pull: the request's K/V is in its blocks, and the first token of each of its
+    n sequences came with it (index order), with its logprobs when the request asked."""
+
+    first_token_ids: list[int]
+    first_logprobs: list[TopLogprobs | None]
+    num_blocks: int
+    num_bytes: int
+    seconds: float
+
+
+@dataclass
+class KVConnectorOutput:
+    """What the connector's worker side finished since the last step."""
+
+    loaded: dict[str, KVLoaded] = field(default_factory=dict)  # req id -> result
+    failed: dict[str, str] = field(default_factory=dict)  # req id -> why its pull failed
+    sent: list[str] = field(default_factory=list)  # transfer ids pulled and acknowledged
 
 
 @dataclass
@@ -91,7 +139,7 @@ class SchedulerOutput:
     # tokens has k + 1 consecutive rows). Packed bits, 32 tokens per int32, as xgrammar writes.
     grammar_bitmask: np.ndarray | None = None  # [num_rows, ceil(vocab / 32)] int32
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
-    # None unless a KV connector is configured (no connector ships yet).
+    # None unless a KV connector is configured (--disaggregation-mode).
     kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
@@ -119,3 +167,4 @@ class ModelRunnerOutput:
     # A draft model's proposals for the next step, per request that sampled (speculative
     # decoding); the engine core hands them to the scheduler as the request's spec tokens.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    kv_connector_output: KVConnectorOutput | None = None  # with a KV connector

@@ -110,6 +110,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    # Prefill/decode disaggregation (vLLM's field): {"do_remote_decode": true, "transfer_id": ..}
+    # on a prefill instance, {"do_remote_prefill": true, "transfer_id": .., "remote_host": ..,
+    # "remote_port": ..} on a decode instance. Set by the router, not by users.
+    kv_transfer_params: dict[str, Any] | None = None
     # Filled by the engine: the model's EOS ids (stops the request unless ignore_eos).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 

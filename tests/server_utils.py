@@ -3,13 +3,19 @@ that serve the OpenAI app in process."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import httpx
 import uvicorn
+
+from quire.config import EngineConfig
+from quire.engine.async_engine import AsyncLLM
+from quire.engine.metrics import EngineMetrics
+from quire.entrypoints.api_server import build_app
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
@@ -42,3 +48,17 @@ class ServerThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+@contextlib.contextmanager
+def serve_engine(
+    config: EngineConfig, model_name: str = "tiny", **app_kwargs
+) -> Iterator[tuple[ServerThread, AsyncLLM]]:
+    """An engine of `config` served as `model_name` by the OpenAI app (with `app_kwargs`)."""
+    engine = AsyncLLM.from_engine_config(config, EngineMetrics(model_name))
+    server = ServerThread(build_app(engine, model_name, **app_kwargs))
+    try:
+        yield server, engine
+    finally:
+        server.stop()
+        engine.shutdown()

@@ -17,13 +17,11 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_utils import ServerThread, wait_until
+from server_utils import ServerThread, serve_engine, wait_until
 
 from quire import SamplingParams
 from quire.config import EngineConfig
 from quire.engine.async_engine import AsyncLLM
-from quire.engine.metrics import EngineMetrics
-from quire.entrypoints.api_server import build_app
 from quire.entrypoints.cli import build_parser
 
 MODEL = "tiny"
@@ -37,13 +35,8 @@ IGNORE_EOS = {"ignore_eos": True}
 @contextlib.contextmanager
 def serving(model: str, dtype: str, **app_kwargs) -> Iterator[tuple[ServerThread, AsyncLLM]]:
     config = EngineConfig(model=model, dtype=dtype, num_kv_blocks=NUM_KV_BLOCKS)
-    engine = AsyncLLM.from_engine_config(config, EngineMetrics(MODEL))
-    server = ServerThread(build_app(engine, MODEL, **app_kwargs))
-    try:
-        yield server, engine
-    finally:
-        server.stop()
-        engine.shutdown()
+    with serve_engine(config, MODEL, **app_kwargs) as server_and_engine:
+        yield server_and_engine
 
 
 @pytest.fixture(scope="module")

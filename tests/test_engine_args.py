@@ -39,6 +39,12 @@ EXPECTED_FLAGS = {
     "--engine-core-process": "engine_core_process",
     "--no-engine-core-process": "engine_core_process",
     "--speculative-config": "speculative_config",
+    "--disaggregation-mode": "disaggregation_mode",
+    "--kv-transfer-config": "kv_transfer_config",
+    "--kv-host": "kv_host",
+    "--kv-port": "kv_port",
+    "--kv-lease-timeout": "kv_lease_timeout",
+    "--kv-transfer-timeout": "kv_transfer_timeout",
     "--num-kv-blocks": "num_kv_blocks",
     "--cpu-kernels": "cpu_kernels",
     "--no-cpu-kernels": "cpu_kernels",
@@ -213,3 +219,16 @@ def test_an_int_is_a_float_a_numpy_int_an_int_and_a_path_a_str(tmp_path) -> None
         model=model, gpu_memory_utilization=1, max_num_seqs=np.int64(8)
     ).create_engine_config()
     assert (config.model, config.gpu_memory_utilization, config.max_num_seqs) == (str(model), 1, 8)
+
+
+def test_kv_transfer_config_is_vllms_spelling_of_the_disaggregation_flags(tiny_llama):
+    config = EngineArgs(
+        model=tiny_llama,
+        kv_transfer_config={"kv_connector": "QuireConnector", "kv_role": "kv_consumer"},
+    ).create_engine_config()
+    assert config.disaggregation_mode == "decode"
+    assert config.kv_host == "127.0.0.1" and 0 < config.kv_port < 65536  # a free port
+    with pytest.raises(ValueError, match="kv_role must be one of kv_producer, kv_consumer"):
+        EngineArgs(
+            model=tiny_llama, kv_transfer_config={"kv_role": "kv_leader"}
+        ).create_engine_config()

@@ -51,6 +51,9 @@ logger = logging.getLogger(__name__)
 
 # How long the loop sleeps when it has live requests but could schedule none of them.
 _STALL_WAIT_S = 0.001
+# How long it sleeps when it only holds KV leases for decode instances (prefill instance): the
+# KV server answers pulls on its own thread, the loop only frees what was pulled or ran out.
+_LEASE_WAIT_S = 0.01
 
 
 class EngineDeadError(RuntimeError):
@@ -227,8 +230,8 @@ class AsyncLLM:
             return
         ready.set_result(None)
         try:
-            while self._handle_commands(block=not self.engine.has_unfinished_requests()):
-                if self.engine.has_unfinished_requests():
+            while self._handle_commands(block=not self._has_work()):
+                if self._has_work():
                     self._step()
                 self.metrics.log_stats_if_due(self.engine, time.monotonic())
         except BaseException as error:
@@ -238,6 +241,9 @@ class AsyncLLM:
             self._dead = EngineDeadError("the engine was shut down")
         self._end_all_streams(EngineDeadError(f"The engine has stopped: {self._dead!r}"))
         self.engine.shutdown()  # its core and worker processes, if any
+
+    def _has_work(self) -> bool:
+        return self.engine.has_unfinished_requests() or self.engine.has_kv_transfers()
 
     def _end_all_streams(self, error: EngineDeadError) -> None:
         """Ends every live stream and every request still queued (the loop has stopped)."""
@@ -313,7 +319,8 @@ class AsyncLLM:
         self.metrics.record_step(self.engine, outputs, time.monotonic())
         self._deliver(outputs)
         if self.engine.num_steps == num_steps:  # nothing could be scheduled: wait a little
-            time.sleep(_STALL_WAIT_S)
+            idle = not self.engine.has_unfinished_requests()
+            time.sleep(_LEASE_WAIT_S if idle else _STALL_WAIT_S)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]]
@@ -323,7 +330,12 @@ class AsyncLLM:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
-            batches[stream.loop].append((stream.queue, output))
+            item: RequestOutput | RequestFailedError = output
+            failed = [o.stop_reason for o in output.outputs if o.finish_reason == "error"]
+            if output.finished and failed:
+                # failed in the engine (its K/V never arrived): an error for the caller
+                item = RequestFailedError(f"Request {output.request_id} failed: {failed[0]}")
+            batches[stream.loop].append((stream.queue, item))
             ids_by_loop[stream.loop].append(output.request_id)
             if output.finished:
                 del self._streams[output.request_id]

@@ -26,6 +26,7 @@ from quire.engine.kv_manager import KVCacheManager
 from quire.engine.request import Request, RequestStatus
 from quire.engine.scheduler import Scheduler
 from quire.executor.base import make_executor
+from quire.kv_transfer.scheduler_connector import KVConnectorScheduler, KVTransferStats
 from quire.messages import TopLogprobs
 from quire.model.model_config import ModelConfig
 from quire.model.tokenizer import load_tokenizer
@@ -47,6 +48,7 @@ class CoreStats:
     prefix_cache_queries: int = 0  # tokens looked up, since start
     prefix_cache_hits: int = 0
     spec_decoding: SpecDecodingStats | None = None  # None when speculation is off
+    kv_transfer: KVTransferStats | None = None  # None without --disaggregation-mode
 
 
 @dataclass
@@ -100,6 +102,11 @@ class EngineCore:
             config.max_num_batched_tokens,
             max_model_len,
             num_lookahead_tokens=spec_config.num_speculative_tokens if spec_config else 0,
+            kv_connector=(
+                KVConnectorScheduler(config.kv_lease_timeout)
+                if config.disaggregation_mode is not None
+                else None
+            ),
         )
         if grammar_compiler is None:
             grammar_compiler = GrammarCompiler(
@@ -135,6 +142,11 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def has_kv_transfers(self) -> bool:
+        """Whether K/V is being pulled or held for a decode instance: the core must keep
+        stepping (with nothing to compute, such a step only moves K/V)."""
+        return self.scheduler.has_kv_work
+
     def stats(self) -> CoreStats:
         scheduler, kv = self.scheduler, self.kv_manager
         return CoreStats(
@@ -145,6 +157,9 @@ class EngineCore:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             spec_decoding=None if self.speculator is None else self.speculator.stats,
+            kv_transfer=(
+                None if scheduler.kv_connector is None else scheduler.kv_connector.snapshot()
+            ),
         )
 
     def step(self) -> list[EngineCoreOutput]:
@@ -154,12 +169,14 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
             self.structured_output.trim_spec_tokens(self.scheduler.running)
+        kv_work = self.scheduler.has_kv_work
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
+        if scheduler_output.is_empty and not (kv_work or self.scheduler.has_kv_work):
             return []
         self.structured_output.fill_bitmask(scheduler_output, self.scheduler.requests)
         runner_output = self.executor.execute_model(scheduler_output)
-        self.num_steps += 1
+        if not scheduler_output.is_empty:
+            self.num_steps += 1
         requests = self.scheduler.requests
         # Where each prompt-logprob chunk starts, read before update advances the counts.
         prompt_starts = {

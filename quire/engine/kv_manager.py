@@ -108,11 +108,13 @@ class KVCacheManager:
         num_new_tokens: int,
         computed_blocks: list[KVBlock] = (),
         num_lookahead: int = 0,
+        cache: bool = True,
     ) -> bool:
         """Make `request`'s blocks cover its computed tokens, `computed_blocks` (prefix-cache
         hits, only on first scheduling), `num_new_tokens` more and `num_lookahead` slots past
-        them (for speculative tokens; never hashed). Returns False, changing nothing, when the
-        pool has too few free blocks."""
+        them (for speculative tokens; never hashed). Without `cache`, the new full blocks are
+        not hashed (their K/V is still to arrive: `cache_blocks` once it has). Returns False,
+        changing nothing, when the pool has too few free blocks."""
         blocks = self.req_blocks.setdefault(request.request_id, [])
         num_computed, num_needed, needs_cow, num_taken = self._demand(
             blocks, request, num_new_tokens + num_lookahead, computed_blocks
@@ -128,9 +130,15 @@ class KVCacheManager:
             self._copy_on_write(blocks)
         for _ in range(num_needed):
             blocks.append(self._pop_free_block())
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and cache:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return True
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Hashes the request's blocks that are full within its first `num_tokens` tokens (K/V
+        that arrived from elsewhere) into the prefix cache."""
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, self.req_blocks[request.request_id], num_tokens)
 
     def can_allocate(
         self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] = ()

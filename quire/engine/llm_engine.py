@@ -259,6 +259,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
+    def has_kv_transfers(self) -> bool:
+        """Whether K/V is being pulled, or held for a decode instance: step on even when no
+        request is unfinished (disaggregation)."""
+        return self.config.disaggregation_mode is not None and self.core.has_kv_transfers()
+
     @property
     def num_unfinished_requests(self) -> int:
         return len(self.groups)
@@ -290,6 +295,9 @@ class LLMEngine:
                 dicts = self._logprob_dicts(out.prompt_logprobs)
                 group.prompt_logprobs.extend(dicts[max(num_returned, 0) :])
             if not out.new_token_ids:
+                if out.status == RequestStatus.FINISHED_ERROR:  # failed before any token
+                    seq.status, seq.stop_reason = out.status, out.stop_reason
+                    touched[group.request_id] = group
                 continue
             touched[group.request_id] = group
             if group.first_token_time is None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from quire.engine.llm_engine import LLMEngine
+from quire.kv_transfer.scheduler_connector import KVTransferStats
 from quire.outputs import RequestOutput
 from quire.spec_decode.speculator import SpecDecodingStats
 
@@ -101,6 +102,26 @@ class EngineMetrics:
             names + ["position"],
             registry=self.registry,
         )
+        # Prefill/decode disaggregation (zero without --disaggregation-mode).
+        self.kv_transfer_requests = counter(
+            "kv_transfer_requests", "Requests whose prompt's KV arrived from a prefill instance."
+        )
+        self.kv_transfer_failures = counter(
+            "kv_transfer_failures", "Requests whose KV pull failed (refused, lost, timed out)."
+        )
+        self.kv_transfer_blocks = counter("kv_transfer_blocks", "KV blocks received.")
+        self.kv_transfer_bytes = counter(
+            "kv_transfer_bytes", "KV bytes received (blocks x bytes per block)."
+        )
+        self.kv_transfer_seconds = counter(
+            "kv_transfer_seconds", "Time spent pulling KV, summed over requests."
+        )
+        self.num_requests_waiting_for_kv = gauge(
+            "num_requests_waiting_for_kv", "Requests waiting for their prompt's KV."
+        )
+        self.num_kv_leases = gauge(
+            "num_kv_leases", "Prompts whose KV blocks are held for a decode instance."
+        )
 
         self._requests: dict[str, _RequestState] = {}
         # Engine counters already exported, to add only what each step changed.
@@ -108,6 +129,7 @@ class EngineMetrics:
         self._seen_cache_queries = 0
         self._seen_cache_hits = 0
         self._seen_spec: tuple[int, int, int, list[int]] = (0, 0, 0, [])
+        self._seen_kv = KVTransferStats()
         self._interval = _IntervalStats()
         self._last_log_time: float | None = None
 
@@ -140,6 +162,9 @@ class EngineMetrics:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage.set(stats.kv_cache_usage)
+        if stats.kv_transfer is not None:
+            self.num_requests_waiting_for_kv.set(stats.kv_transfer.num_waiting)
+            self.num_kv_leases.set(stats.kv_transfer.num_leased)
 
     def log_stats_if_due(self, engine: LLMEngine, now: float) -> None:
         """Logs the engine stats line every `log_stats_interval_s` while there is work."""
@@ -237,6 +262,17 @@ class EngineMetrics:
         spec = engine.spec_decoding_stats
         if spec is not None:
             self._record_spec_decoding(spec)
+        if core.kv_transfer is not None:
+            self._record_kv_transfer(core.kv_transfer)
+
+    def _record_kv_transfer(self, kv: KVTransferStats) -> None:
+        seen = self._seen_kv
+        self.kv_transfer_requests.inc(kv.num_pulled - seen.num_pulled)
+        self.kv_transfer_failures.inc(kv.num_failed - seen.num_failed)
+        self.kv_transfer_blocks.inc(kv.num_blocks - seen.num_blocks)
+        self.kv_transfer_bytes.inc(kv.num_bytes - seen.num_bytes)
+        self.kv_transfer_seconds.inc(kv.seconds - seen.seconds)
+        self._seen_kv = kv
 
     def _record_spec_decoding(self, spec: SpecDecodingStats) -> None:
         drafts, draft_tokens, accepted, per_pos = self._seen_spec

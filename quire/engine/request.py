@@ -11,6 +11,7 @@ from quire.outputs import PositionLogprobs
 from quire.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from quire.kv_transfer.scheduler_connector import RemotePrefill
     from quire.structured_output.manager import RequestGrammar
 
 
@@ -18,9 +19,11 @@ class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
+    WAITING_FOR_REMOTE_KV = enum.auto()  # blocks allocated, its prompt's K/V being pulled
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # failed (its K/V never arrived): stop_reason says why
 
     @property
     def is_finished(self) -> bool:
@@ -35,11 +38,13 @@ _FINISHED = {
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
 }
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -78,6 +83,12 @@ class Request:
         # Structured outputs: the matcher of its grammar, advanced with each accepted token
         # (set by the engine core when it takes the request).
         self.grammar: RequestGrammar | None = None
+        # Prefill/decode disaggregation (set by the scheduler from its kv_transfer_params):
+        # where its prompt's K/V comes from (decode instance), or the transfer id its blocks
+        # are leased under once its first token is sampled (prefill instance).
+        self.remote_prefill: RemotePrefill | None = None
+        self.remote_decode_id: str | None = None
+        self.kv_saved = False  # its blocks are promised to a lease (prefill instance)
 
     @property
     def num_tokens(self) -> int:

@@ -40,12 +40,21 @@ from dataclasses import dataclass
 
 from quire.engine.kv_manager import KVCacheManager
 from quire.engine.request import Request, RequestStatus
+from quire.kv_transfer.scheduler_connector import (
+    KVConnectorScheduler,
+    remote_decode,
+    remote_prefill,
+)
 from quire.messages import (
     CachedRequestData,
     ForkedRequestData,
+    KVConnectorOutput,
+    KVLoadSpec,
+    KVSaveSpec,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    TopLogprobs,
 )
 
 logger = logging.getLogger(__name__)
@@ -76,8 +85,15 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         num_lookahead_tokens: int = 0,
+        kv_connector: KVConnectorScheduler | None = None,
     ):
         self.kv_manager = kv_manager
+        # Prefill/decode disaggregation (kv_transfer/scheduler_connector.py): requests waiting
+        # for their prompt's K/V (decode instance), finished requests whose blocks are leased
+        # until a decode instance has pulled them, by transfer id (prefill instance).
+        self.kv_connector = kv_connector
+        self.waiting_for_kv: dict[str, Request] = {}
+        self.leased: dict[str, Request] = {}
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -93,6 +109,21 @@ class Scheduler:
 
     # ---- admission and removal -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        params = request.sampling_params.kv_transfer_params
+        if params:
+            if self.kv_connector is None:
+                raise ValueError(
+                    "kv_transfer_params need an instance started with --disaggregation-mode "
+                    "(or --kv-transfer-config)."
+                )
+            request.remote_prefill = remote_prefill(params)
+            request.remote_decode_id = remote_decode(params)
+            sampling = request.sampling_params
+            if (request.remote_prefill or request.remote_decode_id) and sampling.prompt_logprobs:
+                raise ValueError(
+                    "prompt_logprobs do not go through the disaggregated path yet: send such a "
+                    "request without kv_transfer_params."
+                )
         self.waiting.append(request)
         self.requests[request.request_id] = request
 
@@ -105,10 +136,17 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                del self.waiting_for_kv[request_id]
+                self.kv_connector.cancel_load(request_id)
             else:
                 self.waiting.remove(request)
             request.status = status
-            self.kv_manager.free(request)
+            if request.kv_saved:  # prefill instance: held until the decode instance pulled it
+                self.leased[request.remote_decode_id] = request
+                self.kv_connector.lease(request.remote_decode_id)
+            else:
+                self.kv_manager.free(request)
             if self._sent.pop(request_id, None) is not None:
                 self._finished_ids.append(request_id)
             finished.append(request)
@@ -119,7 +157,18 @@ class Scheduler:
         return len(self.requests)
 
     # ---- the step ------------------------------------------------------------------------
+    @property
+    def has_kv_work(self) -> bool:
+        """Whether the KV connector needs the worker this step even with nothing to compute."""
+        return self.kv_connector is not None and self.kv_connector.has_work
+
     def schedule(self) -> SchedulerOutput:
+        if self.kv_connector is not None:
+            for transfer_id in self.kv_connector.expired():
+                logger.warning(
+                    "KV lease %s ran out before a decode instance pulled it", transfer_id
+                )
+                self.kv_manager.free(self.leased.pop(transfer_id))
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         forked: list[tuple[Request, Request]] = []  # (child, parent)
@@ -184,8 +233,14 @@ class Scheduler:
         while self.waiting and budget > 0:
             request = self.waiting[0]
             num_seqs = len(self.running) + len(forked) + 1 + request.num_forks_pending
+            # requests waiting for their K/V run as soon as it arrives, their forks with them
+            num_seqs += sum(1 + r.num_forks_pending for r in self.waiting_for_kv.values())
             if num_seqs > self.max_num_seqs:
                 break
+            if request.remote_prefill is not None and not request.num_output_tokens:
+                if not self._admit_remote_prefill(request):
+                    break
+                continue
             hits = self.kv_manager.get_computed_blocks(request)
             num_cached = len(hits) * self.kv_manager.block_size
             num_new = num_new_tokens(request, num_cached, budget, self.max_num_seqs)
@@ -208,6 +263,83 @@ class Scheduler:
             budget -= num_new
         return budget
 
+    def _admit_remote_prefill(self, request: Request) -> bool:
+        """Decode instance: allocates blocks for the request's whole prompt (its local
+        prefix-cache hits included, not transferred again) and asks for the rest's K/V. The new
+        blocks are hashed only once their K/V has arrived. False if the pool is too full."""
+        hits = self.kv_manager.get_computed_blocks(request)
+        num_cached = len(hits) * self.kv_manager.block_size
+        num_new = request.num_prompt_tokens - num_cached
+        if not self.kv_manager.allocate_slots(request, num_new, hits, cache=False):
+            return False
+        self.waiting.popleft()
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        request.num_cached_tokens = num_cached
+        request.first_scheduled_time = time.monotonic()
+        self.waiting_for_kv[request.request_id] = request
+        remote = request.remote_prefill
+        spec = KVLoadSpec(
+            transfer_id=remote.transfer_id,
+            host=remote.host,
+            port=remote.port,
+            block_ids=self.kv_manager.get_block_ids(request.request_id)[len(hits) :],
+            skip_blocks=len(hits),
+            seed=request.sampling_params.seed,
+        )
+        self.kv_connector.add_load(request.request_id, spec)
+        return True
+
+    def _kv_arrived(
+        self, output: KVConnectorOutput, logprobs: dict[str, TopLogprobs]
+    ) -> list[tuple[Request, list[int]]]:
+        """Requests whose prompt's K/V arrived start decoding: each of their n sequences (forked
+        now, sharing the blocks) with the first token the prefill instance sampled for it,
+        appended under the stop rules (its logprobs added to `logprobs`). Those whose pull
+        failed end with the reason as their stop reason."""
+        self.kv_connector.record(output)
+        for transfer_id in self.kv_connector.end_leases(output.sent):
+            self.kv_manager.free(self.leased.pop(transfer_id))
+        updated = []
+        for request_id, loaded in output.loaded.items():
+            request = self.waiting_for_kv.pop(request_id, None)
+            if request is None:  # aborted meanwhile
+                continue
+            if len(loaded.first_token_ids) != 1 + request.num_forks_pending:
+                output.failed[request_id] = (
+                    f"the prefill instance sampled {len(loaded.first_token_ids)} first tokens "
+                    f"for a request of n = {1 + request.num_forks_pending}"
+                )
+                self.waiting_for_kv[request_id] = request  # failed below
+                continue
+            request.num_computed_tokens = request.num_prompt_tokens
+            self.kv_manager.cache_blocks(request, request.num_prompt_tokens)
+            sequences = [request]
+            for i in range(1, request.num_forks_pending + 1):
+                child = request.fork(request.index + i)
+                self.kv_manager.fork(request, child)
+                self.requests[child.request_id] = child
+                sequences.append(child)
+            request.num_forks_pending = 0
+            for sequence, token_id, top in zip(
+                sequences, loaded.first_token_ids, loaded.first_logprobs
+            ):
+                sequence.status = RequestStatus.RUNNING
+                self.running.append(sequence)
+                if top is not None:
+                    logprobs[sequence.request_id] = top
+                kept, status = self._append_tokens(sequence, [token_id])
+                updated.append((sequence, kept))
+                if status is not None:
+                    self.finish_requests([sequence.request_id], status)
+        for request_id, error in output.failed.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+                continue
+            request.stop_reason = f"KV transfer failed: {error}"
+            self.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
+            updated.append((request, []))
+        return updated
+
     def _schedule(
         self,
         request: Request,
@@ -219,6 +351,17 @@ class Scheduler:
         n - 1 sequences of its group (they share its blocks and sample from its logits)."""
         scheduled.append((request, num_new))
         samples = request.num_computed_tokens + num_new >= request.num_tokens
+        if samples and request.remote_decode_id is not None and not request.kv_saved:
+            # Prefill instance: its first token is sampled now; its prompt's blocks are leased.
+            num_blocks = self.kv_manager.blocks_needed(request.num_prompt_tokens)
+            spec = KVSaveSpec(
+                transfer_id=request.remote_decode_id,
+                block_ids=self.kv_manager.get_block_ids(request.request_id)[:num_blocks],
+                num_prompt_tokens=request.num_prompt_tokens,
+                seed=request.sampling_params.seed,
+            )
+            self.kv_connector.add_save(request.request_id, spec)
+            request.kv_saved = True
         if samples and request.num_forks_pending:
             for i in range(1, request.num_forks_pending + 1):
                 child = request.fork(request.index + i)
@@ -298,6 +441,9 @@ class Scheduler:
             block_copies=self.kv_manager.take_copies(),
             finished_req_ids=finished_ids,
             preempted_req_ids=preempted_ids,
+            kv_connector_metadata=None
+            if self.kv_connector is None
+            else self.kv_connector.metadata(),
         )
 
     def _block_table_delta(self, request_id: str, sent: _SentState) -> tuple[int, list[int]]:
@@ -321,13 +467,16 @@ class Scheduler:
         applying the stop rules that need no text (EOS, stop ids, max_tokens, max_model_len) to
         each: tokens after a stop are dropped. A request that verified speculative tokens keeps
         the KV of the accepted ones and gives back the slots of the rest. Returns each request
-        that got tokens with the tokens it kept; finished ones are already removed and freed."""
+        that got tokens with the tokens it kept; finished ones are already removed and freed.
+        Requests whose prompt's K/V arrived from a prefill instance get their first token."""
+        updated = []
+        if runner_output.kv_connector_output is not None:
+            updated = self._kv_arrived(runner_output.kv_connector_output, runner_output.logprobs)
         for request_id, num_new in output.num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += num_new
         for fork in output.forked_reqs:
             child, parent = self.requests[fork.req_id], self.requests[fork.parent_req_id]
             child.num_computed_tokens = parent.num_computed_tokens
-        updated = []
         for request_id, token_ids in runner_output.sampled_token_ids.items():
             request = self.requests[request_id]
             num_spec = len(output.scheduled_spec_decode_tokens.get(request_id, ()))
@@ -358,6 +507,8 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
+        if request.remote_decode_id is not None:
+            return RequestStatus.FINISHED_LENGTH  # prefill instance: the first token only
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id in params.all_stop_token_ids:
                 request.stop_reason = token_id if token_id in params.stop_token_ids else None

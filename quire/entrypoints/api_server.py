@@ -721,6 +721,21 @@ def build_app(
             return APIError(503, "The server is at its --max-queued-requests limit.").response()
         return Response(status_code=200)
 
+    @app.get("/load")
+    async def load() -> dict[str, Any]:
+        """What `quire router` balances on, and where this instance's KV endpoint is."""
+        stats = engine.engine.core_stats()
+        kv = stats.kv_transfer
+        return {
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting + (kv.num_waiting if kv else 0),
+            "kv_cache_usage": stats.kv_cache_usage,
+            "disaggregation_mode": config.disaggregation_mode,
+            "kv_endpoint": (
+                None if kv is None else {"host": config.kv_host, "port": config.kv_port}
+            ),
+        }
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)

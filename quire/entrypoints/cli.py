@@ -198,6 +198,38 @@ def _run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_router(subparsers: argparse._SubParsersAction) -> None:
+    from quire.router.policies import POLICIES
+
+    p = subparsers.add_parser(
+        "router",
+        help="serve the OpenAI API in front of prefill, decode and collocated instances",
+        description="Forward each completion and chat request to the instances started with "
+        "`quire serve` (with --disaggregation-mode prefill / decode, or collocated): a prefill "
+        "instance computes the prompt, a decode instance pulls its KV and generates the rest.",
+    )
+    p.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill instances")
+    p.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode instances")
+    p.add_argument(
+        "--collocated", nargs="+", default=[], metavar="URL", help="collocated instances"
+    )
+    p.add_argument(
+        "--policy", default="round_robin", choices=POLICIES, help="(default: %(default)s)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    p.set_defaults(func=_run_router)
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from quire.router.app import run_router
+
+    if logging.getLogger().getEffectiveLevel() > logging.INFO:
+        logging.getLogger("quire").setLevel(logging.INFO)
+    run_router(args.prefill, args.decode, args.collocated, args.policy, args.host, args.port)
+    return 0
+
+
 def _add_chat(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("chat", help="chat with the model in the terminal")
     p.add_argument("--system", default=None, help="system prompt")
@@ -221,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate(subparsers)
     _add_serve(subparsers)
+    _add_router(subparsers)
     _add_chat(subparsers)
     _add_bench(subparsers)
     return parser

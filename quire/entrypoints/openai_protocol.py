@@ -138,6 +138,8 @@ class _SamplingRequest(_Strict):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None  # only with stream: true
+    # Prefill/decode disaggregation (vLLM's field), set by `quire router` (SamplingParams).
+    kv_transfer_params: dict[str, Any] | None = None
     # quire's: seconds from arrival after which the request is aborted (504, or an error event).
     timeout: float | None = Field(default=None, gt=0)
     # vLLM's extras.
@@ -246,6 +248,7 @@ class _SamplingRequest(_Strict):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=structured_outputs,
+            kv_transfer_params=self.kv_transfer_params,
         )
 
 

@@ -26,4 +26,6 @@ class UniprocExecutor(Executor):
         return self.worker.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
-        """Nothing to end: the worker lives and dies with the engine's process."""
+        """Closes the worker's KV transfer endpoint, if any; the worker lives and dies with the
+        engine's process."""
+        self.worker.shutdown()

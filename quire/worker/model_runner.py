@@ -29,6 +29,8 @@ from quire.attention.backend import AttentionBackend, AttentionMetadata
 from quire.attention.forward_context import forward_context
 from quire.config import EngineConfig
 from quire.kernels import cpu as cpu_kernels
+from quire.kv_transfer.transport import KVLayout
+from quire.kv_transfer.worker_connector import KVConnectorWorker, weights_fingerprint
 from quire.messages import ModelRunnerOutput, SchedulerOutput, TopLogprobs
 from quire.model.loader import load_model
 from quire.model.model_config import ModelConfig
@@ -148,6 +150,20 @@ class ModelRunner:
         )
         if self.drafter is not None:
             self.drafter.allocate(self.num_blocks, dtype, config.huge_pages)
+        self.kv_connector = None
+        if config.disaggregation_mode is not None:
+            layout = KVLayout(
+                model=weights_fingerprint(self.model),
+                num_layers=model_config.num_hidden_layers,
+                block_size=config.block_size,
+                num_kv_heads=num_kv_heads,
+                head_dim=model_config.head_dim,
+                dtype=str(dtype).removeprefix("torch."),
+                tensor_parallel_size=config.tensor_parallel_size,
+            )
+            self.kv_connector = KVConnectorWorker(
+                self.kv_cache, layout, config.kv_host, config.kv_port, config.kv_transfer_timeout
+            )
         self.cpu_step = None
         if config.tensor_parallel_size > 1:
             logger.info(
@@ -280,6 +296,21 @@ class ModelRunner:
 
     # ---- the step --------------------------------------------------------------------------
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        kv_output = None
+        if self.kv_connector is not None:  # pulled K/V lands before the batch reads it
+            kv_output = self.kv_connector.before_forward(output.kv_connector_metadata)
+        result = self._execute(output)
+        if self.kv_connector is not None:
+            self.kv_connector.after_forward(
+                output.kv_connector_metadata,
+                result.sampled_token_ids,
+                result.logprobs,
+                output.forked_reqs,
+            )
+            result.kv_connector_output = kv_output
+        return result
+
+    def _execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         step = self.input_batch.update(output)
         if self.drafter is not None:
             self.drafter.drop([*output.finished_req_ids, *output.preempted_req_ids])

@@ -50,6 +50,10 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(scheduler_output)
 
+    def shutdown(self) -> None:
+        if self.runner.kv_connector is not None:
+            self.runner.kv_connector.close()
+
 
 def pin_rank(placement: RankPlacement) -> None:
     """Pins this rank to its cores and runs that many threads (torch's and the C kernels')."""

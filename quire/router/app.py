@@ -1,0 +1,335 @@
+"""`quire router`: one OpenAI endpoint in front of prefill, decode and collocated instances.
+
+A completion or chat request goes either to one collocated instance as it is, or the
+disaggregated way: to a prefill instance with `max_tokens` 1 and `kv_transfer_params`
+{"do_remote_decode", "transfer_id"} (it computes the prompt, samples the first token and leases
+the prompt's KV blocks), then, once that answered, to a decode instance with the same body and
+{"do_remote_prefill", "transfer_id", "remote_host", "remote_port"} (it pulls the blocks, takes
+the first token and generates the rest). The decode instance's answer, streamed or not, is the
+client's. The policy picks among the collocated instances and the prefill instances (a prefill
+instance standing for the disaggregated path), then among the decode instances.
+
+Requests the disaggregated path does not carry yet (echo, prompt logprobs, several prompts in
+one request) go to a decode instance as they are: it computes them itself; so do requests while
+no prefill instance is reachable (one that refuses the connection is marked down until a poll of
+its /load succeeds).
+
+The router polls each instance's /load every `poll_interval_s` for the load-aware policies, and
+checks every instance when it starts: an unreachable URL, or an instance of the wrong role,
+stops it with a message that names it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+
+from quire.router.policies import Instance, Policy, make_policy
+
+logger = logging.getLogger(__name__)
+
+_ROLES = {"prefill": ("prefill", "both"), "decode": ("decode", "both"), "collocated": None}
+
+
+class RouterConfigError(ValueError):
+    """The router cannot start: no instances, an unreachable URL, a role that does not fit."""
+
+
+def check_instances(
+    prefill: list[str], decode: list[str], collocated: list[str], timeout_s: float = 5.0
+) -> list[Instance]:
+    """Each URL's /load, checked against the role it was given; RouterConfigError if any is
+    unreachable or of another role, or if the instances cannot serve a request."""
+    if not (prefill or decode or collocated):
+        raise RouterConfigError(
+            "The router has no instances: give --prefill and --decode URLs, or --collocated ones."
+        )
+    if bool(prefill) != bool(decode):
+        raise RouterConfigError(
+            "Disaggregation needs both kinds: give at least one --prefill and one --decode URL "
+            f"(got {len(prefill)} prefill, {len(decode)} decode)."
+        )
+    instances = []
+    for role, urls in (("prefill", prefill), ("decode", decode), ("collocated", collocated)):
+        for url in urls:
+            url = url.rstrip("/")
+            try:
+                response = httpx.get(f"{url}/load", timeout=timeout_s)
+                response.raise_for_status()
+                load = response.json()
+            except (httpx.HTTPError, ValueError) as error:
+                raise RouterConfigError(
+                    f"Cannot reach the {role} instance {url}: {error!r}. Is `quire serve` "
+                    "running there?"
+                ) from error
+            mode = load.get("disaggregation_mode")
+            if _ROLES[role] is not None and mode not in _ROLES[role]:
+                raise RouterConfigError(
+                    f"The {role} instance {url} was started with disaggregation_mode {mode!r}: "
+                    f"start it with `quire serve --disaggregation-mode {role}`."
+                )
+            instance = Instance(url, role, polled_load=load["num_running"] + load["num_waiting"])
+            if role == "prefill":
+                instance.kv_host = load["kv_endpoint"]["host"]
+                instance.kv_port = load["kv_endpoint"]["port"]
+            instances.append(instance)
+    return instances
+
+
+def prompt_text(body: dict[str, Any]) -> str:
+    """The text the cache-aware policy matches: the prompt, or the chat messages' contents."""
+    if "messages" in body:
+        return "".join(
+            m.get("content") if isinstance(m.get("content"), str) else json.dumps(m)
+            for m in body["messages"]
+        )
+    prompt = body.get("prompt", "")
+    return prompt if isinstance(prompt, str) else json.dumps(prompt)
+
+
+def disaggregable(body: dict[str, Any]) -> bool:
+    """Whether the disaggregated path carries this request (see the module docstring)."""
+    prompt = body.get("prompt")
+    several = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
+    return not (several or body.get("echo") or body.get("prompt_logprobs"))
+
+
+class Router:
+    def __init__(
+        self,
+        instances: list[Instance],
+        policy: str,
+        poll_interval_s: float = 0.5,
+        timeout_s: float = 600.0,
+    ):
+        self.instances = instances
+        self.policy_name = policy
+        self.first: Policy = make_policy(policy)  # among collocated and prefill instances
+        self.second: Policy = make_policy(policy)  # among decode instances
+        self.poll_interval_s = poll_interval_s
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "quire_router_requests",
+            "Requests forwarded, by path taken (collocated, disaggregated, decode_only).",
+            ["route"],
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "quire_router_errors",
+            "Requests that ended in an error from an instance or an unreachable instance.",
+            ["role"],
+            registry=self.registry,
+        )
+        self._transfer_ids = itertools.count()
+
+    def of_role(self, role: str) -> list[Instance]:
+        return [i for i in self.instances if i.role == role]
+
+    # ---- load polling ----------------------------------------------------------------------
+    async def poll_loads(self) -> None:
+        while True:
+            await asyncio.gather(*(self._poll(i) for i in self.instances))
+            await asyncio.sleep(self.poll_interval_s)
+
+    async def _poll(self, instance: Instance) -> None:
+        try:
+            response = await self.client.get(f"{instance.url}/load", timeout=2.0)
+            load = response.json()
+            instance.polled_load = load["num_running"] + load["num_waiting"]
+            instance.sent_since_poll = 0
+            instance.healthy = True
+        except (httpx.HTTPError, ValueError, KeyError):
+            instance.healthy = False
+
+    # ---- forwarding ------------------------------------------------------------------------
+    async def forward(self, path: str, body: dict[str, Any]) -> Response:
+        text = prompt_text(body)
+        prefills = [i for i in self.of_role("prefill") if i.healthy]
+        first_choices = self.of_role("collocated") + prefills
+        if not disaggregable(body) or not first_choices:
+            first_choices = self.of_role("collocated") or self.of_role("decode")
+        first = self.first.choose(self._live(first_choices), text)
+        if first.role != "prefill":
+            self.requests.labels(
+                "collocated" if first.role == "collocated" else "decode_only"
+            ).inc()
+            return await self._proxy(first, path, body)
+        self.requests.labels("disaggregated").inc()
+        decode = self.second.choose(self._live(self.of_role("decode")), text)
+        transfer_id = f"{uuid.uuid4().hex}-{next(self._transfer_ids)}"
+        prefill_body = dict(body)
+        for name in ("stream", "stream_options", "max_completion_tokens"):
+            prefill_body.pop(name, None)
+        prefill_body["max_tokens"] = 1
+        prefill_body["min_tokens"] = min(body.get("min_tokens", 0), 1)
+        prefill_body["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": transfer_id}
+        first.sent_since_poll += 1
+        try:
+            response = await self.client.post(f"{first.url}{path}", json=prefill_body)
+        except httpx.ConnectError as error:  # nothing was sent: the decode instance computes it
+            self._unreachable(first, error)
+            return await self._proxy(decode, path, body)
+        except httpx.HTTPError as error:
+            return self._unreachable(first, error)
+        if response.status_code != 200:
+            self.errors.labels("prefill").inc()
+            return Response(response.content, response.status_code, media_type="application/json")
+        decode_body = dict(body)
+        decode_body["kv_transfer_params"] = {
+            "do_remote_prefill": True,
+            "transfer_id": transfer_id,
+            "remote_host": first.kv_host,
+            "remote_port": first.kv_port,
+        }
+        return await self._proxy(decode, path, decode_body)
+
+    def _live(self, instances: list[Instance]) -> list[Instance]:
+        """The healthy ones (all of them when none is: the request then fails clearly)."""
+        return [i for i in instances if i.healthy] or instances
+
+    async def _proxy(self, instance: Instance, path: str, body: dict[str, Any]) -> Response:
+        """The instance's answer to `body`, streamed through when the body asks to stream."""
+        instance.sent_since_poll += 1
+        request = self.client.build_request("POST", f"{instance.url}{path}", json=body)
+        try:
+            response = await self.client.send(request, stream=True)
+        except httpx.HTTPError as error:
+            return self._unreachable(instance, error)
+        if response.status_code != 200 or not body.get("stream"):
+            content = await response.aread()
+            await response.aclose()
+            if response.status_code != 200:
+                self.errors.labels(instance.role).inc()
+            return Response(
+                content,
+                response.status_code,
+                media_type=response.headers.get("content-type", "application/json"),
+            )
+        return StreamingResponse(_relay(response), media_type=response.headers.get("content-type"))
+
+    def _unreachable(self, instance: Instance, error: Exception) -> JSONResponse:
+        self.errors.labels(instance.role).inc()
+        instance.healthy = False
+        message = f"The {instance.role} instance {instance.url} is unreachable: {error!r}"
+        logger.warning(message)
+        return _error(502, message)
+
+
+async def _relay(response: httpx.Response) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in response.aiter_raw():
+            yield chunk
+    except httpx.HTTPError as error:  # the instance died mid-stream: say so in the stream
+        body = {"error": {"message": f"The instance stopped mid-stream: {error!r}", "code": 502}}
+        yield f"data: {json.dumps(body)}\n\n".encode()
+    finally:
+        await response.aclose()
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": "router_error", "code": status}}, status
+    )
+
+
+def build_router_app(router: Router) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        poller = asyncio.create_task(router.poll_loads())
+        yield
+        poller.cancel()
+        await router.client.aclose()
+
+    app = FastAPI(title="quire router", lifespan=lifespan)
+
+    async def body_of(raw: Request) -> dict[str, Any] | JSONResponse:
+        try:
+            body = await raw.json()
+        except ValueError:
+            return _error(400, "The request body is not valid JSON.")
+        if not isinstance(body, dict):
+            return _error(400, "The request body must be a JSON object.")
+        return body
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request) -> Response:
+        body = await body_of(raw)
+        return body if isinstance(body, Response) else await router.forward(raw.url.path, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request) -> Response:
+        body = await body_of(raw)
+        return body if isinstance(body, Response) else await router.forward(raw.url.path, body)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        instance = router.instances[0]
+        try:
+            response = await router.client.get(f"{instance.url}/v1/models")
+        except httpx.HTTPError as error:
+            return router._unreachable(instance, error)
+        return Response(response.content, response.status_code, media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 when every instance answers its /health, else 503 naming those that do not."""
+
+        async def down(instance: Instance) -> str | None:
+            try:
+                response = await router.client.get(f"{instance.url}/health", timeout=2.0)
+            except httpx.HTTPError:
+                return instance.url
+            return None if response.status_code == 200 else instance.url
+
+        failing = [url for url in await asyncio.gather(*map(down, router.instances)) if url]
+        if failing:
+            return _error(503, f"Instances not healthy: {', '.join(failing)}")
+        return Response(status_code=200)
+
+    @app.get("/load")
+    async def load() -> dict[str, Any]:
+        return {
+            "policy": router.policy_name,
+            "instances": [
+                {"url": i.url, "role": i.role, "load": i.load, "healthy": i.healthy}
+                for i in router.instances
+            ],
+        }
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(router.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def run_router(
+    prefill: list[str],
+    decode: list[str],
+    collocated: list[str],
+    policy: str,
+    host: str,
+    port: int,
+) -> None:
+    import uvicorn
+
+    make_policy(policy)  # a bad name fails before any instance is contacted
+    instances = check_instances(prefill, decode, collocated)
+    logger.info(
+        "Routing with %s over %s",
+        policy,
+        ", ".join(f"{i.role} {i.url}" for i in instances),
+    )
+    uvicorn.run(build_router_app(Router(instances, policy)), host=host, port=port)

@@ -1,0 +1,272 @@
+"""`quire router` in front of a prefill and a decode server: the same answers as one collocated
+server (greedy and seeded, streamed or not, completions and chat), clear errors when an instance
+is gone or the configuration is wrong, and the policies' choices."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+from server_utils import ServerThread, serve_engine, wait_until
+
+from quire.config import EngineConfig
+from quire.engine.async_engine import AsyncLLM
+from quire.router.app import Router, RouterConfigError, build_router_app, check_instances
+from quire.router.policies import CacheAware, Instance, LeastLoaded, RoundRobin
+
+MODEL = "tiny"
+BLOCK = 16
+CHUNK = 24
+
+
+def serving(model: str, **kwargs):
+    settings = dict(dtype="float32", block_size=BLOCK, max_num_batched_tokens=CHUNK)
+    return serve_engine(EngineConfig(model=model, **{**settings, "num_kv_blocks": 64, **kwargs}))
+
+
+@pytest.fixture(scope="module")
+def instances(tiny_llama):
+    with (
+        serving(tiny_llama, disaggregation_mode="prefill", kv_lease_timeout=5.0) as prefill,
+        serving(tiny_llama, disaggregation_mode="decode", kv_transfer_timeout=2.0) as decode,
+        serving(tiny_llama) as collocated,
+    ):
+        yield prefill, decode, collocated
+
+
+@pytest.fixture(scope="module")
+def router(instances):
+    (prefill, _), (decode, _), _ = instances
+    server = ServerThread(
+        build_router_app(Router(check_instances([prefill.url], [decode.url], []), "round_robin"))
+    )
+    yield server
+    server.stop()
+
+
+def completion(url: str, prompt, **kwargs) -> dict:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0, **kwargs}
+    response = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def streamed_text(url: str, path: str, body: dict) -> str:
+    text = []
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choice = json.loads(line[6:])["choices"][0]
+                text.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
+    return "".join(text)
+
+
+def token_prompt(length: int, salt: int) -> list[int]:
+    return [(53 * j + 997 * salt) % 40000 + 10 for j in range(length)]
+
+
+def assert_all_blocks_free(*engines: AsyncLLM) -> None:
+    for engine in engines:
+        assert wait_until(
+            lambda e=engine: (
+                not e.engine.has_unfinished_requests() and not e.engine.has_kv_transfers()
+            )
+        )
+        kv = engine.engine.kv_manager
+        kv.check_invariants()
+        assert kv.num_free_blocks == kv.num_blocks
+
+
+@pytest.mark.parametrize("length", [5, 2 * BLOCK, CHUNK + 2 * BLOCK + 1])
+def test_greedy_completion_equals_collocated(instances, router, length):
+    (_, prefill), (_, decode), (collocated, _) = instances
+    prompt = token_prompt(length, length)
+    expected = completion(collocated.url, prompt, ignore_eos=True)["choices"][0]["text"]
+    assert completion(router.url, prompt, ignore_eos=True)["choices"][0]["text"] == expected
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0}
+    assert streamed_text(router.url, "/v1/completions", {**body, "ignore_eos": True}) == expected
+    assert_all_blocks_free(prefill, decode)
+
+
+def test_streamed_chat_and_seeded_sampling_equal_collocated(instances, router):
+    (_, prefill), (_, decode), (collocated, _) = instances
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me about prefill and decode."}],
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "seed": 77,
+    }
+    path = "/v1/chat/completions"
+    assert streamed_text(router.url, path, body) == streamed_text(collocated.url, path, body)
+    assert_all_blocks_free(prefill, decode)
+
+
+def test_decode_instance_counts_the_bytes_it_pulled(instances, router):
+    (_, _), (decode_server, _), _ = instances
+    completion(router.url, token_prompt(BLOCK + 1, 5), max_tokens=2)
+    text = httpx.get(decode_server.url + "/metrics").text
+    assert "quire:kv_transfer_bytes_total" in text
+    assert "quire_router_requests_total" in httpx.get(router.url + "/metrics").text
+
+
+def test_n_completions_with_logprobs_equal_collocated(instances, router):
+    (_, prefill), (_, decode), (collocated, _) = instances
+    prompt = token_prompt(9, 6)
+    sampling = dict(n=2, logprobs=1, temperature=0.7, seed=5, ignore_eos=True)
+    got = completion(router.url, prompt, **sampling)["choices"]
+    expected = completion(collocated.url, prompt, **sampling)["choices"]
+    assert [c["text"] for c in got] == [c["text"] for c in expected]
+    assert [c["logprobs"]["tokens"] for c in got] == [c["logprobs"]["tokens"] for c in expected]
+    assert_all_blocks_free(prefill, decode)
+
+
+def test_requests_the_disaggregated_path_does_not_carry_go_to_the_decode_instance(
+    instances, router
+):
+    (_, _), (_, decode), (collocated, _) = instances
+    prompts = [token_prompt(9, 6), token_prompt(12, 7)]  # two prompts in one request
+    got = completion(router.url, prompts, ignore_eos=True)
+    expected = completion(collocated.url, prompts, ignore_eos=True)
+    assert [c["text"] for c in got["choices"]] == [c["text"] for c in expected["choices"]]
+    assert_all_blocks_free(decode)
+
+
+def router_over(instances: list[Instance]) -> ServerThread:
+    router = Router(instances, "round_robin", poll_interval_s=60.0)
+    return ServerThread(build_router_app(router))
+
+
+def test_a_dead_prefill_instance_leaves_the_decode_instance_to_compute(instances):
+    (_, _), (decode_server, decode), (collocated, _) = instances
+    gone = "http://127.0.0.1:9"  # nothing listens on the discard port
+    dead = Instance(gone, "prefill", kv_host="127.0.0.1", kv_port=9)
+    server = router_over([dead, Instance(decode_server.url, "decode")])
+    try:
+        prompt = token_prompt(20, 8)
+        got = completion(server.url, prompt, ignore_eos=True)
+        load = httpx.get(server.url + "/load").json()
+    finally:
+        server.stop()
+    assert (
+        got["choices"][0]["text"]
+        == completion(collocated.url, prompt, ignore_eos=True)["choices"][0]["text"]
+    )
+    assert load["instances"][0]["healthy"] is False
+    assert_all_blocks_free(decode)
+
+
+def test_a_prefill_kv_endpoint_that_never_answers_is_a_clear_error(instances):
+    """The prefill instance computed the prompt, but its KV never comes (as when it dies
+    mid-transfer): the decode instance gives up after kv_transfer_timeout with the reason, and
+    both free every block (the prefill instance when its lease runs out)."""
+    (prefill_server, prefill), (decode_server, decode), _ = instances
+    silent = Instance(prefill_server.url, "prefill", kv_host="127.0.0.1", kv_port=9)
+    server = router_over([silent, Instance(decode_server.url, "decode")])
+    try:
+        body = {"model": MODEL, "prompt": token_prompt(20, 9), "max_tokens": 4}
+        response = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    finally:
+        server.stop()
+    assert response.status_code == 500
+    message = response.json()["error"]["message"]
+    assert "KV transfer failed: the prefill instance's KV endpoint 127.0.0.1:9 did not answer" in (
+        message
+    )
+    assert_all_blocks_free(decode)
+    assert wait_until(lambda: not prefill.engine.has_kv_transfers(), timeout=10)
+    assert_all_blocks_free(prefill)
+
+
+def dying_decode_app() -> FastAPI:
+    """A decode instance that sends one event of its stream, then dies (the connection drops)."""
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions() -> StreamingResponse:
+        async def events():
+            yield b'data: {"choices": [{"index": 0, "text": " one"}]}\n\n'
+            raise RuntimeError("killed")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def test_a_decode_instance_dying_mid_stream_ends_the_stream_with_an_error(instances):
+    (prefill_server, prefill), _, _ = instances
+    dying = ServerThread(dying_decode_app())
+    server = router_over(
+        [
+            Instance(
+                prefill_server.url,
+                "prefill",
+                kv_host="127.0.0.1",
+                kv_port=prefill.engine.config.kv_port,
+            ),
+            Instance(dying.url, "decode"),
+        ]
+    )
+    try:
+        body = {"model": MODEL, "prompt": token_prompt(20, 10), "max_tokens": 8, "stream": True}
+        with httpx.stream(
+            "POST", server.url + "/v1/completions", json=body, timeout=30
+        ) as response:
+            events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    finally:
+        server.stop()
+        dying.stop()
+    assert json.loads(events[0][6:])["choices"][0]["text"] == " one"
+    error = json.loads(events[-1][6:])["error"]
+    assert error["code"] == 502 and error["message"].startswith("The instance stopped mid-stream")
+    # nobody pulls the prefill instance's lease: it runs out (5 s) and frees the blocks
+    assert wait_until(lambda: not prefill.engine.has_kv_transfers(), timeout=10)
+    assert_all_blocks_free(prefill)
+
+
+def test_bad_router_configuration_fails_at_start(instances):
+    (prefill, _), (decode, _), (collocated, _) = instances
+    with pytest.raises(RouterConfigError, match="The router has no instances"):
+        check_instances([], [], [])
+    with pytest.raises(RouterConfigError, match="needs both kinds"):
+        check_instances([prefill.url], [], [])
+    with pytest.raises(RouterConfigError, match="Cannot reach the decode instance http://127.0"):
+        check_instances([prefill.url], ["http://127.0.0.1:9"], [])
+    with pytest.raises(RouterConfigError, match="--disaggregation-mode prefill"):
+        check_instances([collocated.url], [decode.url], [])
+
+
+def loaded(url: str, load: int) -> Instance:
+    return Instance(url, "collocated", polled_load=load)
+
+
+def test_round_robin_takes_turns():
+    a, b = loaded("a", 0), loaded("b", 0)
+    policy = RoundRobin()
+    assert [policy.choose([a, b], "x").url for _ in range(4)] == ["a", "b", "a", "b"]
+
+
+def test_least_loaded_counts_what_it_sent_since_the_last_poll():
+    a, b = loaded("a", 3), loaded("b", 1)
+    policy = LeastLoaded()
+    chosen = []
+    for _ in range(3):
+        instance = policy.choose([a, b], "x")
+        instance.sent_since_poll += 1
+        chosen.append(instance.url)
+    assert chosen == ["b", "b", "a"]
+
+
+def test_cache_aware_follows_the_longest_prefix_unless_load_is_imbalanced():
+    a, b = loaded("a", 0), loaded("b", 0)
+    policy = CacheAware(cache_threshold=0.5, balance_abs_threshold=4, balance_rel_threshold=1.5)
+    system = "You are a helpful assistant. " * 4
+    assert policy.choose([a, b], system + "first").url == "a"
+    assert policy.choose([a, b], "something else entirely").url == "b"  # the smaller tree
+    assert policy.choose([a, b], system + "second").url == "a"  # the shared prefix is on a
+    a.polled_load = 10  # imbalanced: 10 - 0 > 4 and 10 > 0 * 1.5
+    assert policy.choose([a, b], system + "third").url == "b"
