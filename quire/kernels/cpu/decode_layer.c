@@ -181,7 +181,8 @@ int decode_step_argmax_bf16(const DecodeModel* M, const DecodeStep* S, const int
                             uint16_t* out, float* logits, int64_t* next_ids) {
     if (!M->lm_head) return -5;
     const int B = S->num_seqs, H = M->layers[0].hidden_size, V = M->vocab_rows;
-    const int valid = M->vocab_size - M->vocab_start < V ? M->vocab_size - M->vocab_start : V;
+    const int past = M->vocab_size - M->vocab_start;  // this rank's rows that are not padding
+    const int valid = past < 0 ? 0 : past < V ? past : V;
     int status = decode_step_bf16(M, S, token_ids, positions, hidden, residual, out);
     if (status) return status;
     status = gemv_bf16(out, H, M->lm_head, M->lm_head_bias, NULL, logits, V, B, V, H,
