@@ -1,12 +1,14 @@
 """All-reduce micro-benchmark: the shared-memory all-reduce against gloo over loopback, two ranks
 on one host, each pinned to its share of the cores as the engine's ranks are.
 
-    python scripts/bench_all_reduce.py [--ranks 2] [--rounds 7] [--iters 200]
+    python scripts/bench_all_reduce.py [--ranks 2] [--rounds 7] [--iters 200] [--dtype bfloat16]
 
 For each tensor size (rows x 576, SmolLM2's hidden size; one row is a batch-1 decode step's
 all-reduce) the two transports alternate in rounds inside one run; rank 0 prints the median
 and the spread of the per-call time over the rounds, and the ratio gloo / shm. Then the same
-for the all-gather of a decode step's logits (rows x the vocabulary share of a rank).
+for the all-gather of a decode step's logits (rows x the vocabulary share of a rank). With
+`--dtype bfloat16`, also the C all-reduce the decode step runs over the same file
+(quire/kernels/cpu/shm_all_reduce.c) against gloo.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.multiprocessing as mp
 
 from quire.distributed import parallel_state
 from quire.executor.multiproc import free_port, rank_cores
+from quire.kernels import cpu as cpu_kernels
 from quire.worker.worker import pin_rank
 
 HIDDEN = 576
@@ -57,8 +60,15 @@ def _main(rank: int, ranks: int, port: int, rounds: int, iters: int, dtype: str)
         ("all_gather", rows, VOCAB // ranks, shm.all_gather_last_dim, _gloo_gather)
         for rows in LOGIT_ROWS
     ]
+    if dtype_ == torch.bfloat16 and cpu_kernels.load_library() is not None:
+        group = cpu_kernels.ShmGroup(shm.address, shm.slot_bytes, shm.rank, shm.world_size)
+
+        def c_all_reduce(x: torch.Tensor) -> None:
+            cpu_kernels.shm_all_reduce_bf16(group, x)
+
+        cases += [("c_all_reduce", rows, HIDDEN, c_all_reduce, dist.all_reduce) for rows in ROWS]
     for op, rows, cols, shm_op, gloo_op in cases:
-        x = torch.randn(rows, cols).to(dtype_ if op == "all_reduce" else torch.float32)
+        x = torch.randn(rows, cols).to(torch.float32 if op == "all_gather" else dtype_)
         times = {"shm": [], "gloo": []}
         for _ in range(rounds):
             times["shm"].append(_time(shm_op, x, iters))

@@ -82,7 +82,7 @@ def tp_llama(models):
 
 @pytest.fixture(scope="module")
 def tp_qwen(models):
-    """Two-rank Qwen2 and Qwen3; the shutdown test ends them."""
+    """Two-rank Qwen2 and Qwen3; the server test ends Qwen2's, the shutdown test Qwen3's."""
     engines = {arch: two_ranks(models[arch], num_kv_blocks=64) for arch in ("qwen2", "qwen3")}
     yield engines
     for llm in engines.values():
@@ -101,19 +101,42 @@ def test_two_ranks_give_one_ranks_greedy_tokens(models, tp_qwen, arch):
 
 
 def test_shutdown_ends_every_rank(tp_qwen):
-    for llm in tp_qwen.values():
-        processes = list(llm.engine.core.executor._processes)
-        assert len(processes) == 2 and all(p.is_alive() for p in processes)
-        llm.engine.shutdown()
-        assert not any(p.is_alive() for p in processes)
+    engine = tp_qwen["qwen3"].engine
+    processes = list(engine.core.executor._processes)
+    assert len(processes) == 2 and all(p.is_alive() for p in processes)
+    engine.shutdown()
+    assert not any(p.is_alive() for p in processes)
 
 
-def test_default_model_runs_on_three_ranks(default_model):
+def test_the_server_answers_with_two_ranks(tp_qwen):
+    from test_api_server import ServerThread
+
+    engine = tp_qwen["qwen2"].engine
+    processes = list(engine.core.executor._processes)
+    async_engine = AsyncLLM(engine, EngineMetrics("tiny"))
+    server = ServerThread(build_app(async_engine, "tiny"))
+    try:
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 5, "ignore_eos": True}
+        response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200
+        assert response.json()["usage"]["completion_tokens"] == 5
+    finally:
+        server.stop()
+        async_engine.shutdown()
+    assert not any(p.is_alive() for p in processes)
+
+
+def test_default_model_refuses_two_ranks_naming_the_sizes_that_work(default_model, tokenizer_dir):
+    with pytest.raises(ValueError, match="9 query heads and 3 KV heads; sizes that work: 1, 3, 9"):
+        LLM(default_model, tensor_parallel_size=2, tokenizer=tokenizer_dir)
+
+
+def test_default_model_runs_on_three_ranks(default_model, tokenizer_dir):
+    # the saved tokenizer: no second parse of the GGUF file's 49k token strings per engine
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
-    one = LLM(default_model, dtype="float32", num_kv_blocks=16, max_model_len=256)
-    three = LLM(
-        default_model, dtype="float32", num_kv_blocks=16, max_model_len=256, tensor_parallel_size=3
-    )
+    small = dict(dtype="float32", num_kv_blocks=16, max_model_len=256, tokenizer=tokenizer_dir)
+    one = LLM(default_model, **small)
+    three = LLM(default_model, tensor_parallel_size=3, **small)
     try:
         prompts = PROMPTS[:1]
         want = [o.outputs[0] for o in one.generate(prompts, params, use_tqdm=False)]
@@ -121,11 +144,6 @@ def test_default_model_runs_on_three_ranks(default_model):
         assert_close_greedy(want, got)
     finally:
         three.engine.shutdown()
-
-
-def test_default_model_refuses_two_ranks_naming_the_sizes_that_work(default_model):
-    with pytest.raises(ValueError, match="9 query heads and 3 KV heads; sizes that work: 1, 3, 9"):
-        LLM(default_model, tensor_parallel_size=2)
 
 
 def test_heads_not_divisible_fail_at_start(models):
@@ -172,24 +190,6 @@ def test_a_killed_rank_fails_the_engine_within_seconds(tp_llama):
         tp_llama.generate(PROMPTS, SamplingParams(max_tokens=4), use_tqdm=False)
     assert time.monotonic() - start < 5
     assert not any(p.is_alive() for p in processes)  # rank 0 ended too
-
-
-def test_the_server_answers_with_two_ranks(models):
-    from test_api_server import ServerThread
-
-    config = EngineConfig(
-        model=models["qwen2"], dtype="float32", num_kv_blocks=64, tensor_parallel_size=2
-    )
-    engine = AsyncLLM.from_engine_config(config, EngineMetrics("tiny"))
-    server = ServerThread(build_app(engine, "tiny"))
-    try:
-        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 5, "ignore_eos": True}
-        response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
-        assert response.status_code == 200
-        assert response.json()["usage"]["completion_tokens"] == 5
-    finally:
-        server.stop()
-        engine.shutdown()
 
 
 def test_an_engine_core_process_with_ranks_is_refused_at_start():

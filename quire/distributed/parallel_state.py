@@ -76,6 +76,21 @@ def init_tensor_parallel(
     )
 
 
+def shm_group() -> ShmAllReduce | None:
+    """The group's shared-memory file (ranks on one host, CPU), or None: one rank, or gloo
+    alone."""
+    return None if _group is None else _group.shm
+
+
+def all_ranks_agree(flag: bool) -> bool:
+    """Whether `flag` holds on every rank (collective; `flag` itself with one rank)."""
+    if _group is None or _group.size == 1:
+        return flag
+    x = torch.tensor([int(flag)])
+    dist.all_reduce(x, op=dist.ReduceOp.MIN)
+    return bool(x.item())
+
+
 def destroy_tensor_parallel() -> None:
     global _group
     if _group is not None and dist.is_initialized():

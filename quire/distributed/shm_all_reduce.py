@@ -2,8 +2,10 @@
 
 Every rank has a slot in one mapped file (/dev/shm): it copies its tensor in, publishes the
 call's sequence number in its flag, waits until every rank's flag has reached that number, and
-sums the slots in rank order, so every rank gets the same bits. Slots alternate between two
-sets by the sequence number's parity: a rank can write call s + 2's data only after every rank
+sums the slots in rank order, so every rank gets the same bits. A call's number is one past
+the rank's own flag, so the C decode step (quire/kernels/cpu/shm_all_reduce.c), which runs the
+same protocol over this file at `address`, and these calls share one sequence. Slots alternate
+between two sets by the sequence number's parity: a rank can write call s + 2's data only after every rank
 has published call s + 1, which each does after reading call s's slots. A decode step's
 all-reduce is a few KiB, where gloo's TCP round trips over loopback cost more than the copies
 (docs/BENCHMARKS.md). The LM head's logits are all-gathered the same way (each rank then
@@ -36,7 +38,7 @@ class ShmAllReduce:
         flags = np.frombuffer(buffer, np.int64, world_size * _FLAG_STRIDE)
         self._flags = flags[::_FLAG_STRIDE]  # [world_size], call numbers published
         self._data = torch.frombuffer(buffer, dtype=torch.uint8, offset=header)
-        self._calls = 0
+        self.address = np.frombuffer(buffer, np.uint8).ctypes.data  # the file's first byte
         self._views: dict[tuple, list[torch.Tensor]] = {}
 
     @staticmethod
@@ -85,8 +87,7 @@ class ShmAllReduce:
 
     def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Publishes `x` in this rank's slot and returns every rank's, once all have written."""
-        self._calls += 1
-        call = self._calls
+        call = int(self._flags[self.rank]) + 1
         slots = self._slots(x, call & 1)
         slots[self.rank].copy_(x)
         self._flags[self.rank] = call  # after the copy: x86 keeps stores in order

@@ -19,6 +19,7 @@ import logging
 import multiprocessing
 import os
 import socket
+import sys
 import traceback
 from multiprocessing.connection import Connection
 
@@ -169,7 +170,12 @@ def _worker_main(
         except (EOFError, ConnectionError):
             return  # the engine is gone
         if kind == "shutdown":
-            return
+            # Nothing is left to clean up that the OS does not: skip the interpreter's teardown
+            # of torch, ~3 s per rank on a loaded 2-core host, which the engine's shutdown waits
+            # for.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         try:
             pipe.send(("output", worker.execute_model(payload)))
         except Exception:

@@ -15,11 +15,18 @@ It takes a step when the model is bf16 on a CPU with AVX-512 BF16, every project
 copy, and the step is decode only, with at most `gemv.max_rows()` decode sequences (every
 decode-only step, except on CPUs with AMX; a replay after a preemption gives one per token).
 Results: the module path's, computed in the same order with the same rounding.
+
+Under tensor parallelism each rank runs the step over its shards, and the C code runs the
+collectives the modules would between them (the all-reduces after the embedding, o_proj and
+down_proj; the argmax across the ranks' vocabulary ranges) over the group's shared memory, in
+the protocol the Python all-reduce runs (quire/distributed/shm_all_reduce.py). Without shared
+memory (gloo alone) the path is off.
 """
 
 from __future__ import annotations
 
 import ctypes
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +34,8 @@ import torch
 from torch import nn
 
 from quire.attention.backend import AttentionMetadata
+from quire.distributed.parallel_state import shm_group, tp_size
+from quire.distributed.shm_all_reduce import ShmAllReduce
 from quire.kernels import cpu as cpu_kernels
 from quire.kernels.cpu import gemv, pointwise
 from quire.layers.linear import PackedLinear
@@ -41,7 +50,9 @@ _LAYER_INTS = (
     "qkv_k_block o_k_block gate_up_k_block down_k_block"
 )
 _STEP_POINTERS = "cos sin slots block_tables seq_lens silu x qkv q attn gate_up act"
-_MODEL_POINTERS = "layers embedding cos_cache sin_cache final_norm lm_head lm_head_bias"
+_MODEL_POINTERS = "layers embedding cos_cache sin_cache final_norm lm_head lm_head_bias group"
+_MODEL_INTS = "num_layers vocab_size vocab_start vocab_rows max_position lm_head_k_block"
+_ARGMAX_ROW_BYTES = 16  # RowBest in shm_all_reduce.c: what a rank publishes per row
 
 
 class _DecodeLayer(ctypes.Structure):  # DecodeLayer in decode_layer.c, field for field
@@ -61,10 +72,7 @@ class _DecodeStep(ctypes.Structure):  # DecodeStep in decode_layer.c, field for 
 class _DecodeModel(ctypes.Structure):  # DecodeModel in decode_layer.c, field for field
     _fields_ = (
         [(name, _ptr) for name in _MODEL_POINTERS.split()]
-        + [
-            (name, ctypes.c_int32)
-            for name in ("num_layers", "vocab_size", "max_position", "lm_head_k_block")
-        ]
+        + [(name, ctypes.c_int32) for name in _MODEL_INTS.split()]
         + [("final_eps", ctypes.c_float)]
     )
 
@@ -112,14 +120,16 @@ class StepWeights:
     the Llama-family module tree (quire/model/llama.py)."""
 
     layers: list[LayerWeights]
-    embedding: torch.Tensor  # [vocab, hidden]
+    embedding: torch.Tensor  # [vocab_rows, hidden]: this rank's rows (all with one rank)
+    vocab_start: int  # the first of them
+    vocab_size: int  # the whole vocabulary's
     cos_cache: torch.Tensor  # [max_position, head_dim] float32
     sin_cache: torch.Tensor
     final_norm: torch.Tensor
     final_eps: float
-    lm_head: nn.Module | None  # PackedLinear; None when tied and not packed
+    lm_head: nn.Module | None  # PackedLinear over the same rows; None when tied and not packed
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int  # this rank's share
 
     @classmethod
     def from_model(cls, model: nn.Module) -> StepWeights:
@@ -147,13 +157,15 @@ class StepWeights:
         return cls(
             layers=layers,
             embedding=model.embed_tokens.weight,
+            vocab_start=model.embed_tokens.vocab_start,
+            vocab_size=model.config.vocab_size,
             cos_cache=model.rotary.cos_cache,
             sin_cache=model.rotary.sin_cache,
             final_norm=model.norm.weight,
             final_eps=model.norm.eps,
             lm_head=model.lm_head,
             hidden_size=model.config.hidden_size,
-            intermediate_size=model.config.intermediate_size,
+            intermediate_size=layers[0].gate_up.out_features // 2,
         )
 
 
@@ -161,10 +173,20 @@ def _gemv_packed(linear: nn.Module | None) -> bool:
     return isinstance(linear, PackedLinear) and linear.gemv_weight is not None
 
 
+def _collectives_in_c(weights: StepWeights) -> bool:
+    """Whether the C step can run this rank's collectives: the group has a shared-memory file,
+    and no row-parallel projection has a bias to add after its all-reduce."""
+    return shm_group() is not None and all(
+        getattr(p, "row_bias", None) is None
+        for layer in weights.layers
+        for p in (layer.o, layer.down)
+    )
+
+
 class CpuStepRunner:
     """Runs the model's forward for decode-only steps; see the module docstring."""
 
-    def __init__(self, weights: StepWeights, kv_cache: KVCache):
+    def __init__(self, weights: StepWeights, kv_cache: KVCache, group: ShmAllReduce | None = None):
         if kv_cache.dtype != torch.bfloat16 or not all(
             k.is_contiguous() and v.is_contiguous() for k, v in kv_cache.layers
         ):
@@ -172,7 +194,17 @@ class CpuStepRunner:
         if not all(t.dtype == torch.float32 for t in (weights.cos_cache, weights.sin_cache)):
             raise ValueError("CpuStepRunner: the rotary tables must be float32")
         self.weights = weights
-        self.vocab_size = weights.embedding.shape[0]
+        self.vocab_rows = weights.embedding.shape[0]
+        # The group's file (tensor parallelism): what it holds for the C collectives, and the
+        # widest step whose hidden rows (and argmax rows) fit a slot.
+        self._group = None
+        self._max_group_rows = sys.maxsize
+        if group is not None:
+            self._group = cpu_kernels.ShmGroup(
+                group.address, group.slot_bytes, group.rank, group.world_size
+            )
+            row_bytes = max(2 * weights.hidden_size, _ARGMAX_ROW_BYTES)
+            self._max_group_rows = group.slot_bytes // row_bytes
         first = weights.layers[0]
         q_size = first.num_heads * first.head_dim
         kv_size = first.num_kv_heads * first.head_dim
@@ -196,20 +228,24 @@ class CpuStepRunner:
         self._logits = torch.empty(0, 0)
         self._argmax_ids = np.zeros(0, np.int64)  # numpy: tolist() without a torch op
         lm_head = weights.lm_head
-        self.has_lm_head = _gemv_packed(lm_head) and lm_head.out_features == self.vocab_size
+        self.has_lm_head = _gemv_packed(lm_head) and lm_head.out_features == self.vocab_rows
         self._layers = self._layer_structs(weights, kv_cache)
         self._model = self._model_struct(weights)
 
     @classmethod
     def for_model(cls, model: nn.Module, kv_cache: KVCache) -> CpuStepRunner | None:
-        """The C step of `model` over `kv_cache`, or None where it does not run (`supported`)."""
+        """The C step of `model` over `kv_cache` (and this rank's tensor-parallel group), or
+        None where it does not run (`supported`)."""
         weights = StepWeights.from_model(model)
-        return cls(weights, kv_cache) if cls.supported(weights, kv_cache) else None
+        if not cls.supported(weights, kv_cache):
+            return None
+        return cls(weights, kv_cache, shm_group() if tp_size() > 1 else None)
 
     @staticmethod
     def supported(weights: StepWeights, kv_cache: KVCache) -> bool:
-        """Whether the path runs: bf16 on CPU, every projection GEMV-packed, and an attention
-        shape the paged-decode kernel takes."""
+        """Whether the path runs: bf16 on CPU, every projection GEMV-packed, an attention shape
+        the paged-decode kernel takes, and with several ranks a shared-memory group and no bias
+        on the row-parallel projections (the C step adds none after the all-reduce)."""
         first = weights.layers[0]
         return (
             weights.embedding.device.type == "cpu"
@@ -219,12 +255,17 @@ class CpuStepRunner:
             and cpu_kernels.supports_paged_decode(
                 torch.bfloat16, first.num_heads, first.num_kv_heads, first.head_dim
             )
+            and (tp_size() == 1 or _collectives_in_c(weights))
         )
 
     def takes(self, metadata: AttentionMetadata, num_tokens: int) -> bool:
         """Whether this step runs here: decode only (one token per sequence), at most
-        `gemv.max_rows()` sequences."""
-        return _fits(metadata, num_tokens)
+        `gemv.max_rows()` sequences (and under tensor parallelism, as many as a slot of the
+        group's file holds)."""
+        return self._step_fits(metadata, num_tokens)
+
+    def _step_fits(self, metadata: AttentionMetadata, num_tokens: int) -> bool:
+        return _fits(metadata, num_tokens) and num_tokens <= self._max_group_rows
 
     def takes_argmax(self, metadata: AttentionMetadata, num_tokens: int) -> bool:
         """Whether `argmax_tokens` runs this step: `takes`, and an LM head the GEMV kernel
@@ -277,8 +318,11 @@ class CpuStepRunner:
             final_norm=_data(weights.final_norm),
             lm_head=None if lm_head is None else _data(lm_head.gemv_weight),
             lm_head_bias=None if lm_head is None else _data(lm_head.bias),
+            group=None if self._group is None else ctypes.addressof(self._group),
             num_layers=len(self._layers),
-            vocab_size=self.vocab_size,
+            vocab_size=weights.vocab_size,
+            vocab_start=weights.vocab_start,
+            vocab_rows=self.vocab_rows,
             max_position=weights.cos_cache.shape[0],
             lm_head_k_block=0 if lm_head is None else lm_head.gemv_k_block,
             final_eps=weights.final_eps,
@@ -306,7 +350,7 @@ class CpuStepRunner:
         weights, ~3% of a batch-1 step together)."""
         num_seqs = input_ids.shape[0]
         if self._argmax_ids.shape[0] < num_seqs:
-            self._logits = torch.empty(num_seqs, self.vocab_size, dtype=torch.float32)
+            self._logits = torch.empty(num_seqs, self.vocab_rows, dtype=torch.float32)
             self._argmax_ids = np.zeros(num_seqs, np.int64)
             self._hidden_out = torch.empty(
                 num_seqs, self._scratch_widths["x"], dtype=torch.bfloat16
@@ -326,9 +370,10 @@ class CpuStepRunner:
         """The C step into `out`; with `logits` and `argmax_ids`, the LM head and the argmax
         too."""
         num_seqs = input_ids.shape[0]
-        if not _fits(metadata, num_seqs):
+        if not self._step_fits(metadata, num_seqs):
             raise ValueError(
-                f"CpuStepRunner runs decode-only steps of 1..{gemv.max_rows()} sequences, "
+                f"CpuStepRunner runs decode-only steps of 1.."
+                f"{min(gemv.max_rows(), self._max_group_rows)} sequences, "
                 f"got {num_seqs} tokens for {metadata.num_seqs} sequences"
             )
         slots = _as(metadata.slot_mapping, torch.int64)
@@ -375,6 +420,11 @@ class CpuStepRunner:
             raise ValueError(
                 f"CpuStepRunner: a token id outside the vocabulary ({self._model.vocab_size}) "
                 f"or a position outside the rotary tables ({self._model.max_position})"
+            )
+        if status == -6:
+            raise ValueError(
+                f"CpuStepRunner: {num_seqs} rows do not fit the tensor-parallel group's "
+                "shared-memory slots"
             )
         if status != 0:
             raise RuntimeError(f"decode_step_bf16 failed (status {status})")

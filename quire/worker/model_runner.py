@@ -28,6 +28,7 @@ import torch
 from quire.attention.backend import AttentionBackend, AttentionMetadata
 from quire.attention.forward_context import forward_context
 from quire.config import EngineConfig
+from quire.distributed.parallel_state import all_ranks_agree, tp_size
 from quire.kernels import cpu as cpu_kernels
 from quire.kv_transfer.transport import KVLayout
 from quire.kv_transfer.worker_connector import KVConnectorWorker, weights_fingerprint
@@ -164,14 +165,16 @@ class ModelRunner:
             self.kv_connector = KVConnectorWorker(
                 self.kv_cache, layout, config.kv_host, config.kv_port, config.kv_transfer_timeout
             )
-        self.cpu_step = None
-        if config.tensor_parallel_size > 1:
-            logger.info(
-                "The C decode step is off under tensor parallelism (it has no all-reduce "
-                "between layers); decode steps run the modules"
-            )
-        else:
-            self.cpu_step = CpuStepRunner.for_model(self.model, self.kv_cache)
+        self.cpu_step = CpuStepRunner.for_model(self.model, self.kv_cache)
+        if tp_size() > 1 and config.device == "cpu":
+            # every rank must take the same path at every step: their collectives pair up
+            if not all_ranks_agree(self.cpu_step is not None):
+                self.cpu_step = None
+                logger.info(
+                    "The C decode step is off under tensor parallelism (it needs bf16 GEMV "
+                    "weights and the shared-memory all-reduce on every rank; gloo alone has no "
+                    "C side); decode steps run the modules"
+                )
         self.cuda_graphs = (
             CUDAGraphRunner(self.model, self.kv_cache.layers, self.backend, config, max_model_len)
             if use_cuda_graphs(config)

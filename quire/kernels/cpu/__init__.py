@@ -66,6 +66,8 @@ _SIGNATURES = {
     "argmax_f32": [_P, _I64, _I64, _P, _I32],
     # x, cols, bitmask, words, rows (int64), number of masked rows, num_threads.
     "apply_token_bitmask_f32": [_P, _I64, _P, _I64, _P, _I64, _I32],
+    # ShmGroup*, x (bf16), number of elements.
+    "shm_all_reduce_bf16": [_P, _P, _I64],
     # DecodeModel*, DecodeStep*, token ids, positions, hidden, residual, out.
     "decode_step_bf16": [_P] * 7,
     # The same, then logits (float32) and the argmax ids (int64).
@@ -216,6 +218,28 @@ def paged_decode(
             "paged_decode: unsupported shape (more than 64 heads, head_dim > 256 or block > 128)"
         )
     return out
+
+
+class ShmGroup(ctypes.Structure):
+    """A tensor-parallel group's shared-memory file as the C collectives see it (ShmGroup in
+    kernels.h, field for field; quire/distributed/shm_all_reduce.py maps the file)."""
+
+    _fields_ = [
+        ("base", ctypes.c_void_p),
+        ("slot_bytes", ctypes.c_int64),
+        ("rank", ctypes.c_int32),
+        ("world_size", ctypes.c_int32),
+    ]
+
+
+def shm_all_reduce_bf16(group: ShmGroup, x: torch.Tensor) -> None:
+    """x (bf16, contiguous, CPU), in place: its sum over the group's ranks, in the C code the
+    decode step runs (collective: every rank calls it)."""
+    if x.dtype != torch.bfloat16 or not x.is_contiguous():
+        raise ValueError("shm_all_reduce_bf16: x must be contiguous bf16")
+    status = load_library().shm_all_reduce_bf16(ctypes.byref(group), x.data_ptr(), x.numel())
+    if status != 0:
+        raise ValueError(f"shm_all_reduce_bf16: {x.nbytes} bytes do not fit a slot")
 
 
 def _has_prefill_kernel() -> bool:

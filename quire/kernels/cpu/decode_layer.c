@@ -11,6 +11,13 @@
 //   hidden = attn Wo^T; residual += hidden; x = RMSNorm(residual)
 //   hidden = (silu(x Wg^T) * x Wu^T) Wd^T
 // so a request's tokens are the module path's with the GEMV kernel for the projections.
+//
+// Under tensor parallelism each rank runs its shard of every layer (its heads of q|k|v and the
+// attention, its rows of gate|up, its columns of o and down) and the all-reduces the modules run
+// after o and down, over the group's shared memory (shm_all_reduce.c); the embedding is the
+// rank's range of the table summed over the ranks, and the argmax is taken over every rank's
+// range of the LM head.
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -58,8 +65,9 @@ typedef struct {
 // hidden [num_seqs, hidden_size]: in, the previous layer's output (the embeddings when first);
 // out, this layer's. residual [num_seqs, hidden_size]: the residual stream, updated in place
 // (written from hidden when first). Returns 0, or the failing stage's negative status.
-static int decode_layer_bf16(const DecodeLayer* L, const DecodeStep* S, uint16_t* hidden,
-                             uint16_t* residual, int first) {
+// group: the tensor-parallel ranks to sum o's and down's outputs over, NULL with one rank.
+static int decode_layer_bf16(const DecodeLayer* L, const DecodeStep* S, const ShmGroup* group,
+                             uint16_t* hidden, uint16_t* residual, int first) {
     const int B = S->num_seqs, H = L->hidden_size, D = L->head_dim, I = L->intermediate_size;
     const int Q = L->num_heads * D, KV = L->num_kv_heads * D, W = Q + 2 * KV;
     const int threads = S->num_threads;
@@ -94,6 +102,7 @@ static int decode_layer_bf16(const DecodeLayer* L, const DecodeStep* S, uint16_t
     if (status) return status;
     status = gemv_bf16(S->attn, Q, L->o, NULL, hidden, NULL, H, B, H, Q, L->o_k_block, threads);
     if (status) return status;
+    if (group && (status = shm_all_reduce_bf16(group, hidden, (int64_t)B * H))) return status;
     status = add_rms_norm_bf16(hidden, H, residual, L->post_norm, S->x, B, H, L->eps, threads);
     if (status) return status;
     status = gemv_bf16(S->x, H, L->gate_up, NULL, S->gate_up, NULL, 2 * I, B, 2 * I, H,
@@ -101,28 +110,35 @@ static int decode_layer_bf16(const DecodeLayer* L, const DecodeStep* S, uint16_t
     if (status) return status;
     status = silu_and_mul_bf16(S->gate_up, S->silu, S->act, B, I, threads);
     if (status) return status;
-    return gemv_bf16(S->act, I, L->down, NULL, hidden, NULL, H, B, H, I, L->down_k_block, threads);
+    status = gemv_bf16(S->act, I, L->down, NULL, hidden, NULL, H, B, H, I, L->down_k_block,
+                       threads);
+    if (status || !group) return status;
+    return shm_all_reduce_bf16(group, hidden, (int64_t)B * H);
 }
 
 // The model around the layers: the embedding table, the rotary tables, the final norm and the
-// LM head.
+// LM head. Each rank holds the vocabulary rows [vocab_start, vocab_start + vocab_rows) of the
+// table and the LM head (all of them with one rank); rows past vocab_size are padding.
 typedef struct {
     const DecodeLayer* layers;
-    const uint16_t* embedding;  // [vocab_size, hidden_size]
+    const uint16_t* embedding;  // [vocab_rows, hidden_size]
     const float* cos_cache;  // [max_position, head_dim], the float32 rotate-half tables
     const float* sin_cache;
     const uint16_t* final_norm;
-    const uint16_t* lm_head;  // GEMV-packed [vocab, hidden] (see gemv.c), or NULL
-    const uint16_t* lm_head_bias;  // [vocab] or NULL
-    int32_t num_layers, vocab_size, max_position, lm_head_k_block;
+    const uint16_t* lm_head;  // GEMV-packed [vocab_rows, hidden] (see gemv.c), or NULL
+    const uint16_t* lm_head_bias;  // [vocab_rows] or NULL
+    const ShmGroup* group;  // the tensor-parallel ranks, NULL with one
+    int32_t num_layers, vocab_size, vocab_start, vocab_rows, max_position, lm_head_k_block;
     float final_eps;
 } DecodeModel;
 
 // A whole decode-only step up to the LM head, as the module path computes it: each sequence's
-// token embedding, the rotary tables at its position (float32 rounded to bf16, as `.to(bf16)`
-// rounds), every layer, and the final add + norm into out [num_seqs, hidden_size]. hidden and
-// residual are scratch [num_seqs, hidden_size]. Returns 0, -4 for a token id or a position out
-// of the tables' range (nothing computed), or a layer's negative status.
+// token embedding (zeros outside this rank's rows, then summed over the ranks), the rotary
+// tables at its position (float32 rounded to bf16, as `.to(bf16)` rounds), every layer, and the
+// final add + norm into out [num_seqs, hidden_size]. hidden and residual are scratch
+// [num_seqs, hidden_size]. Returns 0, -4 for a token id or a position out of the tables' range
+// (nothing computed), -6 for a step too large for the group's slots, or a layer's negative
+// status.
 int decode_step_bf16(const DecodeModel* M, const DecodeStep* S, const int64_t* token_ids,
                      const int64_t* positions, uint16_t* hidden, uint16_t* residual,
                      uint16_t* out) {
@@ -132,8 +148,11 @@ int decode_step_bf16(const DecodeModel* M, const DecodeStep* S, const int64_t* t
             positions[b] >= M->max_position)
             return -4;
     for (int b = 0; b < B; b++) {
-        memcpy(hidden + (int64_t)b * H, M->embedding + token_ids[b] * H,
-               (size_t)H * sizeof(uint16_t));
+        const int64_t row = token_ids[b] - M->vocab_start;
+        if (row >= 0 && row < M->vocab_rows)
+            memcpy(hidden + (int64_t)b * H, M->embedding + row * H, (size_t)H * sizeof(uint16_t));
+        else
+            memset(hidden + (int64_t)b * H, 0, (size_t)H * sizeof(uint16_t));
         const float* c = M->cos_cache + positions[b] * D;
         const float* s = M->sin_cache + positions[b] * D;
         for (int d = 0; d < D; d++) {
@@ -141,8 +160,10 @@ int decode_step_bf16(const DecodeModel* M, const DecodeStep* S, const int64_t* t
             S->sin[(int64_t)b * D + d] = f32_to_bf16(s[d]);
         }
     }
+    int status;
+    if (M->group && (status = shm_all_reduce_bf16(M->group, hidden, (int64_t)B * H))) return status;
     for (int i = 0; i < M->num_layers; i++) {
-        const int status = decode_layer_bf16(M->layers + i, S, hidden, residual, i == 0);
+        status = decode_layer_bf16(M->layers + i, S, M->group, hidden, residual, i == 0);
         if (status) return status;
     }
     return add_rms_norm_bf16(hidden, H, residual, M->final_norm, out, B, H, M->final_eps,
@@ -150,19 +171,26 @@ int decode_step_bf16(const DecodeModel* M, const DecodeStep* S, const int64_t* t
 }
 
 // decode_step_bf16, then the LM head over its output and the argmax of each row: the step's
-// greedy tokens into next_ids [num_seqs], the logits (float32 holding the bf16-rounded values,
-// as `linear(...).float()` gives them) into logits [num_seqs, vocab_size]. The same kernels as
-// compute_logits and the sampler's argmax, in one call. Returns 0, -5 without an LM head, or
-// the failing stage's status.
+// greedy tokens into next_ids [num_seqs], the logits of this rank's rows (float32 holding the
+// bf16-rounded values, as `linear(...).float()` gives them; -inf in the padding rows) into
+// logits [num_seqs, vocab_rows]. The same kernels as compute_logits and the sampler's argmax,
+// in one call; with several ranks, the argmax of the gathered logits. Returns 0, -5 without an
+// LM head, or the failing stage's status.
 int decode_step_argmax_bf16(const DecodeModel* M, const DecodeStep* S, const int64_t* token_ids,
                             const int64_t* positions, uint16_t* hidden, uint16_t* residual,
                             uint16_t* out, float* logits, int64_t* next_ids) {
     if (!M->lm_head) return -5;
-    const int B = S->num_seqs, H = M->layers[0].hidden_size, V = M->vocab_size;
+    const int B = S->num_seqs, H = M->layers[0].hidden_size, V = M->vocab_rows;
+    const int past = M->vocab_size - M->vocab_start;  // this rank's rows that are not padding
+    const int valid = past < 0 ? 0 : past < V ? past : V;
     int status = decode_step_bf16(M, S, token_ids, positions, hidden, residual, out);
     if (status) return status;
     status = gemv_bf16(out, H, M->lm_head, M->lm_head_bias, NULL, logits, V, B, V, H,
                        M->lm_head_k_block, S->num_threads);
     if (status) return status;
-    return argmax_f32(logits, B, V, next_ids, S->num_threads);
+    for (int b = 0; b < B && valid < V; b++)
+        for (int v = valid; v < V; v++) logits[(int64_t)b * V + v] = -INFINITY;
+    status = argmax_f32(logits, B, V, next_ids, S->num_threads);
+    if (status || !M->group) return status;
+    return shm_argmax_rows(M->group, logits, V, M->vocab_start, next_ids, B);
 }

@@ -20,4 +20,16 @@ int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const
               int num_threads);
 int argmax_f32(const float* x, int64_t rows, int64_t cols, int64_t* out, int num_threads);
 
+// A tensor-parallel group's shared-memory file, mapped by quire/distributed/shm_all_reduce.py
+// (shm_all_reduce.c: the protocol).
+typedef struct {
+    void* base;  // the mapped file: the ranks' flags, then two sets of slots
+    int64_t slot_bytes;
+    int32_t rank, world_size;
+} ShmGroup;
+
+int shm_all_reduce_bf16(const ShmGroup* g, uint16_t* x, int64_t n);
+int shm_argmax_rows(const ShmGroup* g, const float* logits, int64_t cols, int64_t vocab_start,
+                    int64_t* ids, int rows);
+
 #endif

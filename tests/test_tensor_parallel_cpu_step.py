@@ -1,0 +1,105 @@
+"""The C decode step under tensor parallelism (bf16, two ranks over shared memory): each rank's
+model runner takes it, and every step it runs gives the module path's bits on that rank (hidden
+states, stored K/V, greedy tokens), with the all-reduces and the argmax across the ranks inside
+the C call.
+
+Each rank is a process of this test that joins a two-rank group and builds an in-process engine
+over it: the model splits by the group, and the two engines, given the same requests, schedule
+the same steps, so their collectives pair up as a multiproc engine's ranks' do.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from conftest import token_prompts
+
+from quire import LLM, SamplingParams
+from quire.distributed.parallel_state import init_tensor_parallel
+from quire.executor.multiproc import free_port
+from quire.kernels.cpu import gemv
+from quire.layers.linear import packed_linear_supported
+
+pytestmark = pytest.mark.skipif(
+    not (gemv.available() and packed_linear_supported("cpu", torch.bfloat16)),
+    reason="the CPU decode path needs AVX-512 BF16 and torch with oneDNN",
+)
+
+WORLD = 2
+# arch -> config overrides: a vocabulary that leaves a padding row on rank 1 and an untied LM
+# head (llama); qkv bias, a tied LM head and one KV head, replicated on both ranks (qwen2);
+# q/k norm (qwen3, three query heads per rank).
+CASES = {
+    "llama": dict(vocab_size=49153),
+    "qwen2": dict(),
+    "qwen3": dict(),
+}
+LENGTHS = [3, 17, 40]
+MAX_TOKENS = 8
+
+
+def _run_rank(model: str) -> dict:
+    """This rank's engine over `model`: whether it has the C step, the request count of every
+    step the C step ran (each checked against the module path), and the tokens of a greedy
+    batch and of a seeded sampled one."""
+    from test_cpu_decode import check_each_fused_step
+
+    llm = LLM(model, dtype="bfloat16", num_kv_blocks=64)
+    runner = llm.engine.core.executor.worker.runner
+    result = {"cpu_step": runner.cpu_step is not None, "steps": [], "tokens": []}
+    if runner.cpu_step is None:
+        return result
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True)
+    # no autograd in the checks' module path: the Python all-reduce sums with out=
+    with pytest.MonkeyPatch.context() as patch, torch.inference_mode():
+        result["steps"] = check_each_fused_step(runner, patch)
+        for params in (greedy, sampled):
+            outputs = llm.generate(token_prompts(LENGTHS), params, use_tqdm=False)
+            result["tokens"].append([list(o.outputs[0].token_ids) for o in outputs])
+    return result
+
+
+def _rank_main(rank: int, port: int, models: dict[str, str], results) -> None:
+    init_tensor_parallel(rank, WORLD, port, "cpu", shm_bytes=1 << 16)
+    torch.set_num_threads(1)
+    for arch, model in models.items():
+        try:
+            results[(rank, arch)] = _run_rank(model)
+        except Exception:  # the other rank may then wait in a collective: end both
+            results[(rank, arch)] = {"error": traceback.format_exc()}
+            raise
+
+
+@pytest.fixture(scope="module")
+def rank_results(build_model, tmp_path_factory) -> dict[tuple[int, str], dict]:
+    root = tmp_path_factory.mktemp("tp_cpu_step")
+    models = {arch: build_model(str(root / arch), arch, **o) for arch, o in CASES.items()}
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rank_main, args=(free_port(), models, results), nprocs=WORLD)
+        return dict(results)
+
+
+@pytest.mark.parametrize("arch", CASES)
+def test_every_rank_takes_the_c_step(rank_results, arch):
+    for rank in range(WORLD):
+        assert rank_results[(rank, arch)]["cpu_step"], rank_results[(rank, arch)]
+
+
+@pytest.mark.parametrize("arch", CASES)
+def test_c_steps_equal_the_module_path_on_every_rank(rank_results, arch):
+    # Greedy, then sampled: after each batch's prefill step, every step decodes all requests
+    # in one C call, checked bit for bit against the modules inside the rank.
+    for rank in range(WORLD):
+        assert rank_results[(rank, arch)]["steps"] == [len(LENGTHS)] * (2 * (MAX_TOKENS - 1))
+
+
+@pytest.mark.parametrize("arch", CASES)
+def test_ranks_agree_on_every_token(rank_results, arch):
+    tokens = [rank_results[(rank, arch)]["tokens"] for rank in range(WORLD)]
+    assert tokens[0] == tokens[1]
+    assert [len(t) for t in tokens[0][0]] == [MAX_TOKENS] * len(LENGTHS)
