@@ -30,23 +30,32 @@ from quire.attention.backend import AttentionMetadata
 from quire.kernels import cpu as cpu_kernels
 from quire.kernels.cpu import gemv, pointwise
 from quire.layers.linear import PackedLinear
+from quire.layers.quantized_linear import QuantizedLinear
 from quire.worker.kv_cache import KVCache
 
 _ptr = ctypes.c_void_p
 
 
-_LAYER_POINTERS = "input_norm post_norm q_norm k_norm qkv qkv_bias o gate_up down k_cache v_cache"
-_LAYER_INTS = (
-    "hidden_size num_heads num_kv_heads head_dim intermediate_size block_size "
-    "qkv_k_block o_k_block gate_up_k_block down_k_block"
-)
+class _Projection(ctypes.Structure):  # Projection in decode_layer.c
+    _fields_ = [
+        ("weight", _ptr),
+        ("bias", _ptr),
+        ("format", ctypes.c_int32),
+        ("k_block", ctypes.c_int32),
+    ]
+
+
+_LAYER_POINTERS = "input_norm post_norm q_norm k_norm k_cache v_cache"
+_LAYER_PROJECTIONS = "qkv o gate_up down"
+_LAYER_INTS = "hidden_size num_heads num_kv_heads head_dim intermediate_size block_size"
 _STEP_POINTERS = "cos sin slots block_tables seq_lens silu x qkv q attn gate_up act"
-_MODEL_POINTERS = "layers embedding cos_cache sin_cache final_norm lm_head lm_head_bias"
+_MODEL_POINTERS = "layers embedding cos_cache sin_cache final_norm"
 
 
 class _DecodeLayer(ctypes.Structure):  # DecodeLayer in decode_layer.c, field for field
     _fields_ = (
         [(name, _ptr) for name in _LAYER_POINTERS.split()]
+        + [(name, _Projection) for name in _LAYER_PROJECTIONS.split()]
         + [(name, ctypes.c_int32) for name in _LAYER_INTS.split()]
         + [(name, ctypes.c_float) for name in ("eps", "qk_eps", "scale")]
     )
@@ -61,10 +70,8 @@ class _DecodeStep(ctypes.Structure):  # DecodeStep in decode_layer.c, field for 
 class _DecodeModel(ctypes.Structure):  # DecodeModel in decode_layer.c, field for field
     _fields_ = (
         [(name, _ptr) for name in _MODEL_POINTERS.split()]
-        + [
-            (name, ctypes.c_int32)
-            for name in ("num_layers", "vocab_size", "max_position", "lm_head_k_block")
-        ]
+        + [("lm_head", _Projection)]
+        + [(name, ctypes.c_int32) for name in ("num_layers", "vocab_size", "max_position")]
         + [("final_eps", ctypes.c_float)]
     )
 
@@ -157,8 +164,24 @@ class StepWeights:
         )
 
 
-def _gemv_packed(linear: nn.Module | None) -> bool:
-    return isinstance(linear, PackedLinear) and linear.gemv_weight is not None
+def _c_projection(linear: nn.Module | None) -> bool:
+    """Whether the C step runs this linear: GEMV-packed bf16, or kept in GGUF blocks."""
+    return isinstance(linear, QuantizedLinear) or (
+        isinstance(linear, PackedLinear) and linear.gemv_weight is not None
+    )
+
+
+def _projection(linear: nn.Module) -> _Projection:
+    if isinstance(linear, QuantizedLinear):
+        return _Projection(
+            weight=_data(linear.packed), bias=_data(linear.bias), format=linear.format
+        )
+    return _Projection(
+        weight=_data(linear.gemv_weight),
+        bias=_data(linear.bias),
+        format=0,
+        k_block=linear.gemv_k_block,
+    )
 
 
 class CpuStepRunner:
@@ -196,7 +219,7 @@ class CpuStepRunner:
         self._logits = torch.empty(0, 0)
         self._argmax_ids = np.zeros(0, np.int64)  # numpy: tolist() without a torch op
         lm_head = weights.lm_head
-        self.has_lm_head = _gemv_packed(lm_head) and lm_head.out_features == self.vocab_size
+        self.has_lm_head = _c_projection(lm_head) and lm_head.out_features == self.vocab_size
         self._layers = self._layer_structs(weights, kv_cache)
         self._model = self._model_struct(weights)
 
@@ -215,7 +238,7 @@ class CpuStepRunner:
             weights.embedding.device.type == "cpu"
             and weights.embedding.dtype == torch.bfloat16
             and kv_cache.dtype == torch.bfloat16
-            and all(_gemv_packed(p) for layer in weights.layers for p in layer.projections)
+            and all(_c_projection(p) for layer in weights.layers for p in layer.projections)
             and cpu_kernels.supports_paged_decode(
                 torch.bfloat16, first.num_heads, first.num_kv_heads, first.head_dim
             )
@@ -240,11 +263,10 @@ class CpuStepRunner:
                     post_norm=_data(layer.post_norm),
                     q_norm=_data(layer.q_norm),
                     k_norm=_data(layer.k_norm),
-                    qkv=_data(layer.qkv.gemv_weight),
-                    qkv_bias=_data(layer.qkv.bias),
-                    o=_data(layer.o.gemv_weight),
-                    gate_up=_data(layer.gate_up.gemv_weight),
-                    down=_data(layer.down.gemv_weight),
+                    qkv=_projection(layer.qkv),
+                    o=_projection(layer.o),
+                    gate_up=_projection(layer.gate_up),
+                    down=_projection(layer.down),
                     k_cache=_data(k_cache),
                     v_cache=_data(v_cache),
                     hidden_size=weights.hidden_size,
@@ -253,10 +275,6 @@ class CpuStepRunner:
                     head_dim=layer.head_dim,
                     intermediate_size=weights.intermediate_size,
                     block_size=kv_cache.block_size,
-                    qkv_k_block=layer.qkv.gemv_k_block,
-                    o_k_block=layer.o.gemv_k_block,
-                    gate_up_k_block=layer.gate_up.gemv_k_block,
-                    down_k_block=layer.down.gemv_k_block,
                     eps=layer.eps,
                     qk_eps=layer.qk_eps,
                     scale=layer.scale,
@@ -275,12 +293,10 @@ class CpuStepRunner:
             cos_cache=_data(weights.cos_cache),
             sin_cache=_data(weights.sin_cache),
             final_norm=_data(weights.final_norm),
-            lm_head=None if lm_head is None else _data(lm_head.gemv_weight),
-            lm_head_bias=None if lm_head is None else _data(lm_head.bias),
+            lm_head=_Projection() if lm_head is None else _projection(lm_head),
             num_layers=len(self._layers),
             vocab_size=self.vocab_size,
             max_position=weights.cos_cache.shape[0],
-            lm_head_k_block=0 if lm_head is None else lm_head.gemv_k_block,
             final_eps=weights.final_eps,
         )
 
