@@ -153,3 +153,17 @@ def test_other_quantized_types_are_dequantized_with_a_warning(tmp_path, tokenize
     assert "Q5_0 weights are dequantized at load" in caplog.text
     assert linear_types(llm) == set()
     assert model_of(llm).cpu_step is not None  # bf16, GEMV-packed
+
+
+def test_a_decode_step_reads_kept_blocks_as_stored(tiny_files) -> None:
+    """The latency benchmark's weight bytes: Q4_0 blocks at 18 bytes per 32 weights, or bf16
+    when dequantized; the untied file's embedding is not read by a decode step."""
+    from quire.model.gguf_loader import decode_weight_bytes
+
+    c = TINY_LLAMA
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    layer = c["hidden_size"] * (2 * q + 2 * kv + 3 * c["intermediate_size"])
+    weights = c["num_hidden_layers"] * layer + c["vocab_size"] * c["hidden_size"]
+    path = tiny_files["Q4_0"]
+    assert decode_weight_bytes(path, frozenset({"Q4_0"}), 2) == weights // 32 * 18
+    assert decode_weight_bytes(path, frozenset(), 2) == weights * 2

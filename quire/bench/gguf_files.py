@@ -28,9 +28,11 @@ SHAPES = {"qwen3-0.6b": ("qwen3", QWEN3_0_6B_SHAPE)}
 _CONTROL_TOKEN = 3  # llama.cpp's token type CONTROL
 
 
-def _copy_fields(reader: GGUFReader, writer: GGUFWriter, prefix: str = "") -> None:
+def _copy_fields(
+    reader: GGUFReader, writer: GGUFWriter, prefix: str = "", skip: tuple[str, ...] = ()
+) -> None:
     for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
+        if name.startswith("GGUF.") or name == "general.architecture" or name in skip:
             continue
         if not name.startswith(prefix):
             continue
@@ -81,7 +83,8 @@ def write_random(
     architecture, cfg = SHAPES[shape] if isinstance(shape, str) else shape
     tokenizer = GGUFReader(default_model_path())
     writer = GGUFWriter(dst + ".tmp", architecture)
-    _copy_fields(tokenizer, writer, "tokenizer.")
+    padded = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type")
+    _copy_fields(tokenizer, writer, "tokenizer.", skip=padded)
     tokens = tokenizer.get_field("tokenizer.ggml.tokens").contents()
     pad = cfg["vocab_size"] - len(tokens)
     writer.add_token_list(tokens + [f"<|quire_pad_{i}|>" for i in range(pad)])

@@ -87,6 +87,23 @@ def iter_gguf_weights(
 _FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
 
 
+def decode_weight_bytes(path: str, keep_quantized: frozenset[str], itemsize: int) -> int:
+    """The weight bytes a decode step reads from this file's matmuls and LM head (the embedding
+    when tied): a matrix of a type in `keep_quantized` in its blocks, any other at `itemsize`
+    bytes a weight (dequantized)."""
+    reader = _open(path)
+    names = {tensor.name for tensor in reader.tensors}
+    total = 0
+    for tensor in reader.tensors:
+        if tensor.data.ndim != 2 or (
+            tensor.name == "token_embd.weight" and "output.weight" in names
+        ):
+            continue
+        kept = tensor.tensor_type.name in keep_quantized
+        total += int(tensor.n_bytes) if kept else int(tensor.n_elements) * itemsize
+    return total
+
+
 def _iter_weights(
     reader: GGUFReader, config: dict, keep_quantized: frozenset[str]
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:

@@ -12,7 +12,7 @@ around the layers cost ~50-100 us each here: the weights streaming through leave
 interpreter's data cold in the caches at every step.
 
 It takes a step when the model is bf16 on a CPU with AVX-512 BF16, every projection has a GEMV
-copy, and the step is decode only, with at most `gemv.max_rows()` decode sequences (every
+copy or is kept in GGUF blocks (QuantizedLinear: qmatmul.c), and the step is decode only, with at most `gemv.max_rows()` decode sequences (every
 decode-only step, except on CPUs with AMX; a replay after a preemption gives one per token).
 Results: the module path's, computed in the same order with the same rounding.
 """
@@ -231,7 +231,8 @@ class CpuStepRunner:
 
     @staticmethod
     def supported(weights: StepWeights, kv_cache: KVCache) -> bool:
-        """Whether the path runs: bf16 on CPU, every projection GEMV-packed, and an attention
+        """Whether the path runs: bf16 on CPU, every projection GEMV-packed or in GGUF blocks,
+        and an attention
         shape the paged-decode kernel takes."""
         first = weights.layers[0]
         return (
@@ -250,8 +251,8 @@ class CpuStepRunner:
         return _fits(metadata, num_tokens)
 
     def takes_argmax(self, metadata: AttentionMetadata, num_tokens: int) -> bool:
-        """Whether `argmax_tokens` runs this step: `takes`, and an LM head the GEMV kernel
-        holds."""
+        """Whether `argmax_tokens` runs this step: `takes`, and an LM head the GEMV or the int8
+        kernel holds."""
         return self.has_lm_head and self.takes(metadata, num_tokens)
 
     def _layer_structs(self, weights: StepWeights, kv_cache: KVCache) -> ctypes.Array:
