@@ -72,7 +72,7 @@ def test_perplexity_is_within_one_percent_of_the_dequantized_file(
     quantized = LLM(path, tokenizer=tokenizer_dir, num_kv_blocks=32)
     token_ids = quantized.get_tokenizer()(PROSE)["input_ids"]
     # the default file's embedding (and tied LM head) is Q8_0
-    assert linear_types(quantized) == {qtype, "Q8_0"} if qtype == "Q4_1" else {qtype}
+    assert linear_types(quantized) == ({qtype, "Q8_0"} if qtype == "Q4_1" else {qtype})
     assert model_of(quantized).cpu_step is not None
     ppl = perplexity(quantized, token_ids)
     del quantized
