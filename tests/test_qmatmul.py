@@ -52,8 +52,8 @@ def assert_within_bound(out: torch.Tensor, exact: np.ndarray, magnitude: np.ndar
     assert (error <= bound).all(), (error - bound).max()
 
 
-# K: one block, three, 33 blocks (not a multiple of anything else); N: under one panel of 32,
-# one more than a panel, several panels and a part.
+# K: one block, three, 33 blocks (K is always whole blocks of 32 in these formats); N: under one
+# panel of 32, one more than a panel, several panels and a part.
 SHAPES = [(7, 32), (33, 96), (100, 1056)]
 ROWS = [1, 2, 3, 4, 5, 9, 17]
 
@@ -138,6 +138,9 @@ def test_shapes_the_kernel_does_not_take_raise() -> None:
         qmatmul.qmatmul(x.float(), packed, "Q8_0", None, 32)
     with pytest.raises(ValueError, match="not one of"):
         qmatmul.pack(raw, "Q6_K", 64)
+    # GGUF's block formats hold whole blocks of 32 along K
+    with pytest.raises(ValueError, match="not a multiple of 32"):
+        qmatmul.pack(raw, "Q8_0", 48)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

@@ -146,8 +146,9 @@ def test_a_batch_gives_each_request_its_bits_alone(tiny_files, tokenizer_dir) ->
     assert run(llm, prompts[::-1]) == alone[::-1]  # now with prefix-cache hits
 
 
-def test_other_quantized_types_are_dequantized_with_a_warning(tmp_path, tokenizer_dir, caplog):
-    path = gguf_files.write_random(str(tmp_path / "q5.gguf"), "Q5_0", ("llama", TINY_LLAMA))
+def test_other_quantized_types_are_dequantized_with_a_warning(tiny_files, tokenizer_dir, caplog):
+    path = os.path.join(FILES_DIR, "tiny-llama-Q5_0.gguf")
+    gguf_files.write_random(path, "Q5_0", ("llama", TINY_LLAMA))
     with caplog.at_level(logging.WARNING, logger="quire.model.gguf_loader"):
         llm = LLM(path, tokenizer=tokenizer_dir, num_kv_blocks=16)
     assert "Q5_0 weights are dequantized at load" in caplog.text
