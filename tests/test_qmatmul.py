@@ -153,3 +153,46 @@ def test_the_portable_loop_matches_the_reference_too(qtype, monkeypatch) -> None
     x, raw, dequantized = make_case(qtype, 5, 33, 96)
     out = qmatmul.qmatmul(x, qmatmul.pack(raw, qtype, 96), qtype, None, 33, torch.float32)
     assert_within_bound(out, *reference(x, dequantized, None))
+
+
+def shards_of(linear, types: dict[str, str]) -> dict:
+    """QuantizedWeights for a q|k|v linear's shards, of the given types (in any order), and the
+    full weight, dequantized, in q|k|v order."""
+    from quire.layers.quantized_linear import QuantizedWeight
+
+    rng = np.random.default_rng(0)
+    shards = {}
+    for shard, qtype in types.items():
+        n = linear.local_heads[shard] * linear.head_dim
+        values = rng.standard_normal((n, linear.in_features), np.float32)
+        raw = quantize(values, GGMLQuantizationType[qtype])
+        shards[shard] = QuantizedWeight(raw, qtype, (n, linear.in_features))
+    return shards, torch.cat([shards[shard].dequantize() for shard in "qkv"])
+
+
+def test_a_fused_linear_of_one_type_becomes_one_quantized_linear() -> None:
+    from quire.layers.parallel_linear import QKVParallelLinear
+    from quire.layers.quantized_linear import QuantizedLinear, quantize_linear_layers
+
+    holder = torch.nn.Module()
+    holder.qkv = QKVParallelLinear(64, 32, 2, 1, bias=False)
+    shards, full = shards_of(holder.qkv, {"v": "Q4_0", "q": "Q4_0", "k": "Q4_0"})
+    holder.qkv.quantized_shards = shards
+    assert quantize_linear_layers(holder) == 1
+    assert isinstance(holder.qkv, QuantizedLinear) and holder.qkv.out_features == 128
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    exact, magnitude = reference(x, full.double().numpy(), None)
+    assert_within_bound(holder.qkv(x, torch.float32), exact, magnitude)  # rows in q|k|v order
+
+
+def test_a_fused_linear_of_mixed_types_is_dequantized_in_place() -> None:
+    from quire.layers.parallel_linear import QKVParallelLinear
+    from quire.layers.quantized_linear import quantize_linear_layers
+
+    holder = torch.nn.Module()
+    holder.qkv = QKVParallelLinear(64, 32, 2, 1, bias=False)
+    shards, full = shards_of(holder.qkv, {"q": "Q4_0", "k": "Q4_0", "v": "Q8_0"})
+    holder.qkv.quantized_shards = shards
+    assert quantize_linear_layers(holder) == 0
+    assert type(holder.qkv) is QKVParallelLinear and not hasattr(holder.qkv, "quantized_shards")
+    assert torch.equal(holder.qkv.weight.data, full)

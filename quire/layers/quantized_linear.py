@@ -22,6 +22,7 @@ from gguf.quants import dequantize
 from torch import nn
 
 from quire.kernels.cpu import qmatmul
+from quire.layers.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear
 
 logger = logging.getLogger(__name__)
 
@@ -76,31 +77,44 @@ class QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype}"
 
 
+def _shard_ids(linear: nn.Linear) -> list[str | int | None]:
+    """The shards a linear's weight is loaded from, in its rows' order."""
+    if isinstance(linear, QKVParallelLinear):
+        return ["q", "k", "v"]
+    if isinstance(linear, MergedColumnParallelLinear):
+        return list(range(len(linear.output_sizes)))
+    return [None]
+
+
 def quantize_linear_layers(model: nn.Module) -> int:
     """Replaces every linear under `model` that load_weights gave quantized shards
-    (`quantized_shards`: shard id -> QuantizedWeight, in the fused weight's order) with a
-    QuantizedLinear; returns how many. A linear whose shards are of different types (some GGUF
-    files mix them within q|k|v) is dequantized into its own weight instead."""
+    (`quantized_shards`: shard id -> QuantizedWeight) with a QuantizedLinear; returns how many.
+    A linear whose shards are not all kept in one type (some GGUF files mix types within
+    q|k|v) has its kept shards dequantized into its own weight instead."""
     count = 0
     for name, child in list(model.named_children()):
         shards = getattr(child, "quantized_shards", None)
         if isinstance(child, nn.Linear) and shards:
-            # q | k | v by name, gate | up by index, a plain linear's one shard (None)
-            order = sorted(shards, key=lambda s: "qkv".index(s) if isinstance(s, str) else s or 0)
-            parts = [shards[key] for key in order]
-            if len({p.qtype for p in parts}) == 1:
-                setattr(model, name, QuantizedLinear(QuantizedWeight.stack(parts), child.bias))
+            ids = _shard_ids(child)
+            types = {p.qtype for p in shards.values()}
+            if set(shards) == set(ids) and len(types) == 1:
+                weight = QuantizedWeight.stack([shards[i] for i in ids])
+                setattr(model, name, QuantizedLinear(weight, child.bias))
                 count += 1
-            else:
-                logger.warning(
-                    "%s mixes %s blocks: dequantized to %s",
-                    name,
-                    "/".join(sorted({p.qtype for p in parts})),
-                    child.weight.dtype,
-                )
-                with torch.no_grad():
-                    child.weight.copy_(torch.cat([p.dequantize() for p in parts]))
-                del child.quantized_shards
+                continue
+            logger.warning(
+                "%s holds %s blocks beside other types: dequantized to %s",
+                name,
+                "/".join(sorted(types)),
+                child.weight.dtype,
+            )
+            with torch.no_grad():
+                for shard_id, part in shards.items():
+                    if shard_id is None:
+                        child.weight.copy_(part.dequantize())
+                    else:
+                        child.weight_loader(child.weight, part.dequantize(), shard_id)
+            del child.quantized_shards
         else:
             count += quantize_linear_layers(child)
     return count
