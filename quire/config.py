@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from quire.engine_args import ATTENTION_BACKENDS, DEVICES, EngineArgs
+from quire.engine_args import ATTENTION_BACKENDS, DEVICES, QUANTIZATIONS, EngineArgs
 from quire.layers.linear import onednn_runs_bf16
 
 logger = logging.getLogger(__name__)
@@ -158,6 +158,11 @@ class EngineConfig(EngineArgs):
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(
                 f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}."
+            )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}; "
+                f"got {self.quantization!r}."
             )
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"

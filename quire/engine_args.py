@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = ("auto", "none")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -68,6 +69,13 @@ class EngineArgs:
         choices=DTYPES,
         help="weights and activations; auto: the checkpoint's, float16 run as bfloat16 on CPU, "
         "and 16-bit as float32 on a CPU with no bf16 matmul (no AVX-512)",
+    )
+    quantization: str = _knob(
+        "auto",
+        choices=QUANTIZATIONS,
+        help="weights in quantized blocks: auto keeps a GGUF file's Q8_0 / Q4_0 / Q4_1 matrices "
+        "in their blocks for the int8 kernels (bf16 on CPU; other types are dequantized); none "
+        "dequantizes every weight to --dtype",
     )
     device: str = _knob("auto", choices=DEVICES, help="auto: cuda when there is a GPU, else cpu")
     max_model_len: int | None = _knob(

@@ -46,3 +46,8 @@ def test_a_draft_model_under_tensor_parallelism_is_refused_at_start(tmp_path):
     spec = {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 3}
     with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
         EngineConfig(tensor_parallel_size=2, speculative_config=spec)
+
+
+def test_an_unknown_quantization_is_refused_with_the_choices(tiny_llama):
+    with pytest.raises(ValueError, match="quantization must be one of auto, none; got 'int4'"):
+        EngineConfig(tiny_llama, quantization="int4")

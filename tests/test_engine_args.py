@@ -19,6 +19,7 @@ EXPECTED_FLAGS = {
     "--model": "model",
     "--tokenizer": "tokenizer",
     "--dtype": "dtype",
+    "--quantization": "quantization",
     "--device": "device",
     "--max-model-len": "max_model_len",
     "--block-size": "block_size",

@@ -31,6 +31,7 @@ import torch
 from quire.bench import roofline
 from quire.bench.models import add_model_dir_arg, resolve_model
 from quire.bench.speculative import describe_spec_decoding, spec_decoding_report
+from quire.model import gguf_loader, loader
 
 _WARMUP_DECODE_STEPS = 2
 # Objects, bounded strings and integers, enums, arrays: a grammar whose states vary as a real
@@ -130,11 +131,13 @@ def measure_decode(
     probe: roofline.BandwidthProbe,
     rng: random.Random,
     structured_outputs=None,
+    weight_bytes: int | None = None,
 ) -> DecodeResult:
     """Prefills `batch_size` requests, then times `num_steps` steps in which every request
     decodes one token (or, under speculation, what it verifies: `tokens_per_step` counts them,
-    while the floor still counts one token per request), each followed by a bandwidth probe. A step's floor uses the requests'
-    context lengths at that step. `structured_outputs` constrains every request."""
+    while the floor still counts one token per request), each followed by a bandwidth probe. A
+    step's floor uses the requests' context lengths at that step and `weight_bytes` (default:
+    every weight in the model's dtype). `structured_outputs` constrains every request."""
     from quire.sampling_params import SamplingParams
 
     mc, dtype = engine.model_config, engine.dtype
@@ -164,7 +167,7 @@ def measure_decode(
         step()
         times.append(time.perf_counter() - start)
         bandwidths.append(probe.read_gbps())
-        step_bytes.append(roofline.decode_step_bytes(mc, dtype, context_lens))
+        step_bytes.append(roofline.decode_step_bytes(mc, dtype, context_lens, weight_bytes))
         contexts.append(statistics.fmean(context_lens))
     tokens_per_step = (sum(num_output.values()) - num_before) / num_steps
     engine.abort_request(ids)
@@ -233,6 +236,15 @@ def measure_grammar_overhead(
     )
 
 
+def _weight_bytes(config, mc, dtype: torch.dtype) -> int:
+    """The weight bytes of a decode step: a GGUF file's kept blocks as stored (the loader's
+    choice for this engine), every other weight in `dtype`."""
+    if not config.is_gguf:
+        return roofline.decode_weight_bytes(mc, dtype)
+    kept = loader.kept_quantized_types(config, dtype)
+    return gguf_loader.decode_weight_bytes(config.model, kept, dtype.itemsize)
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from quire.engine_args import EngineArgs
 
@@ -277,8 +289,11 @@ def main(args: argparse.Namespace) -> int:
     )
     bandwidth_probe = roofline.BandwidthProbe(device, huge_pages=engine.config.huge_pages)
     batch_sizes = sorted({1, args.batch_size})
+    weight_bytes = _weight_bytes(engine.config, mc, dtype)
     decodes = [
-        measure_decode(engine, b, args.prompt_len, args.decode_steps, bandwidth_probe, rng)
+        measure_decode(
+            engine, b, args.prompt_len, args.decode_steps, bandwidth_probe, rng, None, weight_bytes
+        )
         for b in batch_sizes
     ]
 
@@ -289,10 +304,13 @@ def main(args: argparse.Namespace) -> int:
         for b in (batch_sizes if args.grammar_rounds else [])
     ]
 
-    weight_gb = roofline.num_params(mc) * dtype.itemsize / 1e9
+    kept = loader.kept_quantized_types(engine.config, dtype)
+    weights = f"{weight_bytes / 1e9:.2f} GB read per step, {str(dtype).removeprefix('torch.')}"
+    if kept:
+        weights += f" with {'/'.join(sorted(kept))} blocks kept"
     print(
         f"model: {engine.config.model} ({roofline.num_params(mc) / 1e6:.0f}M params, "
-        f"{weight_gb:.2f} GB {str(dtype).removeprefix('torch.')}), {device}, "
+        f"{weights}), {device}, "
         f"{torch.get_num_threads()} threads\n"
         f"machine at the start: read {hardware.read_gbps:.1f} GB/s, copy "
         f"{hardware.copy_gbps:.1f} GB/s, matmul {hardware.matmul_tflops:.3f} TFLOP/s\n"
@@ -326,6 +344,8 @@ def main(args: argparse.Namespace) -> int:
         "command": " ".join(sys.argv),
         "model": engine.config.model,
         "dtype": str(dtype).removeprefix("torch."),
+        "quantization": engine.config.quantization,
+        "decode_weight_bytes": weight_bytes,
         "device": device,
         "torch_threads": torch.get_num_threads(),
         "num_params": roofline.num_params(mc),

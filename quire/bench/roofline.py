@@ -163,10 +163,18 @@ def decode_weight_bytes(mc: ModelConfig, dtype: torch.dtype) -> int:
     return (mc.num_hidden_layers * layer_matmul_params(mc) + lm_head_params(mc)) * dtype.itemsize
 
 
-def decode_step_bytes(mc: ModelConfig, dtype: torch.dtype, context_lens: Sequence[int]) -> int:
-    """Bytes one decode step moves: the weights once, plus each request's K/V over its context
+def decode_step_bytes(
+    mc: ModelConfig,
+    dtype: torch.dtype,
+    context_lens: Sequence[int],
+    weight_bytes: int | None = None,
+) -> int:
+    """Bytes one decode step moves: the weights once (`weight_bytes`, default
+    `decode_weight_bytes`: all in `dtype`), plus each request's K/V over its context
     (`context_lens[i]` tokens attended, the new one included)."""
-    return decode_weight_bytes(mc, dtype) + sum(context_lens) * kv_bytes_per_token(mc, dtype)
+    if weight_bytes is None:
+        weight_bytes = decode_weight_bytes(mc, dtype)
+    return weight_bytes + sum(context_lens) * kv_bytes_per_token(mc, dtype)
 
 
 def attention_flops(mc: ModelConfig, num_queries: int, context_len: int) -> int:

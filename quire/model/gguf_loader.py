@@ -1,4 +1,5 @@
-"""Reading a GGUF checkpoint: a Hugging Face-style config and float32 weights under HF names.
+"""Reading a GGUF checkpoint: a Hugging Face-style config and weights under HF names, float32 or,
+for the block types the int8 kernel takes, kept in their blocks (`QuantizedWeight`).
 
 llama.cpp stores a model under its own names (`blk.N.attn_q.weight`) and, for the `llama`
 architecture only, with the rows of q_proj and k_proj permuted so that each rotary pair sits side by
@@ -6,6 +7,7 @@ side. Both are undone here, so the weights drop into the same model code as a sa
 """
 
 import functools
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -15,6 +17,10 @@ import numpy as np
 import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
+
+from quire.layers.quantized_linear import QuantizedWeight
+
+logger = logging.getLogger(__name__)
 
 # general.architecture -> the Hugging Face class whose parameter names the weights are given under
 ARCHITECTURES = {
@@ -62,25 +68,69 @@ def load_gguf_config(path: str) -> dict:
     return _config_from_reader(_open(path))
 
 
-def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF parameter name, float32 tensor in HF shape) for every tensor in the file, in file order.
+def iter_gguf_weights(
+    path: str, keep_quantized: frozenset[str] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """(HF parameter name, tensor in HF shape) for every tensor in the file, in file order: a
+    `QuantizedWeight` (its blocks, copied out of the file) for a matrix whose GGUF type is in
+    `keep_quantized`, else float32.
 
     Tensors are dequantized one at a time from the memory-mapped file, so peak memory is about one
     dequantized tensor. A tied checkpoint has no `lm_head.weight`; the model ties it to the embedding.
     The file and its architecture are checked on the call, before the first tensor is asked for.
+    With `keep_quantized`, each other quantized type found is logged once as dequantized.
     """
     reader = _open(path)
-    return _iter_weights(reader, _config_from_reader(reader))
+    return _iter_weights(reader, _config_from_reader(reader), keep_quantized)
 
 
-def _iter_weights(reader: GGUFReader, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+_FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
+
+
+def decode_weight_bytes(path: str, keep_quantized: frozenset[str], itemsize: int) -> int:
+    """The weight bytes a decode step reads from this file's matmuls and LM head (the embedding
+    when tied): a matrix of a type in `keep_quantized` in its blocks, any other at `itemsize`
+    bytes a weight (dequantized)."""
+    reader = _open(path)
+    names = {tensor.name for tensor in reader.tensors}
+    total = 0
+    for tensor in reader.tensors:
+        if tensor.data.ndim != 2 or (
+            tensor.name == "token_embd.weight" and "output.weight" in names
+        ):
+            continue
+        kept = tensor.tensor_type.name in keep_quantized
+        total += int(tensor.n_bytes) if kept else int(tensor.n_elements) * itemsize
+    return total
+
+
+def _iter_weights(
+    reader: GGUFReader, config: dict, keep_quantized: frozenset[str]
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     permuted = config["model_type"] in _ROTARY_PERMUTED
     heads_for = {
         "attn_q": config["num_attention_heads"],
         "attn_k": config["num_key_value_heads"],
     }
+    dequantized: set[str] = set()
     for tensor in reader.tensors:
         name, gguf_kind = _hf_name(tensor.name)
+        qtype = tensor.tensor_type.name
+        if qtype in keep_quantized and tensor.data.ndim == 2:
+            # [rows, bytes per row]: whole blocks, so rows permute as the dequantized ones do
+            raw = tensor.data
+            if permuted and gguf_kind in heads_for:
+                raw = _unpermute_rotary(raw, heads_for[gguf_kind])
+            shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # GGUF lists ne0 (K) first
+            yield name, QuantizedWeight(np.array(raw, np.uint8), qtype, shape)
+            continue
+        if keep_quantized and qtype not in _FLOAT_TYPES and qtype not in dequantized:
+            dequantized.add(qtype)
+            logger.warning(
+                "%s weights are dequantized at load: the int8 kernel takes %s",
+                qtype,
+                ", ".join(sorted(keep_quantized)),
+            )
         # the reader gives the data in torch order already: [rows, bytes per row] for blocks
         weights = dequantize(tensor.data, tensor.tensor_type)
         if permuted and gguf_kind in heads_for:

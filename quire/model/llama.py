@@ -20,6 +20,7 @@ from quire.layers.parallel_linear import (
     RowParallelLinear,
     load_full,
 )
+from quire.layers.quantized_linear import QuantizedLinear, QuantizedWeight
 from quire.layers.rotary import RotaryEmbedding
 from quire.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding, gather_logits
 from quire.model.model_config import ModelConfig
@@ -105,16 +106,19 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # -> [n, vocab] float32
         if self.lm_head is None:  # tied to the embedding table
             logits = torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
-        elif isinstance(self.lm_head, PackedLinear):
+        elif isinstance(self.lm_head, PackedLinear | QuantizedLinear):
             logits = self.lm_head(hidden, out_dtype=torch.float32)
         else:
             logits = self.lm_head(hidden).float()
         return gather_logits(logits, self.config.vocab_size)  # this rank's range -> all
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
         """Copies checkpoint tensors (Hugging Face names, full size) into the fused parameters,
-        each parallel layer taking this rank's shard (its `weight_loader`). Raises ValueError
-        naming what is missing or unexpected, so a wrong checkpoint fails loudly."""
+        each parallel layer taking this rank's shard (its `weight_loader`). A QuantizedWeight
+        for a linear's weight is kept beside it, in `quantized_shards` (for
+        quantized_linear.quantize_linear_layers); for the embedding it is dequantized into the
+        table and kept as `quantized`, for a tied LM head. Raises ValueError naming what is
+        missing or unexpected, so a wrong checkpoint fails loudly."""
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
         loaded: set[str] = set()
@@ -132,14 +136,20 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(
                     f"Checkpoint tensor {name!r} has no place in {self.config.architecture}."
                 )
-            loader = getattr(modules[target.rpartition(".")[0]], "weight_loader", None)
+            module = modules[target.rpartition(".")[0]]
+            loader = getattr(module, "weight_loader", None)
             try:
-                if loader is None:
-                    load_full(param.data, tensor)
-                elif shard_id is None:
-                    loader(param, tensor)
-                else:
-                    loader(param, tensor, shard_id)
+                if isinstance(tensor, QuantizedWeight):
+                    # the shape checked as the loader checks it, on a tensor of no storage
+                    check = torch.empty(tensor.shape, device="meta")
+                    _load(loader, torch.empty_like(param, device="meta"), check, shard_id)
+                    if isinstance(module, nn.Linear):
+                        module.__dict__.setdefault("quantized_shards", {})[shard_id] = tensor
+                        loaded.add(name)
+                        continue
+                    module.quantized = tensor
+                    tensor = tensor.dequantize()
+                _load(loader, param, tensor, shard_id)
             except ValueError as error:
                 raise ValueError(f"Checkpoint tensor {name!r} {error}.") from None
             loaded.add(name)
@@ -147,6 +157,16 @@ class LlamaForCausalLM(nn.Module):
         missing = expected - loaded
         if missing:
             raise ValueError(f"Checkpoint is missing tensors: {sorted(missing)[:8]}")
+
+
+def _load(loader, param: torch.Tensor, tensor: torch.Tensor, shard_id: str | int | None) -> None:
+    """`tensor` into `param` by the module's weight loader (or whole)."""
+    if loader is None:
+        load_full(param.data, tensor)
+    elif shard_id is None:
+        loader(param, tensor)
+    else:
+        loader(param, tensor, shard_id)
 
 
 # checkpoint projection -> (fused parameter, its shard in the fused layer's weight_loader)

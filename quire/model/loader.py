@@ -14,7 +14,10 @@ from safetensors import safe_open
 from torch import nn
 
 from quire.config import EngineConfig
+from quire.distributed.parallel_state import tp_size
+from quire.kernels.cpu import qmatmul
 from quire.layers.linear import PackedLinear, pack_linear_layers, packed_linear_supported
+from quire.layers.quantized_linear import KERNEL_TYPES, QuantizedLinear, quantize_linear_layers
 from quire.layers.rotary import RotaryEmbedding
 from quire.model.gguf_loader import iter_gguf_weights, load_gguf_config
 from quire.model.model_config import ModelConfig, architecture_of, read_hf_config
@@ -49,6 +52,36 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+def kept_quantized_types(config: EngineConfig, dtype: torch.dtype) -> frozenset[str]:
+    """The GGUF block types loaded as they are, for the int8 kernel (layers/quantized_linear.py):
+    all it takes for a GGUF file run in bf16 on CPU with the C kernels, one rank, and
+    `quantization` auto; none otherwise (every weight dequantized to `dtype`, as before)."""
+    if not config.is_gguf or config.quantization == "none":
+        return frozenset()
+    reasons = []
+    if torch.device(config.device).type != "cpu" or dtype != torch.bfloat16:
+        reasons.append(f"it runs bf16 on CPU, not {dtype} on {config.device}")
+    if tp_size() > 1:
+        reasons.append("it runs on one rank")
+    if not qmatmul.available():
+        reasons.append("the C kernels are off or do not build here")
+    if reasons:
+        logger.info("GGUF weights dequantized: the int8 kernel %s", "; ".join(reasons))
+        return frozenset()
+    return KERNEL_TYPES
+
+
+def quantize_weights(model: nn.Module) -> int:
+    """Every linear given GGUF blocks becomes a QuantizedLinear; a tied LM head takes the
+    embedding's blocks. Returns how many."""
+    count = quantize_linear_layers(model)
+    embedding = getattr(model.embed_tokens, "quantized", None)
+    if model.lm_head is None and embedding is not None and embedding.qtype in KERNEL_TYPES:
+        model.lm_head = QuantizedLinear(embedding, None)
+        count += 1
+    return count
+
+
 def pack_weights(model: nn.Module, use_gemv: bool) -> None:
     """Packs every matmul weight for oneDNN and (`use_gemv`) the GEMV kernel
     (quire/layers/linear.py). A tied LM head gets its own packed copy: the embedding lookup keeps
@@ -70,8 +103,9 @@ def load_model(
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.build_cache()
+    keep_quantized = kept_quantized_types(config, dtype)
     weights = (
-        iter_gguf_weights(config.model)
+        iter_gguf_weights(config.model, keep_quantized)
         if config.is_gguf
         else iter_safetensors_weights(config.model)
     )
@@ -79,6 +113,8 @@ def load_model(
         model.load_weights(weights)
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
+    if keep_quantized:
+        logger.info("%d linear layers kept in GGUF blocks", quantize_weights(model))
     if config.pack_weights and packed_linear_supported(config.device, dtype):
         pack_weights(model, use_gemv=config.gemv)
     logger.info(

@@ -12,9 +12,9 @@ around the layers cost ~50-100 us each here: the weights streaming through leave
 interpreter's data cold in the caches at every step.
 
 It takes a step when the model is bf16 on a CPU with AVX-512 BF16, every projection has a GEMV
-copy, and the step is decode only, with at most `gemv.max_rows()` decode sequences (every
-decode-only step, except on CPUs with AMX; a replay after a preemption gives one per token).
-Results: the module path's, computed in the same order with the same rounding.
+copy or is kept in GGUF blocks (QuantizedLinear: qmatmul.c), and the step is decode only, with
+at most `gemv.max_rows()` decode sequences (every decode-only step, except on CPUs with AMX; a
+replay after a preemption gives one per token). Results: the module path's, computed in the same order with the same rounding.
 
 Under tensor parallelism each rank runs the step over its shards, and the C code runs the
 collectives the modules would between them (the all-reduces after the embedding, o_proj and
@@ -39,25 +39,34 @@ from quire.distributed.shm_all_reduce import ShmAllReduce
 from quire.kernels import cpu as cpu_kernels
 from quire.kernels.cpu import gemv, pointwise
 from quire.layers.linear import PackedLinear
+from quire.layers.quantized_linear import QuantizedLinear
 from quire.worker.kv_cache import KVCache
 
 _ptr = ctypes.c_void_p
 
 
-_LAYER_POINTERS = "input_norm post_norm q_norm k_norm qkv qkv_bias o gate_up down k_cache v_cache"
-_LAYER_INTS = (
-    "hidden_size num_heads num_kv_heads head_dim intermediate_size block_size "
-    "qkv_k_block o_k_block gate_up_k_block down_k_block"
-)
+class _Projection(ctypes.Structure):  # Projection in decode_layer.c
+    _fields_ = [
+        ("weight", _ptr),
+        ("bias", _ptr),
+        ("format", ctypes.c_int32),
+        ("k_block", ctypes.c_int32),
+    ]
+
+
+_LAYER_POINTERS = "input_norm post_norm q_norm k_norm k_cache v_cache"
+_LAYER_PROJECTIONS = "qkv o gate_up down"
+_LAYER_INTS = "hidden_size num_heads num_kv_heads head_dim intermediate_size block_size"
 _STEP_POINTERS = "cos sin slots block_tables seq_lens silu x qkv q attn gate_up act"
-_MODEL_POINTERS = "layers embedding cos_cache sin_cache final_norm lm_head lm_head_bias group"
-_MODEL_INTS = "num_layers vocab_size vocab_start vocab_rows max_position lm_head_k_block"
+_MODEL_POINTERS = "layers embedding cos_cache sin_cache final_norm"
+_MODEL_INTS = "num_layers vocab_size vocab_start vocab_rows max_position"
 _ARGMAX_ROW_BYTES = 16  # RowBest in shm_all_reduce.c: what a rank publishes per row
 
 
 class _DecodeLayer(ctypes.Structure):  # DecodeLayer in decode_layer.c, field for field
     _fields_ = (
         [(name, _ptr) for name in _LAYER_POINTERS.split()]
+        + [(name, _Projection) for name in _LAYER_PROJECTIONS.split()]
         + [(name, ctypes.c_int32) for name in _LAYER_INTS.split()]
         + [(name, ctypes.c_float) for name in ("eps", "qk_eps", "scale")]
     )
@@ -72,6 +81,7 @@ class _DecodeStep(ctypes.Structure):  # DecodeStep in decode_layer.c, field for 
 class _DecodeModel(ctypes.Structure):  # DecodeModel in decode_layer.c, field for field
     _fields_ = (
         [(name, _ptr) for name in _MODEL_POINTERS.split()]
+        + [("lm_head", _Projection), ("group", _ptr)]
         + [(name, ctypes.c_int32) for name in _MODEL_INTS.split()]
         + [("final_eps", ctypes.c_float)]
     )
@@ -169,8 +179,24 @@ class StepWeights:
         )
 
 
-def _gemv_packed(linear: nn.Module | None) -> bool:
-    return isinstance(linear, PackedLinear) and linear.gemv_weight is not None
+def _c_projection(linear: nn.Module | None) -> bool:
+    """Whether the C step runs this linear: GEMV-packed bf16, or kept in GGUF blocks."""
+    return isinstance(linear, QuantizedLinear) or (
+        isinstance(linear, PackedLinear) and linear.gemv_weight is not None
+    )
+
+
+def _projection(linear: nn.Module) -> _Projection:
+    if isinstance(linear, QuantizedLinear):
+        return _Projection(
+            weight=_data(linear.packed), bias=_data(linear.bias), format=linear.format
+        )
+    return _Projection(
+        weight=_data(linear.gemv_weight),
+        bias=_data(linear.bias),
+        format=0,
+        k_block=linear.gemv_k_block,
+    )
 
 
 def _collectives_in_c(weights: StepWeights) -> bool:
@@ -228,7 +254,7 @@ class CpuStepRunner:
         self._logits = torch.empty(0, 0)
         self._argmax_ids = np.zeros(0, np.int64)  # numpy: tolist() without a torch op
         lm_head = weights.lm_head
-        self.has_lm_head = _gemv_packed(lm_head) and lm_head.out_features == self.vocab_rows
+        self.has_lm_head = _c_projection(lm_head) and lm_head.out_features == self.vocab_rows
         self._layers = self._layer_structs(weights, kv_cache)
         self._model = self._model_struct(weights)
 
@@ -243,15 +269,16 @@ class CpuStepRunner:
 
     @staticmethod
     def supported(weights: StepWeights, kv_cache: KVCache) -> bool:
-        """Whether the path runs: bf16 on CPU, every projection GEMV-packed, an attention shape
-        the paged-decode kernel takes, and with several ranks a shared-memory group and no bias
-        on the row-parallel projections (the C step adds none after the all-reduce)."""
+        """Whether the path runs: bf16 on CPU, every projection GEMV-packed or in GGUF blocks,
+        an attention shape the paged-decode kernel takes, and with several ranks a shared-memory
+        group and no bias on the row-parallel projections (the C step adds none after the
+        all-reduce)."""
         first = weights.layers[0]
         return (
             weights.embedding.device.type == "cpu"
             and weights.embedding.dtype == torch.bfloat16
             and kv_cache.dtype == torch.bfloat16
-            and all(_gemv_packed(p) for layer in weights.layers for p in layer.projections)
+            and all(_c_projection(p) for layer in weights.layers for p in layer.projections)
             and cpu_kernels.supports_paged_decode(
                 torch.bfloat16, first.num_heads, first.num_kv_heads, first.head_dim
             )
@@ -268,8 +295,8 @@ class CpuStepRunner:
         return _fits(metadata, num_tokens) and num_tokens <= self._max_group_rows
 
     def takes_argmax(self, metadata: AttentionMetadata, num_tokens: int) -> bool:
-        """Whether `argmax_tokens` runs this step: `takes`, and an LM head the GEMV kernel
-        holds."""
+        """Whether `argmax_tokens` runs this step: `takes`, and an LM head the GEMV or the int8
+        kernel holds."""
         return self.has_lm_head and self.takes(metadata, num_tokens)
 
     def _layer_structs(self, weights: StepWeights, kv_cache: KVCache) -> ctypes.Array:
@@ -281,11 +308,10 @@ class CpuStepRunner:
                     post_norm=_data(layer.post_norm),
                     q_norm=_data(layer.q_norm),
                     k_norm=_data(layer.k_norm),
-                    qkv=_data(layer.qkv.gemv_weight),
-                    qkv_bias=_data(layer.qkv.bias),
-                    o=_data(layer.o.gemv_weight),
-                    gate_up=_data(layer.gate_up.gemv_weight),
-                    down=_data(layer.down.gemv_weight),
+                    qkv=_projection(layer.qkv),
+                    o=_projection(layer.o),
+                    gate_up=_projection(layer.gate_up),
+                    down=_projection(layer.down),
                     k_cache=_data(k_cache),
                     v_cache=_data(v_cache),
                     hidden_size=weights.hidden_size,
@@ -294,10 +320,6 @@ class CpuStepRunner:
                     head_dim=layer.head_dim,
                     intermediate_size=weights.intermediate_size,
                     block_size=kv_cache.block_size,
-                    qkv_k_block=layer.qkv.gemv_k_block,
-                    o_k_block=layer.o.gemv_k_block,
-                    gate_up_k_block=layer.gate_up.gemv_k_block,
-                    down_k_block=layer.down.gemv_k_block,
                     eps=layer.eps,
                     qk_eps=layer.qk_eps,
                     scale=layer.scale,
@@ -316,15 +338,13 @@ class CpuStepRunner:
             cos_cache=_data(weights.cos_cache),
             sin_cache=_data(weights.sin_cache),
             final_norm=_data(weights.final_norm),
-            lm_head=None if lm_head is None else _data(lm_head.gemv_weight),
-            lm_head_bias=None if lm_head is None else _data(lm_head.bias),
+            lm_head=_Projection() if lm_head is None else _projection(lm_head),
             group=None if self._group is None else ctypes.addressof(self._group),
             num_layers=len(self._layers),
             vocab_size=weights.vocab_size,
             vocab_start=weights.vocab_start,
             vocab_rows=self.vocab_rows,
             max_position=weights.cos_cache.shape[0],
-            lm_head_k_block=0 if lm_head is None else lm_head.gemv_k_block,
             final_eps=weights.final_eps,
         )
 

@@ -59,6 +59,13 @@ _SIGNATURES = {
     # k_block, threads.
     "gemv_bf16": [_P, _I64] + [_P] * 4 + [_I64] + [_I32] * 5,
     "gemv_bf16_available": [],
+    # format, x, x row stride, packed weight, bias, y (bf16) or y (float32), y row stride; M, N,
+    # K, threads (qmatmul.c).
+    "qmatmul_bf16": [_I32, _P, _I64] + [_P] * 4 + [_I64] + [_I32] * 4,
+    # x, x row stride, rows, K, codes, scales, sums.
+    "quantize_rows_q8_bf16": [_P, _I64, _I32, _I32, _P, _P, _P],
+    "qmatmul_record_bytes": [_I32],
+    "qmatmul_vnni": [],
     "gemv_bf16_uses_fma": [],
     # -1 (probe), 0 (vdpbf16ps) or 1 (FMA): the inner loop from the next call on.
     "gemv_bf16_set_fma": [_I32],

@@ -5,12 +5,13 @@
 //
 // The stages are the kernels the module path runs, in the same order with the same rounding:
 //   residual += hidden; x = RMSNorm(residual)        add_rms_norm_bf16
-//   qkv = x Wqkv^T (+ b)                              gemv_bf16
+//   qkv = x Wqkv^T (+ b)                              gemv_bf16 or qmatmul_bf16
 //   q, k = RMSNorm per head (Qwen3); rotary           add_rms_norm_bf16, rotary_bf16
 //   K/V stored at the step's slots; paged attention   paged_decode_bf16
 //   hidden = attn Wo^T; residual += hidden; x = RMSNorm(residual)
 //   hidden = (silu(x Wg^T) * x Wu^T) Wd^T
-// so a request's tokens are the module path's with the GEMV kernel for the projections.
+// so a request's tokens are the module path's with the GEMV kernel for the bf16 projections and
+// the int8 kernel for those kept in GGUF blocks (layers/quantized_linear.py).
 //
 // Under tensor parallelism each rank runs its shard of every layer (its heads of q|k|v and the
 // attention, its rows of gate|up, its columns of o and down) and the all-reduces the modules run
@@ -27,21 +28,35 @@
 // The per-row q/k norm is split across threads from this many rows of the step.
 #define PARALLEL_ROWS 4
 
-// A layer's weights (GEMV-packed projections) and KV cache; built once, in Python.
+// One projection's weight: GEMV-packed bf16 (format 0, gemv.c) or GGUF blocks packed for
+// qmatmul.c (format 1..3: Q8_0, Q4_0, Q4_1).
+typedef struct {
+    const void* weight;  // NULL: no such projection
+    const uint16_t* bias;  // NULL unless the projection has one (Qwen2's qkv)
+    int32_t format;
+    int32_t k_block;  // gemv.c's block size, for format 0
+} Projection;
+
+// y = x W^T (+ b) for M rows by the projection's kernel (see gemv_bf16 for the arguments).
+static int project(const Projection* P, const uint16_t* x, int64_t x_stride, uint16_t* y_bf16,
+                   float* y_f32, int64_t y_stride, int M, int N, int K, int threads) {
+    if (P->format == 0)
+        return gemv_bf16(x, x_stride, P->weight, P->bias, y_bf16, y_f32, y_stride, M, N, K,
+                         P->k_block, threads);
+    return qmatmul_bf16(P->format, x, x_stride, P->weight, P->bias, y_bf16, y_f32, y_stride, M,
+                        N, K, threads);
+}
+
+// A layer's weights (packed projections) and KV cache; built once, in Python.
 typedef struct {
     const uint16_t* input_norm;
     const uint16_t* post_norm;
     const uint16_t* q_norm;  // NULL unless the model normalizes q/k per head (Qwen3)
     const uint16_t* k_norm;
-    const uint16_t* qkv;
-    const uint16_t* qkv_bias;  // NULL unless the model has one (Qwen2)
-    const uint16_t* o;
-    const uint16_t* gate_up;
-    const uint16_t* down;
     uint16_t* k_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]
     uint16_t* v_cache;
+    Projection qkv, o, gate_up, down;
     int32_t hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, block_size;
-    int32_t qkv_k_block, o_k_block, gate_up_k_block, down_k_block;  // see gemv.c
     float eps, qk_eps, scale;
 } DecodeLayer;
 
@@ -76,8 +91,7 @@ static int decode_layer_bf16(const DecodeLayer* L, const DecodeStep* S, const Sh
     status = add_rms_norm_bf16(hidden, H, first ? NULL : residual, L->input_norm, S->x, B, H,
                                L->eps, threads);
     if (status) return status;
-    status = gemv_bf16(S->x, H, L->qkv, L->qkv_bias, S->qkv, NULL, W, B, W, H, L->qkv_k_block,
-                       threads);
+    status = project(&L->qkv, S->x, H, S->qkv, NULL, W, B, W, H, threads);
     if (status) return status;
     if (L->q_norm) {
 #pragma omp parallel for num_threads(threads) if (B >= PARALLEL_ROWS) schedule(static)
@@ -100,18 +114,16 @@ static int decode_layer_bf16(const DecodeLayer* L, const DecodeStep* S, const Sh
                                S->attn, B, L->num_heads, L->num_kv_heads, D, L->block_size,
                                S->max_blocks, L->scale, threads);
     if (status) return status;
-    status = gemv_bf16(S->attn, Q, L->o, NULL, hidden, NULL, H, B, H, Q, L->o_k_block, threads);
+    status = project(&L->o, S->attn, Q, hidden, NULL, H, B, H, Q, threads);
     if (status) return status;
     if (group && (status = shm_all_reduce_bf16(group, hidden, (int64_t)B * H))) return status;
     status = add_rms_norm_bf16(hidden, H, residual, L->post_norm, S->x, B, H, L->eps, threads);
     if (status) return status;
-    status = gemv_bf16(S->x, H, L->gate_up, NULL, S->gate_up, NULL, 2 * I, B, 2 * I, H,
-                       L->gate_up_k_block, threads);
+    status = project(&L->gate_up, S->x, H, S->gate_up, NULL, 2 * I, B, 2 * I, H, threads);
     if (status) return status;
     status = silu_and_mul_bf16(S->gate_up, S->silu, S->act, B, I, threads);
     if (status) return status;
-    status = gemv_bf16(S->act, I, L->down, NULL, hidden, NULL, H, B, H, I, L->down_k_block,
-                       threads);
+    status = project(&L->down, S->act, I, hidden, NULL, H, B, H, I, threads);
     if (status || !group) return status;
     return shm_all_reduce_bf16(group, hidden, (int64_t)B * H);
 }
@@ -125,10 +137,9 @@ typedef struct {
     const float* cos_cache;  // [max_position, head_dim], the float32 rotate-half tables
     const float* sin_cache;
     const uint16_t* final_norm;
-    const uint16_t* lm_head;  // GEMV-packed [vocab_rows, hidden] (see gemv.c), or NULL
-    const uint16_t* lm_head_bias;  // [vocab_rows] or NULL
+    Projection lm_head;  // [vocab_rows, hidden]; weight NULL when the step has none
     const ShmGroup* group;  // the tensor-parallel ranks, NULL with one
-    int32_t num_layers, vocab_size, vocab_start, vocab_rows, max_position, lm_head_k_block;
+    int32_t num_layers, vocab_size, vocab_start, vocab_rows, max_position;
     float final_eps;
 } DecodeModel;
 
@@ -179,14 +190,13 @@ int decode_step_bf16(const DecodeModel* M, const DecodeStep* S, const int64_t* t
 int decode_step_argmax_bf16(const DecodeModel* M, const DecodeStep* S, const int64_t* token_ids,
                             const int64_t* positions, uint16_t* hidden, uint16_t* residual,
                             uint16_t* out, float* logits, int64_t* next_ids) {
-    if (!M->lm_head) return -5;
+    if (!M->lm_head.weight) return -5;
     const int B = S->num_seqs, H = M->layers[0].hidden_size, V = M->vocab_rows;
     const int past = M->vocab_size - M->vocab_start;  // this rank's rows that are not padding
     const int valid = past < 0 ? 0 : past < V ? past : V;
     int status = decode_step_bf16(M, S, token_ids, positions, hidden, residual, out);
     if (status) return status;
-    status = gemv_bf16(out, H, M->lm_head, M->lm_head_bias, NULL, logits, V, B, V, H,
-                       M->lm_head_k_block, S->num_threads);
+    status = project(&M->lm_head, out, H, NULL, logits, V, B, V, H, S->num_threads);
     if (status) return status;
     for (int b = 0; b < B && valid < V; b++)
         for (int v = valid; v < V; v++) logits[(int64_t)b * V + v] = -INFINITY;

@@ -191,23 +191,6 @@ static inline __attribute__((always_inline)) void gemv_panel(const int MB, const
     }
 }
 
-// Rows m0..m0+MB-1 of one panel's result, from the float32 sums out [MB][32]: + bias, rounded.
-static void store_panel(const float* out, int MB, int m0, int n0, int N, const uint16_t* bias,
-                        uint16_t* y_bf16, float* y_f32, int64_t y_stride) {
-    const int cols = N - n0 < GEMV_PANEL ? N - n0 : GEMV_PANEL;
-    for (int m = 0; m < MB; m++) {
-        for (int i = 0; i < cols; i++) {
-            float v = out[m * GEMV_PANEL + i];
-            if (bias) v += bf16_to_f32(bias[n0 + i]);
-            const int64_t at = (int64_t)(m0 + m) * y_stride + n0 + i;
-            if (y_bf16)
-                y_bf16[at] = f32_to_bf16(v);
-            else
-                y_f32[at] = bf16_to_f32(f32_to_bf16(v));
-        }
-    }
-}
-
 // x [M, x_stride] bf16 (first K columns used, K even); packed as above; bias [N] or NULL.
 // Output row m: y_bf16 + m * y_stride (bf16), or when y_bf16 is NULL, y_f32 + m * y_stride
 // (float32 holding the bf16-rounded value, as `linear(...).float()` gives).
@@ -275,7 +258,8 @@ int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const
                     default: GEMV_CASE(8)
                 }
 #undef GEMV_CASE
-                store_panel(out, MB, m0, pi * GEMV_PANEL, N, bias, y_bf16, y_f32, y_stride);
+                store_panel(out, GEMV_PANEL, MB, m0, pi * GEMV_PANEL, N, bias, y_bf16, y_f32,
+                            y_stride);
             }
         }
     }

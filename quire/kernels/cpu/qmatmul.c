@@ -1,0 +1,283 @@
+// Matmul on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1) for CPUs: y = x W^T (+ bias), x bf16,
+// for any number of rows. The weights stay in their blocks of 32 (a scale d, for Q4_1 an offset
+// m, 32 codes: w = d q + m), repacked once at load time; each row of x is quantized to int8 in
+// blocks of 32 (as llama.cpp's q8 activations: dx = amax / 127, qx = round(x / dx), sx = sum qx),
+// so a block's dot product is integer: with u the weight codes as unsigned bytes (Q8_0's
+// signed codes + 128, Q4's nibbles 0..15), sum(u qx) is one AVX-512 VNNI vpdpbusd per 4 columns
+// of K (unsigned weights times signed activations), and
+//   Q8_0: d dx (sum(u qx) - 128 sx)   Q4_0: d dx (sum(u qx) - 8 sx)   Q4_1: d dx sum(u qx) + m dx sx
+// A decode step reads 4.25-8.5 bits a weight instead of bf16's 16.
+//
+// Packed layout: panels of QPANEL = 32 output columns, each the K / 32 blocks in order, a block
+// one record: the codes, then d as 32 float16, then (Q4_1) m as 32 float16:
+//   Q8_0 codes [8 groups][32 columns][4]: byte i of group g is column c's code 4g + i, plus 128
+//   Q4_x codes [4 groups][32 columns][4]: low nibble code 4g + i, high nibble code 16 + 4g + i
+// (records of 1088, 576 and 640 bytes: whole cache lines). N is padded to a multiple of 32 with
+// zero scales.
+//
+// Summation order, which decides the bits: each block's integer sum is exact; per output, the
+// blocks are added in order of k in float32 (one FMA each: the integer sum, converted, times
+// d dx; Q4_1 then adds m times dx sx with a second FMA), then the bias, then one rounding to
+// bf16. Rows of x, threads and the number of rows do not change any of this, so a row's result
+// does not depend on the rest of the batch: prompt and generated tokens can share a step.
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "kernels.h"
+
+#define QPANEL 32
+#define QBLOCK 32
+#define QGROUP 4  // rows of x per pass over a panel
+
+enum { Q8_0 = 1, Q4_0 = 2, Q4_1 = 3 };
+
+static int codes_bytes(int format) { return format == Q8_0 ? QPANEL * QBLOCK : QPANEL * QBLOCK / 2; }
+
+int qmatmul_record_bytes(int format) {
+    switch (format) {
+        case Q8_0: return QPANEL * QBLOCK + 2 * QPANEL;
+        case Q4_0: return QPANEL * QBLOCK / 2 + 2 * QPANEL;
+        case Q4_1: return QPANEL * QBLOCK / 2 + 4 * QPANEL;
+        default: return -1;
+    }
+}
+
+int qmatmul_vnni(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// Rows of x (bf16, K a multiple of 32) to int8 blocks: q [M][K], d [M][K / 32] (float32 scale),
+// s [M][K / 32] (sum of the block's codes). Rounding to nearest, ties to even.
+static void quantize_row(const uint16_t* x, int K, int8_t* q, float* d, int32_t* s) {
+    for (int b = 0; b < K / QBLOCK; b++) {
+        float v[QBLOCK], amax = 0.0f;
+        for (int i = 0; i < QBLOCK; i++) {
+            v[i] = bf16_to_f32(x[b * QBLOCK + i]);
+            const float a = v[i] < 0 ? -v[i] : v[i];
+            amax = a > amax ? a : amax;
+        }
+        const float scale = amax / 127.0f;
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t sum = 0;
+        for (int i = 0; i < QBLOCK; i++) {
+            const int32_t c = (int32_t)__builtin_rintf(v[i] * inv);
+            q[b * QBLOCK + i] = (int8_t)c;
+            sum += c;
+        }
+        d[b] = scale;
+        s[b] = sum;
+    }
+}
+
+int quantize_rows_q8_bf16(const uint16_t* x, int64_t x_stride, int M, int K, int8_t* q, float* d,
+                          int32_t* s) {
+    if (M < 1 || K < QBLOCK || K % QBLOCK) return -1;
+    const int nb = K / QBLOCK;
+    for (int m = 0; m < M; m++)
+        quantize_row(x + m * x_stride, K, q + (int64_t)m * K, d + (int64_t)m * nb,
+                     s + (int64_t)m * nb);
+    return 0;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+#define PREFETCH_BYTES 2048
+
+// One panel (32 output columns) against MB (1..QGROUP) rows of quantized x; out [MB][32].
+static inline __attribute__((always_inline)) void qpanel(const int FMT, const int MB,
+                                                         const int8_t* xq, const float* xd,
+                                                         const int32_t* xs, int K,
+                                                         const uint8_t* p, float* out) {
+    const int nb = K / QBLOCK, record = qmatmul_record_bytes(FMT), cb = codes_bytes(FMT);
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[QGROUP][2];
+    for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++, p += record) {
+        for (int line = 0; line < record; line += 64)
+            _mm_prefetch((const char*)p + PREFETCH_BYTES + line, _MM_HINT_T0);
+        // Two integer sums per output (even / odd groups, or low / high nibbles), added at the
+        // end of the block: shorter chains of vpdpbusd, the same exact sum.
+        __m512i dot[QGROUP][2], odd[QGROUP][2];
+        for (int m = 0; m < MB; m++) {
+            const int32_t sx = xs[m * nb + b];
+            const __m512i start = _mm512_set1_epi32(FMT == Q8_0 ? -128 * sx
+                                                    : FMT == Q4_0 ? -8 * sx
+                                                                  : 0);
+            dot[m][0] = dot[m][1] = start;
+            odd[m][0] = odd[m][1] = _mm512_setzero_si512();
+        }
+        if (FMT == Q8_0) {
+            for (int g = 0; g < 8; g += 2) {
+                const __m512i w0 = _mm512_loadu_si512(p + g * 128);
+                const __m512i w1 = _mm512_loadu_si512(p + g * 128 + 64);
+                const __m512i u0 = _mm512_loadu_si512(p + g * 128 + 128);
+                const __m512i u1 = _mm512_loadu_si512(p + g * 128 + 192);
+                for (int m = 0; m < MB; m++) {
+                    int32_t four, next;
+                    memcpy(&four, xq + (int64_t)m * K + b * QBLOCK + 4 * g, sizeof(four));
+                    memcpy(&next, xq + (int64_t)m * K + b * QBLOCK + 4 * g + 4, sizeof(next));
+                    const __m512i xv = _mm512_set1_epi32(four), xn = _mm512_set1_epi32(next);
+                    dot[m][0] = _mm512_dpbusd_epi32(dot[m][0], w0, xv);
+                    dot[m][1] = _mm512_dpbusd_epi32(dot[m][1], w1, xv);
+                    odd[m][0] = _mm512_dpbusd_epi32(odd[m][0], u0, xn);
+                    odd[m][1] = _mm512_dpbusd_epi32(odd[m][1], u1, xn);
+                }
+            }
+        } else {
+            for (int g = 0; g < 4; g++) {
+                const __m512i v0 = _mm512_loadu_si512(p + g * 128);
+                const __m512i v1 = _mm512_loadu_si512(p + g * 128 + 64);
+                const __m512i lo0 = _mm512_and_si512(v0, low);
+                const __m512i lo1 = _mm512_and_si512(v1, low);
+                const __m512i hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
+                const __m512i hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+                for (int m = 0; m < MB; m++) {
+                    int32_t lo4, hi4;
+                    const int8_t* xb = xq + (int64_t)m * K + b * QBLOCK;
+                    memcpy(&lo4, xb + 4 * g, sizeof(lo4));
+                    memcpy(&hi4, xb + 16 + 4 * g, sizeof(hi4));
+                    const __m512i xl = _mm512_set1_epi32(lo4), xh = _mm512_set1_epi32(hi4);
+                    dot[m][0] = _mm512_dpbusd_epi32(dot[m][0], lo0, xl);
+                    dot[m][1] = _mm512_dpbusd_epi32(dot[m][1], lo1, xl);
+                    odd[m][0] = _mm512_dpbusd_epi32(odd[m][0], hi0, xh);
+                    odd[m][1] = _mm512_dpbusd_epi32(odd[m][1], hi1, xh);
+                }
+            }
+        }
+        for (int m = 0; m < MB; m++) {
+            dot[m][0] = _mm512_add_epi32(dot[m][0], odd[m][0]);
+            dot[m][1] = _mm512_add_epi32(dot[m][1], odd[m][1]);
+        }
+        const uint8_t* sc = p + cb;
+        const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sc));
+        const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sc + 32)));
+        for (int m = 0; m < MB; m++) {
+            const float dx = xd[m * nb + b];
+            const __m512 dxv = _mm512_set1_ps(dx);
+            acc[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][0]), _mm512_mul_ps(d0, dxv),
+                                        acc[m][0]);
+            acc[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][1]), _mm512_mul_ps(d1, dxv),
+                                        acc[m][1]);
+        }
+        if (FMT == Q4_1) {
+            const __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sc + 64)));
+            const __m512 m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sc + 96)));
+            for (int m = 0; m < MB; m++) {
+                const __m512 dsx = _mm512_set1_ps(xd[m * nb + b] * (float)xs[m * nb + b]);
+                acc[m][0] = _mm512_fmadd_ps(m0, dsx, acc[m][0]);
+                acc[m][1] = _mm512_fmadd_ps(m1, dsx, acc[m][1]);
+            }
+        }
+    }
+    for (int m = 0; m < MB; m++) {
+        _mm512_storeu_ps(out + m * QPANEL, acc[m][0]);
+        _mm512_storeu_ps(out + m * QPANEL + 16, acc[m][1]);
+    }
+}
+
+static void run_panel(int format, int MB, const int8_t* xq, const float* xd, const int32_t* xs,
+                      int K, const uint8_t* p, float* out) {
+#define QCASE(F, N) \
+    case N: qpanel(F, N, xq, xd, xs, K, p, out); break;
+#define QFORMAT(F)                                    \
+    switch (MB) {                                     \
+        QCASE(F, 1) QCASE(F, 2) QCASE(F, 3)           \
+        default: qpanel(F, QGROUP, xq, xd, xs, K, p, out); \
+    }
+    if (format == Q8_0) {
+        QFORMAT(Q8_0)
+    } else if (format == Q4_0) {
+        QFORMAT(Q4_0)
+    } else {
+        QFORMAT(Q4_1)
+    }
+#undef QFORMAT
+#undef QCASE
+}
+#else
+// Portable C: the same sums in the same order, a column at a time.
+static void run_panel(int format, int MB, const int8_t* xq, const float* xd, const int32_t* xs,
+                      int K, const uint8_t* p, float* out) {
+    const int nb = K / QBLOCK, record = qmatmul_record_bytes(format), cb = codes_bytes(format);
+    for (int m = 0; m < MB; m++) {
+        for (int c = 0; c < QPANEL; c++) {
+            float acc = 0.0f;
+            for (int b = 0; b < nb; b++) {
+                const uint8_t* r = p + (int64_t)b * record;
+                const int8_t* xb = xq + (int64_t)m * K + b * QBLOCK;
+                const int32_t sx = xs[m * nb + b];
+                int32_t dot = format == Q8_0 ? -128 * sx : format == Q4_0 ? -8 * sx : 0;
+                for (int k = 0; k < QBLOCK; k++) {
+                    int u;
+                    if (format == Q8_0)
+                        u = r[(k / 4) * 128 + c * 4 + k % 4];
+                    else if (k < 16)
+                        u = r[(k / 4) * 128 + c * 4 + k % 4] & 0x0F;
+                    else
+                        u = r[((k - 16) / 4) * 128 + c * 4 + k % 4] >> 4;
+                    dot += u * xb[k];
+                }
+                uint16_t h;
+                memcpy(&h, r + cb + 2 * c, sizeof(h));
+                const float dx = xd[m * nb + b];
+                acc = (float)dot * (f16_to_f32(h) * dx) + acc;
+                if (format == Q4_1) {
+                    memcpy(&h, r + cb + 64 + 2 * c, sizeof(h));
+                    acc = f16_to_f32(h) * (dx * (float)sx) + acc;
+                }
+            }
+            out[m * QPANEL + c] = acc;
+        }
+    }
+}
+#endif
+
+// x [M, x_stride] bf16 (first K columns used, K a multiple of 32); packed as above, `format` one
+// of Q8_0 / Q4_0 / Q4_1; bias [N] bf16 or NULL. Output row m: y_bf16 + m * y_stride (bf16), or
+// when y_bf16 is NULL, y_f32 + m * y_stride (float32 holding the bf16-rounded value).
+// Returns 0, -1 for a shape or format it does not take, -3 out of memory.
+int qmatmul_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
+                 const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M,
+                 int N, int K, int num_threads) {
+    if (M < 1 || N < 1 || K < QBLOCK || K % QBLOCK || qmatmul_record_bytes(format) < 0) return -1;
+    const int nb = K / QBLOCK, panels = (N + QPANEL - 1) / QPANEL;
+    const int64_t panel_bytes = (int64_t)nb * qmatmul_record_bytes(format);
+    int8_t* xq = malloc((size_t)M * (size_t)K);
+    float* xd = malloc((size_t)M * nb * sizeof(float));
+    int32_t* xs = malloc((size_t)M * nb * sizeof(int32_t));
+    if (!xq || !xd || !xs) {
+        free(xq), free(xd), free(xs);
+        return -3;
+    }
+    const int threads = panels < 2 * num_threads && M < 2 * num_threads ? 1 : num_threads;
+    const int groups = (M + QGROUP - 1) / QGROUP;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#pragma omp for schedule(static)
+        for (int m = 0; m < M; m++)
+            quantize_row(x + m * x_stride, K, xq + (int64_t)m * K, xd + (int64_t)m * nb,
+                         xs + (int64_t)m * nb);
+        float out[QGROUP * QPANEL];
+#pragma omp for schedule(static)
+        for (int pi = 0; pi < panels; pi++) {
+            const uint8_t* p = packed + pi * panel_bytes;
+            const int n0 = pi * QPANEL;
+            for (int g = 0; g < groups; g++) {
+                const int m0 = (int)((int64_t)M * g / groups);
+                const int MB = (int)((int64_t)M * (g + 1) / groups) - m0;
+                run_panel(format, MB, xq + (int64_t)m0 * K, xd + (int64_t)m0 * nb,
+                          xs + (int64_t)m0 * nb, K, p, out);
+                store_panel(out, QPANEL, MB, m0, n0, N, bias, y_bf16, y_f32, y_stride);
+            }
+        }
+    }
+    free(xq), free(xd), free(xs);
+    return 0;
+}

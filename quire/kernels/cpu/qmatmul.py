@@ -1,0 +1,137 @@
+"""ctypes wrapper of qmatmul.c: y = x W^T (+ b) with W in GGUF's Q8_0, Q4_0 or Q4_1 blocks, x bf16
+quantized per row to int8 blocks of 32 inside the call, for any number of rows (every row summed
+in one order, so a row's bits do not depend on the batch). `pack` repacks a GGUF tensor's blocks
+once at load time into the kernel's panels (layout: the top of qmatmul.c).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from quire.kernels.cpu import load_library
+
+QPANEL = 32  # output columns per packed panel (QPANEL in qmatmul.c)
+QBLOCK = 32  # weights per block along K, in every format here
+
+# GGUF type name -> the kernel's format id (the enum in qmatmul.c)
+FORMATS = {"Q8_0": 1, "Q4_0": 2, "Q4_1": 3}
+# bytes of one GGUF block: float16 d (and float16 m for Q4_1), then the codes
+_GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+
+
+def available() -> bool:
+    """Whether the kernel runs here: the C kernels are on and build (AVX-512 VNNI, or the
+    portable C loop without it)."""
+    return load_library() is not None
+
+
+@functools.cache
+def uses_vnni() -> bool:
+    lib = load_library()
+    return lib is not None and lib.qmatmul_vnni() == 1
+
+
+def packed_bytes(qtype: str, out_features: int, in_features: int) -> int:
+    panels = -(-out_features // QPANEL)
+    return panels * (in_features // QBLOCK) * _record_bytes(qtype)
+
+
+def _record_bytes(qtype: str) -> int:
+    codes = QPANEL * QBLOCK if qtype == "Q8_0" else QPANEL * QBLOCK // 2
+    return codes + (4 if qtype == "Q4_1" else 2) * QPANEL
+
+
+def pack(raw: np.ndarray, qtype: str, in_features: int) -> torch.Tensor:
+    """A GGUF tensor's blocks [N, K / 32 * block bytes] (uint8, rows = output features) ->
+    [ceil(N / 32), K / 32, record bytes] uint8 in qmatmul.c's layout."""
+    if qtype not in FORMATS:
+        raise ValueError(f"qmatmul: {qtype} is not one of {', '.join(FORMATS)}")
+    if in_features % QBLOCK:
+        raise ValueError(f"qmatmul: {in_features} input features is not a multiple of {QBLOCK}")
+    n = raw.shape[0]
+    nb = in_features // QBLOCK
+    blocks = np.ascontiguousarray(raw).reshape(n, nb, _GGUF_BLOCK_BYTES[qtype])
+    padded = -(-n // QPANEL) * QPANEL
+    if padded != n:  # zero rows: zero scales, nothing added
+        blocks = np.concatenate([blocks, np.zeros((padded - n, *blocks.shape[1:]), np.uint8)])
+    panels = padded // QPANEL
+    scale_bytes = 4 if qtype == "Q4_1" else 2
+    # [panels, 32 columns, nb, bytes] -> per block, the columns' scales side by side
+    per_column = blocks.reshape(panels, QPANEL, nb, -1)
+    d = per_column[..., 0:2].transpose(0, 2, 1, 3).reshape(panels, nb, 2 * QPANEL)
+    scales = [d]
+    if qtype == "Q4_1":
+        m = per_column[..., 2:4].transpose(0, 2, 1, 3).reshape(panels, nb, 2 * QPANEL)
+        scales.append(m)
+    codes = per_column[..., scale_bytes:]
+    if qtype == "Q8_0":  # signed codes -> unsigned (+128), [g 8][c 32][i 4] per block
+        codes = codes ^ np.uint8(0x80)
+        codes = codes.reshape(panels, QPANEL, nb, 8, 4).transpose(0, 2, 3, 1, 4)
+    else:  # GGUF byte j holds codes j and 16 + j: bytes 4g + i, [g 4][c 32][i 4] per block
+        codes = codes.reshape(panels, QPANEL, nb, 4, 4).transpose(0, 2, 3, 1, 4)
+    codes = codes.reshape(panels, nb, -1)
+    record = np.concatenate([codes, *scales], axis=2)
+    assert record.shape[2] == _record_bytes(qtype)
+    return torch.from_numpy(np.ascontiguousarray(record))
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's int8 activations of x [M, K] bf16: codes [M, K] int8, scales [M, K / 32]
+    float32 and code sums [M, K / 32] int32 (x ~ codes * scale per block)."""
+    rows, k = x.shape
+    x = x.contiguous()
+    codes = torch.empty(rows, k, dtype=torch.int8)
+    scales = torch.empty(rows, k // QBLOCK, dtype=torch.float32)
+    sums = torch.empty(rows, k // QBLOCK, dtype=torch.int32)
+    status = load_library().quantize_rows_q8_bf16(
+        x.data_ptr(), x.stride(0), rows, k, codes.data_ptr(), scales.data_ptr(), sums.data_ptr()
+    )
+    if status != 0:
+        raise ValueError(f"quantize_rows: {rows} rows of {k} (a multiple of {QBLOCK}) bf16")
+    return codes, scales, sums
+
+
+def qmatmul(
+    x: torch.Tensor,  # [M, K] bf16, M >= 1; rows may be strided, each contiguous
+    packed: torch.Tensor,  # from `pack`
+    qtype: str,
+    bias: torch.Tensor | None,  # [N] bf16
+    out_features: int,
+    out_dtype: torch.dtype = torch.bfloat16,  # float32: the bf16-rounded result, widened
+) -> torch.Tensor:  # [M, N]
+    rows, in_features = x.shape
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"qmatmul: bf16 activations only, got {x.dtype}")
+    if packed.dim() != 3 or packed.shape[1] * QBLOCK != in_features:
+        raise ValueError(
+            f"qmatmul: x has {in_features} columns, the packed weight {tuple(packed.shape)} "
+            "was packed for another width"
+        )
+    if packed.shape[0] * QPANEL < out_features or packed.shape[2] != _record_bytes(qtype):
+        raise ValueError(f"qmatmul: the packed weight does not hold {out_features} {qtype} rows")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(rows, out_features, dtype=out_dtype)
+    bf16_out = out_dtype == torch.bfloat16
+    status = load_library().qmatmul_bf16(
+        FORMATS[qtype],
+        x.data_ptr(),
+        x.stride(0),
+        packed.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr() if bf16_out else None,
+        None if bf16_out else out.data_ptr(),
+        out_features,
+        rows,
+        out_features,
+        in_features,
+        torch.get_num_threads(),
+    )
+    if status == -3:
+        raise MemoryError(f"qmatmul: out of memory quantizing {rows} rows of x")
+    if status != 0:
+        raise ValueError(f"qmatmul: {rows} rows x {in_features} columns is not supported")
+    return out

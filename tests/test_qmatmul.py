@@ -1,0 +1,198 @@
+"""The int8 kernel on GGUF blocks (qmatmul.c): each format against a float64 reference of the same
+dequantized weights and the kernel's own int8 activations, within float32 accumulation plus the
+final bf16 rounding; a row's bits independent of the batch and the threads; the activations
+quantized as llama.cpp quantizes its q8 blocks; and the portable C loop (a build without
+AVX-512) within the same bound."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from quire import envs
+from quire.kernels import cpu as cpu_kernels
+from quire.kernels.cpu import qmatmul
+
+pytestmark = pytest.mark.skipif(not qmatmul.available(), reason="needs the C kernels")
+
+QTYPES = ["Q8_0", "Q4_0", "Q4_1"]
+
+
+def make_case(qtype: str, rows: int, out_features: int, in_features: int, seed: int = 0):
+    """x [rows, in] bf16, the GGUF blocks of a random W [out, in], and W dequantized (float64)."""
+    rng = np.random.default_rng(seed)
+    weight = rng.standard_normal((out_features, in_features), np.float32)
+    raw = quantize(weight, GGMLQuantizationType[qtype])
+    dequantized = dequantize(raw, GGMLQuantizationType[qtype]).astype(np.float64)
+    x = torch.from_numpy(rng.standard_normal((rows, in_features), np.float32)).bfloat16()
+    return x, raw, dequantized
+
+
+def reference(x: torch.Tensor, dequantized: np.ndarray, bias: torch.Tensor | None):
+    """(x W^T + b in float64 over the kernel's int8 activations, the sum of |terms|)."""
+    codes, scales, _ = qmatmul.quantize_rows(x)
+    rows, k = codes.shape
+    xq = (codes.double().view(rows, k // 32, 32) * scales.double()[..., None]).view(rows, k)
+    exact = xq.numpy() @ dequantized.T
+    magnitude = np.abs(xq.numpy()) @ np.abs(dequantized).T
+    if bias is not None:
+        exact = exact + bias.double().numpy()
+        magnitude = magnitude + np.abs(bias.double().numpy())
+    return exact, magnitude
+
+
+def assert_within_bound(out: torch.Tensor, exact: np.ndarray, magnitude: np.ndarray) -> None:
+    """float32 sums of K / 32 block terms (each within 2^-22 of its magnitude), then one bf16
+    rounding (half an ulp: at most 2^-8 of the value)."""
+    error = np.abs(out.double().numpy() - exact)
+    bound = 2.0**-8 * np.abs(exact) + 2.0**-20 * magnitude
+    assert (error <= bound).all(), (error - bound).max()
+
+
+# K: one block, three, 33 blocks (K is always whole blocks of 32 in these formats); N: under one
+# panel of 32, one more than a panel, several panels and a part.
+SHAPES = [(7, 32), (33, 96), (100, 1056)]
+ROWS = [1, 2, 3, 4, 5, 9, 17]
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("out_features, in_features", SHAPES)
+def test_each_format_matches_a_float64_reference(qtype, out_features, in_features) -> None:
+    for rows in ROWS:
+        x, raw, dequantized = make_case(qtype, rows, out_features, in_features, seed=rows)
+        packed = qmatmul.pack(raw, qtype, in_features)
+        out = qmatmul.qmatmul(x, packed, qtype, None, out_features, torch.float32)
+        assert out.shape == (rows, out_features)
+        assert_within_bound(out, *reference(x, dequantized, None))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_bias_is_added_before_the_rounding(qtype) -> None:
+    x, raw, dequantized = make_case(qtype, 3, 40, 64)
+    bias = torch.randn(40, generator=torch.Generator().manual_seed(1)).bfloat16()
+    packed = qmatmul.pack(raw, qtype, 64)
+    out = qmatmul.qmatmul(x, packed, qtype, bias, 40, torch.float32)
+    assert_within_bound(out, *reference(x, dequantized, bias))
+    assert torch.equal(qmatmul.qmatmul(x, packed, qtype, bias, 40), out.bfloat16())
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_a_rows_bits_do_not_depend_on_the_batch_or_the_threads(qtype) -> None:
+    x, raw, _ = make_case(qtype, 13, 70, 192)
+    packed = qmatmul.pack(raw, qtype, 192)
+    batch = qmatmul.qmatmul(x, packed, qtype, None, 70)
+    for i in range(13):
+        assert torch.equal(qmatmul.qmatmul(x[i : i + 1], packed, qtype, None, 70), batch[i : i + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(qmatmul.qmatmul(x, packed, qtype, None, 70), batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_strided_rows_give_the_contiguous_result() -> None:
+    x, raw, _ = make_case("Q4_0", 5, 64, 128)
+    wide = torch.zeros(5, 160, dtype=torch.bfloat16)
+    wide[:, :128] = x
+    packed = qmatmul.pack(raw, "Q4_0", 128)
+    strided = qmatmul.qmatmul(wide[:, :128], packed, "Q4_0", None, 64)
+    assert torch.equal(strided, qmatmul.qmatmul(x, packed, "Q4_0", None, 64))
+
+
+def test_activations_are_quantized_per_block_of_32_as_llama_cpp_does() -> None:
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(0)).bfloat16()
+    x[1, 32:64] = 0  # an all-zero block: scale 0, codes 0
+    codes, scales, sums = qmatmul.quantize_rows(x)
+    blocks = x.float().numpy().reshape(3, 3, 32)
+    amax = np.abs(blocks).max(axis=2)
+    inverse = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    expected = np.rint(blocks * inverse[..., None]).astype(np.int8)
+    assert np.array_equal(codes.numpy().reshape(3, 3, 32), expected)
+    assert np.array_equal(scales.numpy(), amax / np.float32(127))
+    assert np.array_equal(sums.numpy(), expected.astype(np.int32).sum(axis=2))
+    assert np.abs(codes.numpy()).max() == 127
+
+
+def test_pack_lays_out_panels_of_32_columns_by_groups_of_4() -> None:
+    """Q8_0: per block, byte i of group g of column c is code 4g + i plus 128; then the 32
+    columns' float16 scales."""
+    _, raw, _ = make_case("Q8_0", 1, 32, 64)
+    packed = qmatmul.pack(raw, "Q8_0", 64).numpy()
+    assert packed.shape == (1, 2, 32 * 32 + 64)
+    blocks = raw.reshape(32, 2, 34)
+    c, b, g, i = 5, 1, 3, 2
+    assert packed[0, b, g * 128 + c * 4 + i] == blocks[c, b, 2 + 4 * g + i] ^ 0x80
+    assert packed[0, b, 1024 + 2 * c : 1024 + 2 * c + 2].tobytes() == blocks[c, b, :2].tobytes()
+
+
+def test_shapes_the_kernel_does_not_take_raise() -> None:
+    x, raw, _ = make_case("Q8_0", 2, 32, 64)
+    packed = qmatmul.pack(raw, "Q8_0", 64)
+    with pytest.raises(ValueError, match="columns"):
+        qmatmul.qmatmul(x[:, :32], packed, "Q8_0", None, 32)
+    with pytest.raises(ValueError, match="bf16"):
+        qmatmul.qmatmul(x.float(), packed, "Q8_0", None, 32)
+    with pytest.raises(ValueError, match="not one of"):
+        qmatmul.pack(raw, "Q6_K", 64)
+    # GGUF's block formats hold whole blocks of 32 along K
+    with pytest.raises(ValueError, match="not a multiple of 32"):
+        qmatmul.pack(raw, "Q8_0", 48)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_the_portable_loop_matches_the_reference_too(qtype, monkeypatch) -> None:
+    """A build for x86-64-v3 (AVX2, no AVX-512: what an older CPU gets) runs the plain C loop."""
+    monkeypatch.setattr(envs, "QUIRE_CPU_MARCH", "x86-64-v3")
+    portable = cpu_kernels.build_library.__wrapped__(cpu_kernels._SOURCE_DIR)
+    assert portable is not None and portable.qmatmul_vnni() == 0
+    monkeypatch.setattr(qmatmul, "load_library", lambda: portable)
+    x, raw, dequantized = make_case(qtype, 5, 33, 96)
+    out = qmatmul.qmatmul(x, qmatmul.pack(raw, qtype, 96), qtype, None, 33, torch.float32)
+    assert_within_bound(out, *reference(x, dequantized, None))
+
+
+def shards_of(linear, types: dict[str, str]) -> dict:
+    """QuantizedWeights for a q|k|v linear's shards, of the given types (in any order), and the
+    full weight, dequantized, in q|k|v order."""
+    from quire.layers.quantized_linear import QuantizedWeight
+
+    rng = np.random.default_rng(0)
+    shards = {}
+    for shard, qtype in types.items():
+        n = linear.local_heads[shard] * linear.head_dim
+        values = rng.standard_normal((n, linear.in_features), np.float32)
+        raw = quantize(values, GGMLQuantizationType[qtype])
+        shards[shard] = QuantizedWeight(raw, qtype, (n, linear.in_features))
+    return shards, torch.cat([shards[shard].dequantize() for shard in "qkv"])
+
+
+def test_a_fused_linear_of_one_type_becomes_one_quantized_linear() -> None:
+    from quire.layers.parallel_linear import QKVParallelLinear
+    from quire.layers.quantized_linear import QuantizedLinear, quantize_linear_layers
+
+    holder = torch.nn.Module()
+    holder.qkv = QKVParallelLinear(64, 32, 2, 1, bias=False)
+    shards, full = shards_of(holder.qkv, {"v": "Q4_0", "q": "Q4_0", "k": "Q4_0"})
+    holder.qkv.quantized_shards = shards
+    assert quantize_linear_layers(holder) == 1
+    assert isinstance(holder.qkv, QuantizedLinear) and holder.qkv.out_features == 128
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    exact, magnitude = reference(x, full.double().numpy(), None)
+    assert_within_bound(holder.qkv(x, torch.float32), exact, magnitude)  # rows in q|k|v order
+
+
+def test_a_fused_linear_of_mixed_types_is_dequantized_in_place() -> None:
+    from quire.layers.parallel_linear import QKVParallelLinear
+    from quire.layers.quantized_linear import quantize_linear_layers
+
+    holder = torch.nn.Module()
+    holder.qkv = QKVParallelLinear(64, 32, 2, 1, bias=False)
+    shards, full = shards_of(holder.qkv, {"q": "Q4_0", "k": "Q4_0", "v": "Q8_0"})
+    holder.qkv.quantized_shards = shards
+    assert quantize_linear_layers(holder) == 0
+    assert type(holder.qkv) is QKVParallelLinear and not hasattr(holder.qkv, "quantized_shards")
+    assert torch.equal(holder.qkv.weight.data, full)

@@ -1,0 +1,170 @@
+"""GGUF weights kept in their blocks (Q8_0, Q4_0, Q4_1) end to end: SmolLM2's real weights (the
+default Q4_1 file, and re-quantized to Q8_0 and Q4_0) give a perplexity within 1% of the same
+file dequantized to float32; the C decode step gives the module path's bits; a request's bits do
+not depend on the batch, its chunking or prefix hits; other types are dequantized."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import pytest
+from conftest import token_prompts
+from test_cpu_decode import check_each_fused_step, greedy, model_of
+
+from quire import LLM, SamplingParams
+from quire.bench import gguf_files
+from quire.bench.models import CACHE_DIR
+from quire.kernels.cpu import qmatmul
+from quire.layers.linear import packed_linear_supported
+from quire.layers.quantized_linear import QuantizedLinear
+
+pytestmark = pytest.mark.skipif(
+    not (qmatmul.available() and packed_linear_supported("cpu", __import__("torch").bfloat16)),
+    reason="needs the C kernels and bf16 on CPU",
+)
+
+# Files written once per machine, next to the benchmark models.
+FILES_DIR = os.path.join(CACHE_DIR, "test-gguf")
+
+PROSE = (
+    "The town sits where two rivers meet, and for most of its history it lived from the water. "
+    "Boats carried grain and timber down to the coast, and the merchants who owned them built "
+    "tall houses along the quay, with storerooms on the ground floor and living rooms above. "
+    "When the railway arrived in the middle of the nineteenth century, the river trade declined "
+    "within a few decades. The warehouses were turned into workshops, then into flats, and the "
+    "quay became a promenade where families walk on Sunday afternoons. Today the town is known "
+    "mostly for its market, which is held every Saturday in the square in front of the old "
+    "church. Farmers from the surrounding villages sell vegetables, cheese, honey and bread, and "
+    "in the autumn the stalls are full of apples and pears. Visitors often come for a day and "
+    "stay for a week, because the countryside around the town is quiet and green, and the paths "
+    "along the rivers lead to small villages with good inns."
+)
+
+
+def smollm2_file(default_model: str, qtype: str) -> str:
+    if qtype == "Q4_1":
+        return default_model
+    os.makedirs(FILES_DIR, exist_ok=True)
+    return gguf_files.requantize(
+        default_model, os.path.join(FILES_DIR, f"smollm2-{qtype}.gguf"), qtype
+    )
+
+
+def perplexity(llm: LLM, token_ids: list[int]) -> float:
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    out = llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False)[0]
+    logprobs = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], token_ids[1:], strict=True)]
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
+def linear_types(llm: LLM) -> set[str]:
+    model = model_of(llm).model
+    return {m.qtype for m in model.modules() if isinstance(m, QuantizedLinear)}
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_0"])
+def test_perplexity_is_within_one_percent_of_the_dequantized_file(
+    default_model, tokenizer_dir, qtype
+) -> None:
+    path = smollm2_file(default_model, qtype)
+    quantized = LLM(path, tokenizer=tokenizer_dir, num_kv_blocks=32)
+    token_ids = quantized.get_tokenizer()(PROSE)["input_ids"]
+    # the default file's embedding (and tied LM head) is Q8_0
+    assert linear_types(quantized) == ({qtype, "Q8_0"} if qtype == "Q4_1" else {qtype})
+    assert model_of(quantized).cpu_step is not None
+    ppl = perplexity(quantized, token_ids)
+    del quantized
+    reference = LLM(
+        path, tokenizer=tokenizer_dir, num_kv_blocks=32, quantization="none", dtype="float32"
+    )
+    assert linear_types(reference) == set()
+    expected = perplexity(reference, token_ids)
+    assert abs(ppl / expected - 1) < 0.01, (ppl, expected)
+
+
+TINY_LLAMA = dict(
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=1088,  # K = 1,088 for the down projection: 34 blocks
+    vocab_size=49152,
+    tie_word_embeddings=False,
+    max_position_embeddings=2048,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_files() -> dict[str, str]:
+    os.makedirs(FILES_DIR, exist_ok=True)
+    return {
+        qtype: gguf_files.write_random(
+            os.path.join(FILES_DIR, f"tiny-llama-{qtype}.gguf"), qtype, ("llama", TINY_LLAMA)
+        )
+        for qtype in ["Q8_0", "Q4_0", "Q4_1"]
+    }
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_decode_steps_equal_the_module_path_bit_for_bit(
+    tiny_files, tokenizer_dir, qtype, monkeypatch
+) -> None:
+    llm = LLM(tiny_files[qtype], tokenizer=tokenizer_dir, num_kv_blocks=64)
+    assert linear_types(llm) == {qtype}
+    steps = check_each_fused_step(model_of(llm), monkeypatch)
+    lengths = [3, 17, 40]
+    outputs = llm.generate(token_prompts(lengths), greedy(8), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [8] * 3
+    assert steps == [3] * 7
+
+
+def run(llm: LLM, batch: list[dict]) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+    return [
+        (o.outputs[0].token_ids, [next(iter(d.values())).logprob for d in o.outputs[0].logprobs])
+        for o in llm.generate(batch, params, use_tqdm=False)
+    ]
+
+
+def test_a_batch_gives_each_request_its_bits_alone(tiny_files, tokenizer_dir) -> None:
+    """Prompt and generated tokens share steps (chunks of 24 tokens, then prefix hits leaving
+    one or two tokens): each row is summed in one order whatever the step holds."""
+    prompts = token_prompts([97, 33, 65, 17, 5, 48])
+    path = tiny_files["Q4_1"]
+    alone_llm = LLM(path, tokenizer=tokenizer_dir, num_kv_blocks=128, enable_prefix_caching=False)
+    alone = [run(alone_llm, [p])[0] for p in prompts]
+    del alone_llm
+    llm = LLM(
+        path, tokenizer=tokenizer_dir, num_kv_blocks=128, max_num_batched_tokens=24, max_num_seqs=8
+    )
+    assert run(llm, prompts) == alone
+    assert run(llm, prompts[::-1]) == alone[::-1]  # now with prefix-cache hits
+
+
+def test_other_quantized_types_are_dequantized_with_a_warning(tiny_files, tokenizer_dir, caplog):
+    path = os.path.join(FILES_DIR, "tiny-llama-Q5_0.gguf")
+    gguf_files.write_random(path, "Q5_0", ("llama", TINY_LLAMA))
+    with caplog.at_level(logging.WARNING, logger="quire.model.gguf_loader"):
+        llm = LLM(path, tokenizer=tokenizer_dir, num_kv_blocks=16)
+    assert "Q5_0 weights are dequantized at load" in caplog.text
+    assert linear_types(llm) == set()
+    assert model_of(llm).cpu_step is not None  # bf16, GEMV-packed
+
+
+def test_a_decode_step_reads_kept_blocks_as_stored(tiny_files) -> None:
+    """The latency benchmark's weight bytes: Q4_0 blocks at 18 bytes per 32 weights, or bf16
+    when dequantized; the untied file's embedding is not read by a decode step."""
+    from quire.model.gguf_loader import decode_weight_bytes
+
+    c = TINY_LLAMA
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    layer = c["hidden_size"] * (2 * q + 2 * kv + 3 * c["intermediate_size"])
+    weights = c["num_hidden_layers"] * layer + c["vocab_size"] * c["hidden_size"]
+    path = tiny_files["Q4_0"]
+    assert decode_weight_bytes(path, frozenset({"Q4_0"}), 2) == weights // 32 * 18
+    assert decode_weight_bytes(path, frozenset(), 2) == weights * 2
