@@ -110,6 +110,22 @@ def test_adaptive_picks_k_0_before_any_step_is_measured():
     assert measured([4] * 20).choose(["r", "r"]) == [0, 0]
 
 
+def test_adaptive_picks_k_0_without_the_cost_model_when_nothing_is_accepted(monkeypatch):
+    adaptive = measured([0] * 20)
+    for _ in range(3):  # verifying would be free: only acceptance keeps k at 0
+        adaptive.record_step(1, 0.001)
+        adaptive.record_step(5, 0.001)
+    monkeypatch.setattr(adaptive.cost, "predict", None)  # not consulted
+    assert adaptive.choose(["r", "r"]) == [0, 0]
+    # One accepted position in the last measurements brings the cost model back: free
+    # verification of a position accepted now and then is worth it.
+    adaptive = measured([0] * 19 + [1])
+    for _ in range(3):
+        adaptive.record_step(1, 0.001)
+        adaptive.record_step(2, 0.001)
+    assert adaptive.choose(["r"]) == [1]
+
+
 def test_adaptive_verifies_more_of_the_request_that_is_accepted_more():
     adaptive = measured([4] * 20)
     for _ in range(20):  # request 's': only the first position is ever accepted

@@ -50,6 +50,9 @@ _PRIOR_WEIGHT = 2.0  # the engine-wide rate counts as this many of a request's m
 _COST_EMA = 0.25
 _TRUSTED_SAMPLES = 2
 _BASELINE_REFRESH = 32  # every this many choices, a plain step re-measures T(B)
+# Below this acceptance at the first position for every request, nothing is worth verifying: the
+# choice is k = 0 without the cost model (a position gains at most this many tokens a step).
+_MIN_ACCEPTANCE = 1e-3
 
 
 @dataclass
@@ -152,6 +155,13 @@ class AdaptiveSpeculation:
         own = self._state(req_id).acceptance
         return (own.hits + _PRIOR_WEIGHT * prior) / (own.attempts + _PRIOR_WEIGHT)
 
+    def _first_acceptance(self, req_id: str) -> float:
+        """a_r(1), the largest of the request's rates (they do not grow with the position):
+        `acceptance` for the first position alone, in plain floats."""
+        engine, own = self._engine, self._state(req_id).acceptance
+        prior = engine.hits[0] / engine.attempts if engine.attempts else 0.0
+        return (own.hits[0] + _PRIOR_WEIGHT * prior) / (own.attempts + _PRIOR_WEIGHT)
+
     def _measured(self, state: _RequestState, accepted_len: int) -> None:
         state.pending = []
         state.acceptance.add(accepted_len, _REQUEST_DECAY)
@@ -174,6 +184,8 @@ class AdaptiveSpeculation:
         self._num_choices += 1
         if not num_decodes or self._num_choices % _BASELINE_REFRESH == 0:
             return [0] * num_decodes
+        if max(self._first_acceptance(r) for r in req_ids) < _MIN_ACCEPTANCE:
+            return [0] * num_decodes  # nothing is accepted: skip the numpy below (~0.1 ms)
         accept = np.stack([self.acceptance(r) for r in req_ids])  # [num_decodes, max_k]
         order = np.argsort(-accept, axis=None, kind="stable")  # each row's positions in order
         gains = accept.ravel()[order]
