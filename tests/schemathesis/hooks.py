@@ -89,6 +89,19 @@ def chat_rules(ctx: Any, case: Any) -> bool:
     )
 
 
+@schemathesis.hook("filter_case").apply_to(method="POST", path="/tokenize")
+def tokenize_rules(ctx: Any, case: Any) -> bool:
+    """A chat tokenized whole must be short enough to fit the context in characters: the
+    server rejects a rendered chat longer than max_model_len times the vocabulary's longest
+    token untokenized (api_server.check_prompt_chars; a plain prompt it tokenizes whatever its
+    length)."""
+    body = case.body
+    if not isinstance(body, dict) or "messages" not in body:
+        return True
+    text = _chat_text(body)
+    return text is None or len(text) <= _max_model_len() * _max_token_chars()
+
+
 def _within_budget(body: dict[str, Any], num_prompts: int, max_tokens: Any) -> bool:
     n = body.get("n", 1)
     per_sample = max_tokens if _is_int(max_tokens) else _max_model_len()
@@ -175,9 +188,9 @@ def _completion_prompt_lengths(prompt: Any) -> list[int] | None:
     return None
 
 
-def _chat_prompt_lengths(body: dict[str, Any]) -> list[int] | None:
+def _chat_text(body: dict[str, Any]) -> str | None:
     try:
-        text = render_chat(
+        return render_chat(
             _tokenizer(),
             body["messages"],
             body.get("tools"),
@@ -186,7 +199,18 @@ def _chat_prompt_lengths(body: dict[str, Any]) -> list[int] | None:
         )
     except (KeyError, TypeError, ValueError):  # schema-invalid messages: 400 anyway
         return None
+
+
+def _chat_prompt_lengths(body: dict[str, Any]) -> list[int] | None:
+    text = _chat_text(body)
+    if text is None:
+        return None
     return [len(_tokenizer().encode(text, add_special_tokens=False))]
+
+
+@functools.cache
+def _max_token_chars() -> int:
+    return max(len(token) for token in _tokenizer().get_vocab())
 
 
 def _is_int(value: Any) -> bool:
