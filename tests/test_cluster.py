@@ -1,0 +1,166 @@
+"""`quire cluster` on a two-node Ray cluster on this machine: the prefill instance lands on the
+node offering `quire_prefill`, the decode instances on the one offering `quire_decode`; greedy
+output through the router equals one collocated instance's; a decode instance killed is routed
+around (the request that met it is retried) and replaced by its supervisor."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+from ray.exceptions import RayActorError
+from server_utils import wait_until
+
+from quire import LLM, SamplingParams
+from quire.cluster.placement import ClusterConfigError, QuireCluster
+from quire.engine_args import EngineArgs
+
+BLOCK = 16
+CHUNK = 24
+SMALL_OBJECT_STORE = 80 * 2**20
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    """(head node id, worker node id): the head offers quire_prefill, the worker quire_decode."""
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args=dict(
+            num_cpus=1,
+            resources={"quire_prefill": 1},
+            object_store_memory=SMALL_OBJECT_STORE,
+            include_dashboard=False,
+        ),
+    )
+    worker = cluster.add_node(
+        num_cpus=1, resources={"quire_decode": 2}, object_store_memory=SMALL_OBJECT_STORE
+    )
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield cluster.head_node.node_id, worker.node_id
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def engine_args(model: str, **kwargs) -> EngineArgs:
+    settings = dict(dtype="float32", block_size=BLOCK, max_num_batched_tokens=CHUNK)
+    return EngineArgs(model=model, **settings, num_kv_blocks=48, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def cluster(nodes, tiny_llama):
+    placed = QuireCluster(
+        engine_args(tiny_llama, kv_lease_timeout=2.0, kv_transfer_timeout=2.0),
+        {"prefill": 1, "decode": 2},
+        port=0,
+        served_model_name="tiny",
+        cpus_per_instance=0,
+        poll_interval_s=60.0,  # the tests see the failures requests meet, not polls
+        replace_timeout_s=60.0,
+    )
+    yield placed
+    placed.shutdown()
+
+
+@pytest.fixture(scope="module")
+def collocated(tiny_llama):
+    return LLM(model=tiny_llama, dtype="float32", block_size=BLOCK, max_num_batched_tokens=CHUNK)
+
+
+def token_prompt(length: int, salt: int) -> list[int]:
+    return [(53 * j + 997 * salt) % 40000 + 10 for j in range(length)]
+
+
+def completion_text(url: str, prompt: list[int], stream: bool) -> str:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0}
+    body |= {"ignore_eos": True, "stream": stream}
+    if not stream:
+        response = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+    parts = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                parts.append(json.loads(line[6:])["choices"][0]["text"])
+    return "".join(parts)
+
+
+def expected_text(llm: LLM, prompt: list[int]) -> str:
+    sampling = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    return llm.generate([{"prompt_token_ids": prompt}], sampling, use_tqdm=False)[0].outputs[0].text
+
+
+def assert_all_blocks_free(cluster: QuireCluster) -> None:
+    for instance in cluster.instances:
+        assert wait_until(
+            lambda a=instance.actor: ray.get(a.num_free_blocks.remote()) == (48, 48)
+        ), f"{instance.role} instance {instance.url} holds blocks"
+
+
+def retries(url: str, role: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(f'quire_router_retries_total{{role="{role}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_each_role_runs_on_the_node_offering_its_resource(nodes, cluster):
+    head, worker = nodes
+    assert [(i.role, i.node_id) for i in cluster.instances] == [
+        ("prefill", head),
+        ("decode", worker),
+        ("decode", worker),
+    ]
+
+
+@pytest.mark.parametrize("length", [5, 2 * BLOCK, CHUNK + 2 * BLOCK + 3])
+def test_greedy_output_equals_one_collocated_instance(cluster, collocated, length):
+    prompt = token_prompt(length, length)
+    expected = expected_text(collocated, prompt)
+    assert completion_text(cluster.url, prompt, stream=False) == expected
+    assert completion_text(cluster.url, prompt, stream=True) == expected
+    requests = httpx.get(cluster.url + "/metrics").text
+    assert 'quire_router_requests_total{route="disaggregated"}' in requests
+    assert_all_blocks_free(cluster)
+
+
+def test_a_killed_decode_instance_is_routed_around_and_replaced(nodes, cluster, collocated):
+    _, worker = nodes
+    killed = cluster.instances[1]
+    ray.kill(killed.actor)
+    with pytest.raises(RayActorError):
+        ray.get(killed.actor.ping.remote())
+    before = retries(cluster.url, "decode")
+    prompts = [token_prompt(20, 1), token_prompt(20, 2)]
+    # round robin over the two decode instances: one of the two requests meets the dead one
+    assert [completion_text(cluster.url, p, stream=True) for p in prompts] == [
+        expected_text(collocated, p) for p in prompts
+    ]
+    assert retries(cluster.url, "decode") == before + 1
+    load = httpx.get(cluster.url + "/load").json()["instances"]
+    assert {i["url"]: i["healthy"] for i in load}[killed.url] is False
+
+    assert cluster.check() == [killed]
+    replacement = cluster.instances[1]
+    assert replacement.role == "decode" and replacement.node_id == worker
+    assert replacement.url != killed.url
+    load = httpx.get(cluster.url + "/load").json()["instances"]
+    assert killed.url not in [i["url"] for i in load]
+    assert replacement.url in [i["url"] for i in load]
+    prompt = token_prompt(30, 3)
+    assert [completion_text(cluster.url, prompt, stream=False) for _ in range(2)] == [
+        expected_text(collocated, prompt)
+    ] * 2
+    assert retries(cluster.url, "decode") == before + 1
+    assert_all_blocks_free(cluster)
+
+
+def test_instances_the_cluster_does_not_offer_fail_before_placing(nodes, tiny_llama):
+    with pytest.raises(ClusterConfigError, match=r"2 prefill instances need 2 units .* offers 1"):
+        QuireCluster(engine_args(tiny_llama), {"prefill": 2, "decode": 1})
+    with pytest.raises(ClusterConfigError, match="quire cluster sets each instance's role"):
+        QuireCluster(engine_args(tiny_llama, disaggregation_mode="decode"), {"decode": 1})
