@@ -6,6 +6,8 @@ around (the request that met it is retried) and replaced by its supervisor."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -25,7 +27,16 @@ SMALL_OBJECT_STORE = 80 * 2**20
 
 @pytest.fixture(scope="module")
 def nodes():
-    """(head node id, worker node id): the head offers quire_prefill, the worker quire_decode."""
+    """(head node id, worker node id): the head offers quire_prefill, the worker quire_decode.
+
+    Ray's memory monitor is off: it kills a node's workers when the whole host is short of
+    memory, and on a shared CI host that is other processes' doing, not these small actors'."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_memory_monitor_refresh_ms", "0")
+        yield from two_nodes()
+
+
+def two_nodes():
     cluster = Cluster(
         initialize_head=True,
         head_node_args=dict(
@@ -164,3 +175,13 @@ def test_instances_the_cluster_does_not_offer_fail_before_placing(nodes, tiny_ll
         QuireCluster(engine_args(tiny_llama), {"prefill": 2, "decode": 1})
     with pytest.raises(ClusterConfigError, match="quire cluster sets each instance's role"):
         QuireCluster(engine_args(tiny_llama, disaggregation_mode="decode"), {"decode": 1})
+
+
+def test_quire_imports_and_builds_its_commands_without_ray():
+    code = (
+        "import sys; sys.modules['ray'] = None\n"  # `import ray` now fails
+        "from quire.entrypoints.cli import build_parser\n"
+        "import quire.cluster.placement, quire.router.app\n"
+        "build_parser().parse_args(['cluster', '--num-prefill', '1', '--num-decode', '1'])\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -37,6 +37,10 @@ class ClusterConfigError(ValueError):
     """The Ray cluster cannot hold the instances asked for, or the arguments contradict."""
 
 
+class PlacementError(RuntimeError):
+    """An instance or the router failed to start or to answer Ray."""
+
+
 @dataclass
 class PlacedInstance:
     role: str  # "prefill", "decode" or "collocated"
@@ -214,7 +218,7 @@ class QuireCluster:
             index = self.instances.index(instance)
             try:
                 (new,) = self._place([instance.role], timeout_s=self.replace_timeout_s)
-            except RuntimeError as error:
+            except PlacementError as error:
                 logger.error("Could not replace it: %s", error)
                 del self.instances[index]
                 continue
@@ -246,16 +250,16 @@ class QuireCluster:
 
 
 def _get(refs: Any, what: str, timeout_s: float | None = None) -> Any:
-    """ray.get(refs), with a failed actor's error (or no answer within `timeout_s`) said as
-    `what` failing."""
+    """ray.get(refs); an actor that died or failed (or no answer within `timeout_s`) is a
+    PlacementError saying `what` failed and why."""
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
+    from ray.exceptions import GetTimeoutError, RayError
 
     try:
         return ray.get(refs, timeout=timeout_s)
-    except RayActorError as error:
-        raise RuntimeError(f"{what} failed: {error}") from error
     except GetTimeoutError as error:
-        raise RuntimeError(
+        raise PlacementError(
             f"{what} did not start within {timeout_s:g} s (is a node with its resource free?)"
         ) from error
+    except RayError as error:
+        raise PlacementError(f"{what} failed: {error}") from error

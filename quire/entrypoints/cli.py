@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
 
@@ -276,7 +277,7 @@ def _add_cluster(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_cluster(args: argparse.Namespace) -> int:
-    from quire.cluster.placement import QuireCluster, connect
+    from quire.cluster.placement import PlacementError, QuireCluster, connect
 
     args.model = serve_model(args)
     if logging.getLogger().getEffectiveLevel() > logging.INFO:
@@ -284,21 +285,30 @@ def _run_cluster(args: argparse.Namespace) -> int:
     counts = {"prefill": args.num_prefill, "decode": args.num_decode}
     counts["collocated"] = args.num_collocated
     connect(args.ray_address, counts)
-    cluster = QuireCluster(
-        EngineArgs.from_cli_args(args),
-        counts,
-        policy=args.policy,
-        host=args.host,
-        port=args.port,
-        served_model_name=args.served_model_name,
-        cpus_per_instance=args.cpus_per_instance,
-        gpus_per_instance=args.gpus_per_instance,
-    )
-    print(f"quire cluster: serving at {cluster.url}/v1 (Ctrl-C stops it)", flush=True)
+    try:
+        cluster = QuireCluster(
+            EngineArgs.from_cli_args(args),
+            counts,
+            policy=args.policy,
+            host=args.host,
+            port=args.port,
+            served_model_name=args.served_model_name,
+            cpus_per_instance=args.cpus_per_instance,
+            gpus_per_instance=args.gpus_per_instance,
+        )
+        print(f"quire cluster: serving at {cluster.url}/v1 (Ctrl-C stops it)", flush=True)
+    except PlacementError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    # SIGTERM (a service manager's stop) ends the instances as Ctrl-C does
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         cluster.supervise()
     except KeyboardInterrupt:
         pass
+    except PlacementError as error:  # the router died: nothing serves any more
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     finally:
         cluster.shutdown()
     return 0
