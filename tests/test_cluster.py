@@ -170,6 +170,40 @@ def test_a_killed_decode_instance_is_routed_around_and_replaced(nodes, cluster, 
     assert_all_blocks_free(cluster)
 
 
+def test_a_prefill_instance_killed_before_its_kv_is_pulled_is_a_clear_error(cluster):
+    """The prefill instance answered (its KV leased), then its process is killed: the decode
+    instance's pull gets no answer, and the client an error naming the endpoint within the
+    transfer timeout (2 s); the surviving instances hold no block. (Last: it kills the only
+    prefill instance.)"""
+    prefill, decode = cluster.instances[0], cluster.instances[2]
+    body = {"model": "tiny", "prompt": token_prompt(40, 4), "max_tokens": 4, "temperature": 0}
+    params = {"do_remote_decode": True, "transfer_id": "killed"}
+    response = httpx.post(
+        prefill.url + "/v1/completions", json={**body, "kv_transfer_params": params}, timeout=60
+    )
+    assert response.status_code == 200
+    kv = httpx.get(prefill.url + "/load").json()["kv_endpoint"]
+    ray.kill(prefill.actor)
+    with pytest.raises(RayActorError):
+        ray.get(prefill.actor.ping.remote())
+    params = {
+        "do_remote_prefill": True,
+        "transfer_id": "killed",
+        "remote_host": kv["host"],
+        "remote_port": kv["port"],
+    }
+    response = httpx.post(
+        decode.url + "/v1/completions", json={**body, "kv_transfer_params": params}, timeout=60
+    )
+    assert response.status_code == 500
+    assert (
+        f"KV transfer failed: the prefill instance's KV endpoint {kv['host']}:{kv['port']} did "
+        "not answer within 2 s" in response.json()["error"]["message"]
+    )
+    cluster.instances.remove(prefill)
+    assert_all_blocks_free(cluster)
+
+
 def test_instances_the_cluster_does_not_offer_fail_before_placing(nodes, tiny_llama):
     with pytest.raises(ClusterConfigError, match=r"2 prefill instances need 2 units .* offers 1"):
         QuireCluster(engine_args(tiny_llama), {"prefill": 2, "decode": 1})
