@@ -5,7 +5,6 @@ around (the request that met it is retried) and replaced by its supervisor."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -14,7 +13,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 from ray.exceptions import RayActorError
-from server_utils import wait_until
+from server_utils import completion_text, router_retries, wait_until
 
 from quire import LLM, SamplingParams
 from quire.cluster.placement import ClusterConfigError, QuireCluster
@@ -84,20 +83,9 @@ def token_prompt(length: int, salt: int) -> list[int]:
     return [(53 * j + 997 * salt) % 40000 + 10 for j in range(length)]
 
 
-def completion_text(url: str, prompt: list[int], stream: bool) -> str:
+def completion(prompt: list[int], stream: bool) -> dict:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0}
-    body |= {"ignore_eos": True, "stream": stream}
-    if not stream:
-        response = httpx.post(url + "/v1/completions", json=body, timeout=120)
-        assert response.status_code == 200, response.text
-        return response.json()["choices"][0]["text"]
-    parts = []
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                parts.append(json.loads(line[6:])["choices"][0]["text"])
-    return "".join(parts)
+    return body | {"ignore_eos": True, "stream": stream}
 
 
 def expected_text(llm: LLM, prompt: list[int]) -> str:
@@ -110,13 +98,6 @@ def assert_all_blocks_free(cluster: QuireCluster) -> None:
         assert wait_until(
             lambda a=instance.actor: ray.get(a.num_free_blocks.remote()) == (48, 48)
         ), f"{instance.role} instance {instance.url} holds blocks"
-
-
-def retries(url: str, role: str) -> float:
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(f'quire_router_retries_total{{role="{role}"}}'):
-            return float(line.split()[-1])
-    return 0.0
 
 
 def test_each_role_runs_on_the_node_offering_its_resource(nodes, cluster):
@@ -132,8 +113,8 @@ def test_each_role_runs_on_the_node_offering_its_resource(nodes, cluster):
 def test_greedy_output_equals_one_collocated_instance(cluster, collocated, length):
     prompt = token_prompt(length, length)
     expected = expected_text(collocated, prompt)
-    assert completion_text(cluster.url, prompt, stream=False) == expected
-    assert completion_text(cluster.url, prompt, stream=True) == expected
+    assert completion_text(cluster.url, completion(prompt, False), 120) == expected
+    assert completion_text(cluster.url, completion(prompt, True), 120) == expected
     requests = httpx.get(cluster.url + "/metrics").text
     assert 'quire_router_requests_total{route="disaggregated"}' in requests
     assert_all_blocks_free(cluster)
@@ -145,13 +126,13 @@ def test_a_killed_decode_instance_is_routed_around_and_replaced(nodes, cluster, 
     ray.kill(killed.actor)
     with pytest.raises(RayActorError):
         ray.get(killed.actor.ping.remote())
-    before = retries(cluster.url, "decode")
+    before = router_retries(cluster.url, "decode")
     prompts = [token_prompt(20, 1), token_prompt(20, 2)]
     # round robin over the two decode instances: one of the two requests meets the dead one
-    assert [completion_text(cluster.url, p, stream=True) for p in prompts] == [
+    assert [completion_text(cluster.url, completion(p, True), 120) for p in prompts] == [
         expected_text(collocated, p) for p in prompts
     ]
-    assert retries(cluster.url, "decode") == before + 1
+    assert router_retries(cluster.url, "decode") == before + 1
     load = httpx.get(cluster.url + "/load").json()["instances"]
     assert {i["url"]: i["healthy"] for i in load}[killed.url] is False
 
@@ -163,10 +144,10 @@ def test_a_killed_decode_instance_is_routed_around_and_replaced(nodes, cluster, 
     assert killed.url not in [i["url"] for i in load]
     assert replacement.url in [i["url"] for i in load]
     prompt = token_prompt(30, 3)
-    assert [completion_text(cluster.url, prompt, stream=False) for _ in range(2)] == [
+    assert [completion_text(cluster.url, completion(prompt, False), 120) for _ in range(2)] == [
         expected_text(collocated, prompt)
     ] * 2
-    assert retries(cluster.url, "decode") == before + 1
+    assert router_retries(cluster.url, "decode") == before + 1
     assert_all_blocks_free(cluster)
 
 

@@ -13,10 +13,16 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
-from server_utils import ServerThread, serve_engine, wait_until
+from server_utils import (
+    ServerThread,
+    assert_all_blocks_free,
+    completion_text,
+    router_retries,
+    serve_engine,
+    wait_until,
+)
 
 from quire.config import EngineConfig
-from quire.engine.async_engine import AsyncLLM
 from quire.router.app import Router, build_router_app
 from quire.router.policies import Instance
 
@@ -115,56 +121,20 @@ def body(prompt: list[int], **kwargs) -> dict:
     return {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, **kwargs}
 
 
-def text_of(url: str, request: dict) -> str:
-    """The completion's text, streamed (events joined) or not."""
-    if not request.get("stream"):
-        response = httpx.post(url + "/v1/completions", json=request, timeout=60)
-        assert response.status_code == 200, response.text
-        return response.json()["choices"][0]["text"]
-    parts = []
-    with httpx.stream("POST", url + "/v1/completions", json=request, timeout=60) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                event = json.loads(line[6:])
-                assert "error" not in event, event
-                parts.append(event["choices"][0]["text"])
-    return "".join(parts)
-
-
-def retries(router: ServerThread, role: str) -> float:
-    for line in httpx.get(router.url + "/metrics").text.splitlines():
-        if line.startswith(f'quire_router_retries_total{{role="{role}"}}'):
-            return float(line.split()[-1])
-    return 0.0
-
-
-def assert_all_blocks_free(*engines: AsyncLLM) -> None:
-    for engine in engines:
-        assert wait_until(
-            lambda e=engine: (
-                not e.engine.has_unfinished_requests() and not e.engine.has_kv_transfers()
-            )
-        )
-        kv = engine.engine.kv_manager
-        kv.check_invariants()
-        assert kv.num_free_blocks == kv.num_blocks
-
-
 PROMPT = [(31 * j) % 40000 + 10 for j in range(20)]
 
 
 def test_a_refused_instance_is_retried_elsewhere_then_left_out(instances, router_over):
     _, (decode_server, decode) = instances
-    expected = text_of(decode_server.url, body(PROMPT))
+    expected = completion_text(decode_server.url, body(PROMPT))
     dead = DyingInstance()
     # no prefill instance: the decode instances compute whole requests
     router = router_over(
         [Instance(dead.url, "decode"), Instance(decode_server.url, "decode")], [dead.url]
     )
     dead.close()
-    assert [text_of(router.url, body(PROMPT)) for _ in range(3)] == [expected] * 3
-    assert retries(router, "decode") == 1  # only the first request met the dead instance
+    assert [completion_text(router.url, body(PROMPT)) for _ in range(3)] == [expected] * 3
+    assert router_retries(router.url, "decode") == 1  # only the first request met the dead instance
     load = httpx.get(router.url + "/load").json()["instances"]
     assert [(i["url"], i["healthy"]) for i in load] == [
         (dead.url, False),
@@ -175,14 +145,14 @@ def test_a_refused_instance_is_retried_elsewhere_then_left_out(instances, router
 
 def test_a_dropped_connection_before_any_byte_is_retried_once(instances, router_over):
     _, (decode_server, decode) = instances
-    expected = text_of(decode_server.url, body(PROMPT, stream=True))
+    expected = completion_text(decode_server.url, body(PROMPT, stream=True))
     dying = DyingInstance()
     try:
         router = router_over(
             [Instance(dying.url, "decode"), Instance(decode_server.url, "decode")], [dying.url]
         )
-        assert text_of(router.url, body(PROMPT, stream=True)) == expected
-        assert text_of(router.url, body(PROMPT, stream=True)) == expected
+        assert completion_text(router.url, body(PROMPT, stream=True)) == expected
+        assert completion_text(router.url, body(PROMPT, stream=True)) == expected
     finally:
         dying.close()
     assert dying.requests == 1  # marked down at once: the second request went straight on
@@ -191,16 +161,16 @@ def test_a_dropped_connection_before_any_byte_is_retried_once(instances, router_
 
 def test_a_stream_that_dies_before_its_first_event_is_retried(instances, router_over):
     _, (decode_server, decode) = instances
-    expected = text_of(decode_server.url, body(PROMPT, stream=True))
+    expected = completion_text(decode_server.url, body(PROMPT, stream=True))
     dying = ServerThread(dies_before_its_first_event())
     try:
         router = router_over(
             [Instance(dying.url, "decode"), Instance(decode_server.url, "decode")], [dying.url]
         )
-        assert text_of(router.url, body(PROMPT, stream=True)) == expected
+        assert completion_text(router.url, body(PROMPT, stream=True)) == expected
     finally:
         dying.stop()
-    assert retries(router, "decode") == 1
+    assert router_retries(router.url, "decode") == 1
     assert_all_blocks_free(decode)
 
 
@@ -226,7 +196,7 @@ def test_a_dead_decode_instance_after_the_prefill_leaves_the_request_to_another(
     meant for is gone, so another decode instance computes the whole request (same tokens),
     and the unpulled lease runs out (1 s) and frees the prefill instance's blocks."""
     (prefill_server, prefill), (decode_server, decode) = instances
-    expected = text_of(decode_server.url, body(PROMPT, ignore_eos=True))
+    expected = completion_text(decode_server.url, body(PROMPT, ignore_eos=True))
     kv_port = prefill.engine.config.kv_port
     dead = DyingInstance()
     router = router_over(
@@ -238,15 +208,15 @@ def test_a_dead_decode_instance_after_the_prefill_leaves_the_request_to_another(
         [dead.url],
     )
     dead.close()
-    assert text_of(router.url, body(PROMPT, ignore_eos=True)) == expected
-    assert retries(router, "decode") == 1
+    assert completion_text(router.url, body(PROMPT, ignore_eos=True)) == expected
+    assert router_retries(router.url, "decode") == 1
     assert wait_until(lambda: not prefill.engine.has_kv_transfers(), timeout=10)
     assert_all_blocks_free(prefill, decode)
 
 
 def test_a_prefill_instance_that_drops_the_request_is_replaced_by_another(instances, router_over):
     (prefill_server, prefill), (decode_server, decode) = instances
-    expected = text_of(decode_server.url, body(PROMPT, ignore_eos=True))
+    expected = completion_text(decode_server.url, body(PROMPT, ignore_eos=True))
     kv_port = prefill.engine.config.kv_port
     expired = prefill.engine.core_stats().kv_transfer.num_leases_expired
     dying = DyingInstance()
@@ -259,10 +229,10 @@ def test_a_prefill_instance_that_drops_the_request_is_replaced_by_another(instan
             ],
             [dying.url],
         )
-        assert text_of(router.url, body(PROMPT, ignore_eos=True)) == expected
+        assert completion_text(router.url, body(PROMPT, ignore_eos=True)) == expected
     finally:
         dying.close()
     assert dying.requests == 1
-    assert retries(router, "prefill") == 1
+    assert router_retries(router.url, "prefill") == 1
     assert prefill.engine.core_stats().kv_transfer.num_leases_expired == expired  # pulled
     assert_all_blocks_free(prefill, decode)
