@@ -100,6 +100,21 @@ def assert_all_blocks_free(cluster: QuireCluster) -> None:
         ), f"{instance.role} instance {instance.url} holds blocks"
 
 
+def kill(actor) -> None:
+    """Kills the actor's process and returns once Ray knows it is dead (ray.kill does not
+    wait)."""
+
+    def dead() -> bool:
+        try:
+            ray.get(actor.ping.remote(), timeout=10)
+        except RayActorError:
+            return True
+        return False
+
+    ray.kill(actor)
+    assert wait_until(dead, timeout=30)
+
+
 def test_each_role_runs_on_the_node_offering_its_resource(nodes, cluster):
     head, worker = nodes
     assert [(i.role, i.node_id) for i in cluster.instances] == [
@@ -123,9 +138,7 @@ def test_greedy_output_equals_one_collocated_instance(cluster, collocated, lengt
 def test_a_killed_decode_instance_is_routed_around_and_replaced(nodes, cluster, collocated):
     _, worker = nodes
     killed = cluster.instances[1]
-    ray.kill(killed.actor)
-    with pytest.raises(RayActorError):
-        ray.get(killed.actor.ping.remote())
+    kill(killed.actor)
     before = router_retries(cluster.url, "decode")
     prompts = [token_prompt(20, 1), token_prompt(20, 2)]
     # round robin over the two decode instances: one of the two requests meets the dead one
@@ -164,9 +177,7 @@ def test_a_prefill_instance_killed_before_its_kv_is_pulled_is_a_clear_error(clus
     )
     assert response.status_code == 200
     kv = httpx.get(prefill.url + "/load").json()["kv_endpoint"]
-    ray.kill(prefill.actor)
-    with pytest.raises(RayActorError):
-        ray.get(prefill.actor.ping.remote())
+    kill(prefill.actor)
     params = {
         "do_remote_prefill": True,
         "transfer_id": "killed",

@@ -217,17 +217,28 @@ class QuireCluster:
         for instance in dead:
             index = self.instances.index(instance)
             try:
-                (new,) = self._place([instance.role], timeout_s=self.replace_timeout_s)
+                new = self._replace(instance)
             except PlacementError as error:
                 logger.error("Could not replace it: %s", error)
                 del self.instances[index]
                 continue
-            _get(self.router.replace_instance.remote(instance.url, new.role, new.url), "the router")
             self.instances[index] = new
             logger.info(
                 "Replaced it with the %s instance %s (node %s)", new.role, new.url, new.node_id
             )
         return dead
+
+    def _replace(self, dead: PlacedInstance) -> PlacedInstance:
+        """A new instance of `dead`'s role, which the router routes to instead of `dead`."""
+        import ray
+
+        (new,) = self._place([dead.role], timeout_s=self.replace_timeout_s)
+        try:
+            _get(self.router.replace_instance.remote(dead.url, new.role, new.url), "the router")
+        except PlacementError:  # the router cannot reach it
+            ray.kill(new.actor)
+            raise
+        return new
 
     def supervise(self, check_interval_s: float = 2.0) -> None:
         """Checks (and replaces dead instances) until interrupted."""
@@ -259,7 +270,8 @@ def _get(refs: Any, what: str, timeout_s: float | None = None) -> Any:
         return ray.get(refs, timeout=timeout_s)
     except GetTimeoutError as error:
         raise PlacementError(
-            f"{what} did not start within {timeout_s:g} s (is a node with its resource free?)"
+            f"{what} gave no answer within {timeout_s:g} s (a new actor waits for a free unit "
+            "of its resource: `ray status` shows them)"
         ) from error
     except RayError as error:
         raise PlacementError(f"{what} failed: {error}") from error
