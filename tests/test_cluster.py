@@ -18,6 +18,7 @@ from server_utils import completion_text, router_retries, wait_until
 from quire import LLM, SamplingParams
 from quire.cluster.placement import ClusterConfigError, QuireCluster
 from quire.engine_args import EngineArgs
+from quire.entrypoints.cli import main
 
 BLOCK = 16
 CHUNK = 24
@@ -201,6 +202,12 @@ def test_instances_the_cluster_does_not_offer_fail_before_placing(nodes, tiny_ll
         QuireCluster(engine_args(tiny_llama), {"prefill": 2, "decode": 1})
     with pytest.raises(ClusterConfigError, match="quire cluster sets each instance's role"):
         QuireCluster(engine_args(tiny_llama, disaggregation_mode="decode"), {"decode": 1})
+
+
+def test_the_command_refuses_bad_counts_before_joining_ray(capsys):
+    assert main(["cluster", "--num-prefill", "1"]) == 2
+    error = capsys.readouterr().err
+    assert error == "error: Prefill instances need decode instances: give --num-decode.\n"
 
 
 def test_quire_imports_and_builds_its_commands_without_ray():

@@ -63,6 +63,27 @@ def connect(address: str | None, num_instances: dict[str, int]) -> None:
         ray.init(address=address, log_to_driver=False)
 
 
+def check_arguments(engine_args: EngineArgs, num_instances: dict[str, int]) -> None:
+    """ClusterConfigError if the instance counts or the engine arguments cannot make a cluster
+    (checked before Ray is started or joined)."""
+    defaults = EngineArgs()
+    if any(
+        getattr(engine_args, name) != getattr(defaults, name)
+        for name in ("disaggregation_mode", "kv_transfer_config", "kv_host", "kv_port")
+    ):
+        raise ClusterConfigError(
+            "quire cluster sets each instance's role and KV endpoint: leave out "
+            "--disaggregation-mode, --kv-transfer-config, --kv-host and --kv-port, and give "
+            "--num-prefill / --num-decode / --num-collocated."
+        )
+    if any(n < 0 for n in num_instances.values()):
+        raise ClusterConfigError(f"Instance counts must be 0 or more; got {num_instances}.")
+    if num_instances.get("prefill", 0) and not num_instances.get("decode", 0):
+        raise ClusterConfigError("Prefill instances need decode instances: give --num-decode.")
+    if not any(num_instances.values()):
+        raise ClusterConfigError("Give at least one instance (--num-prefill and --num-decode).")
+
+
 def check_resources(num_instances: dict[str, int]) -> None:
     """ClusterConfigError unless the cluster offers a unit of each role's resource per instance."""
     import ray
@@ -99,20 +120,7 @@ class QuireCluster:
         from quire.entrypoints.api_server import DEFAULT_MODEL_NAME
         from quire.router.policies import make_policy
 
-        defaults = EngineArgs()
-        if any(
-            getattr(engine_args, name) != getattr(defaults, name)
-            for name in ("disaggregation_mode", "kv_transfer_config", "kv_host", "kv_port")
-        ):
-            raise ClusterConfigError(
-                "quire cluster sets each instance's role and KV endpoint: leave out "
-                "--disaggregation-mode, --kv-transfer-config, --kv-host and --kv-port, and give "
-                "--num-prefill / --num-decode / --num-collocated."
-            )
-        if num_instances.get("prefill", 0) and not num_instances.get("decode", 0):
-            raise ClusterConfigError("Prefill instances need decode instances: give --num-decode.")
-        if not any(num_instances.values()):
-            raise ClusterConfigError("Give at least one instance (--num-prefill and --num-decode).")
+        check_arguments(engine_args, num_instances)
         make_policy(policy)  # a bad name fails before anything is placed
         check_resources(num_instances)
         self.engine_args = engine_args

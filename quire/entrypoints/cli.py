@@ -277,13 +277,14 @@ def _add_cluster(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_cluster(args: argparse.Namespace) -> int:
-    from quire.cluster.placement import PlacementError, QuireCluster, connect
+    from quire.cluster.placement import PlacementError, QuireCluster, check_arguments, connect
 
     args.model = serve_model(args)
     if logging.getLogger().getEffectiveLevel() > logging.INFO:
         logging.getLogger("quire").setLevel(logging.INFO)
     counts = {"prefill": args.num_prefill, "decode": args.num_decode}
     counts["collocated"] = args.num_collocated
+    check_arguments(EngineArgs.from_cli_args(args), counts)  # before Ray starts
     connect(args.ray_address, counts)
     try:
         cluster = QuireCluster(
