@@ -1,9 +1,10 @@
-"""A uvicorn server in a background thread, and polling with a deadline: shared by the tests
-that serve the OpenAI app in process."""
+"""A uvicorn server in a background thread, polling with a deadline, and what the serving tests
+ask of a server: shared by the tests that serve the OpenAI app in process."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -62,3 +63,42 @@ def serve_engine(
     finally:
         server.stop()
         engine.shutdown()
+
+
+def completion_text(url: str, body: dict, timeout: float = 60) -> str:
+    """The text of the completion `body` asks `url` for: streamed (the events' texts joined, none
+    of them an error) when the body says so, else in one answer."""
+    if not body.get("stream"):
+        response = httpx.post(url + "/v1/completions", json=body, timeout=timeout)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+    parts = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                parts.append(event["choices"][0]["text"])
+    return "".join(parts)
+
+
+def router_retries(url: str, role: str) -> float:
+    """quire_router_retries_total{role} of the router at `url`."""
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(f'quire_router_retries_total{{role="{role}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def assert_all_blocks_free(*engines: AsyncLLM) -> None:
+    """Once every engine is idle (no request, no KV transfer), all its KV blocks are free."""
+    for engine in engines:
+        assert wait_until(
+            lambda e=engine: (
+                not e.engine.has_unfinished_requests() and not e.engine.has_kv_transfers()
+            )
+        )
+        kv = engine.engine.kv_manager
+        kv.check_invariants()
+        assert kv.num_free_blocks == kv.num_blocks

@@ -10,10 +10,9 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
-from server_utils import ServerThread, serve_engine, wait_until
+from server_utils import ServerThread, assert_all_blocks_free, serve_engine, wait_until
 
 from quire.config import EngineConfig
-from quire.engine.async_engine import AsyncLLM
 from quire.router.app import Router, RouterConfigError, build_router_app, check_instances
 from quire.router.policies import CacheAware, Instance, LeastLoaded, RoundRobin
 
@@ -67,18 +66,6 @@ def streamed_text(url: str, path: str, body: dict) -> str:
 
 def token_prompt(length: int, salt: int) -> list[int]:
     return [(53 * j + 997 * salt) % 40000 + 10 for j in range(length)]
-
-
-def assert_all_blocks_free(*engines: AsyncLLM) -> None:
-    for engine in engines:
-        assert wait_until(
-            lambda e=engine: (
-                not e.engine.has_unfinished_requests() and not e.engine.has_kv_transfers()
-            )
-        )
-        kv = engine.engine.kv_manager
-        kv.check_invariants()
-        assert kv.num_free_blocks == kv.num_blocks
 
 
 @pytest.mark.parametrize("length", [5, 2 * BLOCK, CHUNK + 2 * BLOCK + 1])

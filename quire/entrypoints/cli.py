@@ -1,10 +1,11 @@
-"""The `quire` command: generate, serve, chat and bench. Every subcommand that runs a model takes
+"""The `quire` command: generate, serve, router, cluster, chat and bench. Every subcommand that runs a model takes
 the engine's flags from EngineArgs (engine_args.py); its own options are declared here."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
 
@@ -230,6 +231,90 @@ def _run_router(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_cluster(subparsers: argparse._SubParsersAction) -> None:
+    from quire.router.policies import POLICIES
+
+    p = subparsers.add_parser(
+        "cluster",
+        help="run prefill, decode (and collocated) instances and the router on a Ray cluster",
+        description="Start or join a Ray cluster and place each instance as a Ray actor on a "
+        "node offering its role's resource (quire_prefill, quire_decode, quire_collocated: "
+        "`ray start --resources '{\"quire_decode\": 1}'`), and the router on this node. "
+        "Without --ray-address, a one-node cluster is started here. Runs until interrupted, "
+        "replacing instances that die.",
+    )
+    p.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL", help="the model, as --model"
+    )
+    placement = p.add_argument_group("cluster arguments")
+    placement.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDRESS",
+        help="the Ray cluster to join (HOST:6379, or auto: the one this node belongs to); "
+        "default: start a one-node cluster here",
+    )
+    for role in ("prefill", "decode", "collocated"):
+        placement.add_argument(
+            f"--num-{role}", type=int, default=0, metavar="N", help=f"{role} instances"
+        )
+    placement.add_argument(
+        "--cpus-per-instance", type=float, default=1.0, help="Ray CPUs (default: %(default)s)"
+    )
+    placement.add_argument(
+        "--gpus-per-instance", type=float, default=0.0, help="Ray GPUs (default: %(default)s)"
+    )
+    placement.add_argument(
+        "--policy", default="round_robin", choices=POLICIES, help="(default: %(default)s)"
+    )
+    placement.add_argument(
+        "--host", default="127.0.0.1", help="address the router binds (default: loopback)"
+    )
+    placement.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    placement.add_argument("--served-model-name", default=None, help="(default: the model)")
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=_run_cluster)
+
+
+def _run_cluster(args: argparse.Namespace) -> int:
+    from quire.cluster.placement import PlacementError, QuireCluster, check_arguments, connect
+
+    args.model = serve_model(args)
+    if logging.getLogger().getEffectiveLevel() > logging.INFO:
+        logging.getLogger("quire").setLevel(logging.INFO)
+    counts = {"prefill": args.num_prefill, "decode": args.num_decode}
+    counts["collocated"] = args.num_collocated
+    check_arguments(EngineArgs.from_cli_args(args), counts)  # before Ray starts
+    connect(args.ray_address, counts)
+    try:
+        cluster = QuireCluster(
+            EngineArgs.from_cli_args(args),
+            counts,
+            policy=args.policy,
+            host=args.host,
+            port=args.port,
+            served_model_name=args.served_model_name,
+            cpus_per_instance=args.cpus_per_instance,
+            gpus_per_instance=args.gpus_per_instance,
+        )
+        print(f"quire cluster: serving at {cluster.url}/v1 (Ctrl-C stops it)", flush=True)
+    except PlacementError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    # SIGTERM (a service manager's stop) ends the instances as Ctrl-C does
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        cluster.supervise()
+    except KeyboardInterrupt:
+        pass
+    except PlacementError as error:  # the router died: nothing serves any more
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    finally:
+        cluster.shutdown()
+    return 0
+
+
 def _add_chat(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("chat", help="chat with the model in the terminal")
     p.add_argument("--system", default=None, help="system prompt")
@@ -254,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(subparsers)
     _add_serve(subparsers)
     _add_router(subparsers)
+    _add_cluster(subparsers)
     _add_chat(subparsers)
     _add_bench(subparsers)
     return parser

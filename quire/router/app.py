@@ -60,31 +60,36 @@ def check_instances(
             "Disaggregation needs both kinds: give at least one --prefill and one --decode URL "
             f"(got {len(prefill)} prefill, {len(decode)} decode)."
         )
-    instances = []
-    for role, urls in (("prefill", prefill), ("decode", decode), ("collocated", collocated)):
-        for url in urls:
-            url = url.rstrip("/")
-            try:
-                response = httpx.get(f"{url}/load", timeout=timeout_s)
-                response.raise_for_status()
-                load = response.json()
-            except (httpx.HTTPError, ValueError) as error:
-                raise RouterConfigError(
-                    f"Cannot reach the {role} instance {url}: {error!r}. Is `quire serve` "
-                    "running there?"
-                ) from error
-            mode = load.get("disaggregation_mode")
-            if _ROLES[role] is not None and mode not in _ROLES[role]:
-                raise RouterConfigError(
-                    f"The {role} instance {url} was started with disaggregation_mode {mode!r}: "
-                    f"start it with `quire serve --disaggregation-mode {role}`."
-                )
-            instance = Instance(url, role, polled_load=load["num_running"] + load["num_waiting"])
-            if role == "prefill":
-                instance.kv_host = load["kv_endpoint"]["host"]
-                instance.kv_port = load["kv_endpoint"]["port"]
-            instances.append(instance)
-    return instances
+    return [
+        check_instance(role, url, timeout_s)
+        for role, urls in (("prefill", prefill), ("decode", decode), ("collocated", collocated))
+        for url in urls
+    ]
+
+
+def check_instance(role: str, url: str, timeout_s: float = 5.0) -> Instance:
+    """The instance at `url` as the router knows it, from its /load; RouterConfigError if it is
+    unreachable or was started for another role."""
+    url = url.rstrip("/")
+    try:
+        response = httpx.get(f"{url}/load", timeout=timeout_s)
+        response.raise_for_status()
+        load = response.json()
+    except (httpx.HTTPError, ValueError) as error:
+        raise RouterConfigError(
+            f"Cannot reach the {role} instance {url}: {error!r}. Is `quire serve` running there?"
+        ) from error
+    mode = load.get("disaggregation_mode")
+    if _ROLES[role] is not None and mode not in _ROLES[role]:
+        raise RouterConfigError(
+            f"The {role} instance {url} was started with disaggregation_mode {mode!r}: "
+            f"start it with `quire serve --disaggregation-mode {role}`."
+        )
+    instance = Instance(url, role, polled_load=load["num_running"] + load["num_waiting"])
+    if role == "prefill":
+        instance.kv_host = load["kv_endpoint"]["host"]
+        instance.kv_port = load["kv_endpoint"]["port"]
+    return instance
 
 
 def prompt_text(body: dict[str, Any]) -> str:
@@ -132,10 +137,22 @@ class Router:
             ["role"],
             registry=self.registry,
         )
+        self.retries = Counter(
+            "quire_router_retries",
+            "Requests sent again to another instance after one failed before any byte reached "
+            "the client.",
+            ["role"],
+            registry=self.registry,
+        )
         self._transfer_ids = itertools.count()
 
     def of_role(self, role: str) -> list[Instance]:
         return [i for i in self.instances if i.role == role]
+
+    def replace_instance(self, url: str, instance: Instance) -> None:
+        """Routes to `instance` instead of the one at `url` (a dead one its supervisor
+        replaced)."""
+        self.instances = [instance if i.url == url else i for i in self.instances]
 
     # ---- load polling ----------------------------------------------------------------------
     async def poll_loads(self) -> None:
@@ -175,14 +192,10 @@ class Router:
         prefill_body["max_tokens"] = 1
         prefill_body["min_tokens"] = min(body.get("min_tokens", 0), 1)
         prefill_body["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": transfer_id}
-        first.sent_since_poll += 1
-        try:
-            response = await self.client.post(f"{first.url}{path}", json=prefill_body)
-        except httpx.ConnectError as error:  # nothing was sent: the decode instance computes it
-            self._unreachable(first, error)
+        answered = await self._prefill(first, path, prefill_body, text)
+        if answered is None:  # no prefill instance answered: the decode instance computes it
             return await self._proxy(decode, path, body)
-        except httpx.HTTPError as error:
-            return self._unreachable(first, error)
+        first, response = answered
         if response.status_code != 200:
             self.errors.labels("prefill").inc()
             return Response(response.content, response.status_code, media_type="application/json")
@@ -193,31 +206,94 @@ class Router:
             "remote_host": first.kv_host,
             "remote_port": first.kv_port,
         }
-        return await self._proxy(decode, path, decode_body)
+        return await self._proxy(decode, path, decode_body, retry_body=body)
 
     def _live(self, instances: list[Instance]) -> list[Instance]:
         """The healthy ones (all of them when none is: the request then fails clearly)."""
         return [i for i in instances if i.healthy] or instances
 
-    async def _proxy(self, instance: Instance, path: str, body: dict[str, Any]) -> Response:
-        """The instance's answer to `body`, streamed through when the body asks to stream."""
-        instance.sent_since_poll += 1
+    async def _prefill(
+        self, first: Instance, path: str, body: dict[str, Any], text: str
+    ) -> tuple[Instance, httpx.Response] | None:
+        """The prefill instance that answered `body`, and its answer: an instance that fails
+        (refused, dropped, timed out: the client has seen nothing yet) is marked down and
+        another live prefill instance is asked. None when none is left."""
+        instance: Instance | None = first
+        tried = []
+        while instance is not None:
+            instance.sent_since_poll += 1
+            try:
+                return instance, await self.client.post(f"{instance.url}{path}", json=body)
+            except httpx.HTTPError as error:
+                self._unreachable(instance, error)
+                tried.append(instance)
+                instance = self._another(instance, tried, text)
+                if instance is not None:
+                    self.retries.labels("prefill").inc()
+        return None
+
+    async def _proxy(
+        self,
+        instance: Instance,
+        path: str,
+        body: dict[str, Any],
+        retry_body: dict[str, Any] | None = None,
+    ) -> Response:
+        """The instance's answer to `body`, streamed through when the body asks to stream. An
+        instance that fails before the client got a byte (it refuses the connection, or drops it
+        before its first event) is marked down, and the request goes to another live instance
+        of its role (as `retry_body` when given); a 502 names every instance tried when none
+        is left."""
+        text = prompt_text(body)
+        tried: list[Instance] = []
+        while True:
+            instance.sent_since_poll += 1
+            try:
+                return await self._send(instance, path, body)
+            except httpx.HTTPError as error:
+                failure = self._unreachable(instance, error)
+                tried.append(instance)
+                retry = self._another(instance, tried, text)
+                if retry is None:
+                    if len(tried) == 1:
+                        return failure
+                    urls = ", ".join(i.url for i in tried)
+                    return _error(502, f"No {instance.role} instance answered (tried {urls}).")
+                logger.warning("Retrying the request on the %s instance %s", retry.role, retry.url)
+                self.retries.labels(instance.role).inc()
+                instance, body = retry, retry_body or body
+
+    async def _send(self, instance: Instance, path: str, body: dict[str, Any]) -> Response:
+        """`body` posted to the instance; a stream is returned once its first chunk came (an
+        httpx.HTTPError before then: nothing has reached the client)."""
         request = self.client.build_request("POST", f"{instance.url}{path}", json=body)
+        response = await self.client.send(request, stream=True)
         try:
-            response = await self.client.send(request, stream=True)
-        except httpx.HTTPError as error:
-            return self._unreachable(instance, error)
-        if response.status_code != 200 or not body.get("stream"):
-            content = await response.aread()
+            if response.status_code != 200 or not body.get("stream"):
+                content = await response.aread()
+                await response.aclose()
+                if response.status_code != 200:
+                    self.errors.labels(instance.role).inc()
+                return Response(
+                    content,
+                    response.status_code,
+                    media_type=response.headers.get("content-type", "application/json"),
+                )
+            chunks = response.aiter_raw()
+            first = await anext(chunks, b"")
+        except BaseException:
             await response.aclose()
-            if response.status_code != 200:
-                self.errors.labels(instance.role).inc()
-            return Response(
-                content,
-                response.status_code,
-                media_type=response.headers.get("content-type", "application/json"),
-            )
-        return StreamingResponse(_relay(response), media_type=response.headers.get("content-type"))
+            raise
+        return StreamingResponse(
+            _relay(response, first, chunks), media_type=response.headers.get("content-type")
+        )
+
+    def _another(self, failed: Instance, tried: list[Instance], text: str) -> Instance | None:
+        """A live instance of `failed`'s role not tried yet, by the policy; None if none."""
+        others = [i for i in self.of_role(failed.role) if i.healthy and i not in tried]
+        if not others:
+            return None
+        return (self.second if failed.role == "decode" else self.first).choose(others, text)
 
     def _unreachable(self, instance: Instance, error: Exception) -> JSONResponse:
         self.errors.labels(instance.role).inc()
@@ -227,9 +303,12 @@ class Router:
         return _error(502, message)
 
 
-async def _relay(response: httpx.Response) -> AsyncIterator[bytes]:
+async def _relay(
+    response: httpx.Response, first: bytes, chunks: AsyncIterator[bytes]
+) -> AsyncIterator[bytes]:
     try:
-        async for chunk in response.aiter_raw():
+        yield first
+        async for chunk in chunks:
             yield chunk
     except httpx.HTTPError as error:  # the instance died mid-stream: say so in the stream
         body = {"error": {"message": f"The instance stopped mid-stream: {error!r}", "code": 502}}
