@@ -27,7 +27,7 @@ import itertools
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -35,6 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
+from quire.router.cost_model import CostProfile, StreamTally, cost_model_policies, load_profile
 from quire.router.policies import Instance, Policy, make_policy
 
 logger = logging.getLogger(__name__)
@@ -112,11 +113,16 @@ class Router:
         policy: str,
         poll_interval_s: float = 0.5,
         timeout_s: float = 600.0,
+        cost_profile: CostProfile | None = None,
     ):
         self.instances = instances
         self.policy_name = policy
-        self.first: Policy = make_policy(policy)  # among collocated and prefill instances
-        self.second: Policy = make_policy(policy)  # among decode instances
+        self.first: Policy  # among collocated and prefill instances
+        self.second: Policy  # among decode instances
+        if policy == "cost_model" and cost_profile is not None:
+            self.first, self.second = cost_model_policies(cost_profile, instances)
+        else:
+            self.first, self.second = make_policy(policy), make_policy(policy)
         self.poll_interval_s = poll_interval_s
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
         self.registry = CollectorRegistry()
@@ -160,14 +166,14 @@ class Router:
         first_choices = self.of_role("collocated") + prefills
         if not disaggregable(body) or not first_choices:
             first_choices = self.of_role("collocated") or self.of_role("decode")
-        first = self.first.choose(self._live(first_choices), text)
+        first = self.first.choose(self._live(first_choices), text, body)
         if first.role != "prefill":
             self.requests.labels(
                 "collocated" if first.role == "collocated" else "decode_only"
             ).inc()
             return await self._proxy(first, path, body)
         self.requests.labels("disaggregated").inc()
-        decode = self.second.choose(self._live(self.of_role("decode")), text)
+        decode = self.second.choose(self._live(self.of_role("decode")), text, body)
         transfer_id = f"{uuid.uuid4().hex}-{next(self._transfer_ids)}"
         prefill_body = dict(body)
         for name in ("stream", "stream_options", "max_completion_tokens"):
@@ -179,11 +185,16 @@ class Router:
         try:
             response = await self.client.post(f"{first.url}{path}", json=prefill_body)
         except httpx.ConnectError as error:  # nothing was sent: the decode instance computes it
+            self.first.done(first, body)
             self._unreachable(first, error)
             return await self._proxy(decode, path, body)
         except httpx.HTTPError as error:
+            self.first.done(first, body)
+            self.first.done(decode, body)
             return self._unreachable(first, error)
+        self.first.done(first, body)
         if response.status_code != 200:
+            self.first.done(decode, body)
             self.errors.labels("prefill").inc()
             return Response(response.content, response.status_code, media_type="application/json")
         decode_body = dict(body)
@@ -193,23 +204,33 @@ class Router:
             "remote_host": first.kv_host,
             "remote_port": first.kv_port,
         }
-        return await self._proxy(decode, path, decode_body)
+        return await self._proxy(decode, path, decode_body, origin=body)
 
     def _live(self, instances: list[Instance]) -> list[Instance]:
         """The healthy ones (all of them when none is: the request then fails clearly)."""
         return [i for i in instances if i.healthy] or instances
 
-    async def _proxy(self, instance: Instance, path: str, body: dict[str, Any]) -> Response:
-        """The instance's answer to `body`, streamed through when the body asks to stream."""
+    async def _proxy(
+        self,
+        instance: Instance,
+        path: str,
+        body: dict[str, Any],
+        origin: dict[str, Any] | None = None,
+    ) -> Response:
+        """The instance's answer to `body` (made from the client's `origin`, if not `body`
+        itself), streamed through when the body asks to stream."""
+        origin = body if origin is None else origin
         instance.sent_since_poll += 1
         request = self.client.build_request("POST", f"{instance.url}{path}", json=body)
         try:
             response = await self.client.send(request, stream=True)
         except httpx.HTTPError as error:
+            self.first.done(instance, origin)
             return self._unreachable(instance, error)
         if response.status_code != 200 or not body.get("stream"):
             content = await response.aread()
             await response.aclose()
+            self.first.done(instance, origin, usage=_usage(content))
             if response.status_code != 200:
                 self.errors.labels(instance.role).inc()
             return Response(
@@ -217,7 +238,11 @@ class Router:
                 response.status_code,
                 media_type=response.headers.get("content-type", "application/json"),
             )
-        return StreamingResponse(_relay(response), media_type=response.headers.get("content-type"))
+        tally = StreamTally()
+        return StreamingResponse(
+            _relay(response, tally, lambda: self.first.done(instance, origin, tally)),
+            media_type=response.headers.get("content-type"),
+        )
 
     def _unreachable(self, instance: Instance, error: Exception) -> JSONResponse:
         self.errors.labels(instance.role).inc()
@@ -227,15 +252,28 @@ class Router:
         return _error(502, message)
 
 
-async def _relay(response: httpx.Response) -> AsyncIterator[bytes]:
+async def _relay(
+    response: httpx.Response, tally: StreamTally, on_end: Callable[[], None]
+) -> AsyncIterator[bytes]:
     try:
         async for chunk in response.aiter_raw():
+            tally.feed(chunk)
             yield chunk
     except httpx.HTTPError as error:  # the instance died mid-stream: say so in the stream
         body = {"error": {"message": f"The instance stopped mid-stream: {error!r}", "code": 502}}
         yield f"data: {json.dumps(body)}\n\n".encode()
     finally:
         await response.aclose()
+        on_end()
+
+
+def _usage(content: bytes) -> dict[str, Any] | None:
+    """The usage report of a whole (not streamed) answer, if it has one."""
+    try:
+        usage = json.loads(content).get("usage")
+    except (ValueError, AttributeError):
+        return None
+    return usage if isinstance(usage, dict) else None
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -306,6 +344,7 @@ def build_router_app(router: Router) -> FastAPI:
                 {"url": i.url, "role": i.role, "load": i.load, "healthy": i.healthy}
                 for i in router.instances
             ],
+            **({"policy_state": state} if (state := router.first.describe()) else {}),
         }
 
     @app.get("/metrics")
@@ -322,14 +361,23 @@ def run_router(
     policy: str,
     host: str,
     port: int,
+    cost_profile: str | None = None,
 ) -> None:
     import uvicorn
 
-    make_policy(policy)  # a bad name fails before any instance is contacted
+    profile = None
+    if policy == "cost_model" and cost_profile is not None:
+        profile = load_profile(cost_profile)  # a bad profile fails before any instance is
+    elif cost_profile is not None:  # contacted, as a bad policy name does
+        raise RouterConfigError(f"--cost-profile is for --policy cost_model, not {policy}.")
+    else:
+        make_policy(policy)
     instances = check_instances(prefill, decode, collocated)
     logger.info(
         "Routing with %s over %s",
         policy,
         ", ".join(f"{i.role} {i.url}" for i in instances),
     )
-    uvicorn.run(build_router_app(Router(instances, policy)), host=host, port=port)
+    uvicorn.run(
+        build_router_app(Router(instances, policy, cost_profile=profile)), host=host, port=port
+    )
