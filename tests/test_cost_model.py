@@ -86,6 +86,14 @@ def test_disaggregated_prediction_adds_the_transfer_and_spares_the_stall():
     assert got.imposed_s == pytest.approx(2 * 2 * added)
 
 
+def test_a_prefill_instance_that_also_decodes_stalls_its_decodes_too():
+    """kv_both: the prefill instance's own decodes slow its prefill and are stalled by it."""
+    prefill = Load(num_decoding=2, mean_context=100)
+    got = MODEL.disaggregated(prefill, Load(), 100, output_tokens=1)
+    assert got.ttft_s == pytest.approx(0.01 + 0.1 + 1e-6 * 2 * 100 + 0.005 + 0.01)
+    assert got.imposed_s == pytest.approx(2 * 0.001 * 100)
+
+
 # ---- the choice ------------------------------------------------------------------------------
 C, P, D = (
     Instance("http://c", "collocated"),
@@ -98,7 +106,7 @@ def decoding(routing: CostModelRouting, instance: Instance, count: int, context:
     """`count` requests decoding on `instance`, each of context `context`."""
     for _ in range(count):
         body = {"prompt": [1] * context}
-        routing.flights[instance.url][id(body)] = Flight(body, context, None, 0.0, 0.0, -1.0, False)
+        routing.flights[instance.url][id(body)] = Flight(body, "decode", context, 0.0)
 
 
 def choose(routing: CostModelRouting, prompt_tokens: int, max_tokens: int = 8) -> str:

@@ -102,16 +102,7 @@ class Profiler:
 
     async def transfer_counters(self) -> tuple[float, float]:
         """(bytes, seconds) the decode instance has pulled so far."""
-        text = (await self.client.get(f"{self.decode}/metrics")).text
-        values = {}
-        for line in text.splitlines():
-            name, _, value = line.partition(" ")
-            if name in ("quire:kv_transfer_bytes_total", "quire:kv_transfer_seconds_total"):
-                values[name] = float(value)
-        return (
-            values.get("quire:kv_transfer_bytes_total", 0.0),
-            values.get("quire:kv_transfer_seconds_total", 0.0),
-        )
+        return kv_transfer_counters((await self.client.get(f"{self.decode}/metrics")).text)
 
     # ---- prefill and transfer ----
     async def prefill_and_transfer(self, lengths: list[int], rounds: int) -> list[dict]:
@@ -222,6 +213,17 @@ class Profiler:
                     {"prompt_tokens": prompt_len, "baseline_gap_s": baseline, "excess_s": excess}
                 )
         return samples
+
+
+def kv_transfer_counters(metrics: str) -> tuple[float, float]:
+    """(bytes, seconds) of KV pulled, from an instance's /metrics text."""
+    values = {"quire:kv_transfer_bytes_total": 0.0, "quire:kv_transfer_seconds_total": 0.0}
+    for line in metrics.splitlines():
+        name, _, value = line.rpartition(" ")
+        name = name.partition("{")[0]
+        if name in values:
+            values[name] = float(value)
+    return values["quire:kv_transfer_bytes_total"], values["quire:kv_transfer_seconds_total"]
 
 
 def _together_gap(streams: list[list[float]]) -> float:
@@ -369,7 +371,7 @@ async def profile_instances(args: argparse.Namespace) -> dict[str, Any]:
             "prefill": profiler.prefill,
             "decode": profiler.decode,
             "collocated": profiler.collocated,
-            "loadavg": _loadavg(),
+            "loadavg": loadavg(),
             "prefill_and_transfer": transfers,
             "decode_steps": steps,
             "interference": interference,
@@ -377,7 +379,7 @@ async def profile_instances(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _loadavg() -> str | None:
+def loadavg() -> str | None:
     try:
         with open("/proc/loadavg") as f:
             return " ".join(f.read().split()[:3])

@@ -239,6 +239,7 @@ class Router:
                 media_type=response.headers.get("content-type", "application/json"),
             )
         tally = StreamTally()
+        self.first.relaying(instance, origin, tally)
         return StreamingResponse(
             _relay(response, tally, lambda: self.first.done(instance, origin, tally)),
             media_type=response.headers.get("content-type"),

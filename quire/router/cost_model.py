@@ -18,14 +18,19 @@ and the rate of prompt tokens arriving to be prefilled there (lambda, tokens/s o
 
   collocated      TTFT = P(Q + L) + ceil((Q + L) / chunk) * (D(b, c) - beta0)
                   ITL  = D(b + 1, c') / (1 - min(0.9, gamma * lambda))
-  disaggregated   TTFT = P(Qp + L) + T(L) + (D(bd, cd) - beta0)
+  disaggregated   TTFT = P(Qp + L) + ceil((Qp + L) / chunk) * (D(bp, cp) - beta0) + T(L)
+                         + (D(bd, cd) - beta0)
                   ITL  = D(bd + 1, cd') / (1 - min(0.9, gamma * lambda_d))
 
-(c' is the mean context with the new request at L + O/2). The objective, minimized over every
-collocated instance and every (prefill, decode) pair, is the request's predicted end-to-end
-latency plus the delay it adds to the requests already decoding where it goes:
+(c' is the mean context with the new request at L + O/2; bp is 0 on a prefill-only instance,
+not on one started kv_both). The objective, minimized over every collocated instance and every
+(prefill, decode) pair of two instances, is the request's predicted end-to-end latency plus the
+delay it adds to the requests already decoding where it goes:
 
-  cost = TTFT + (O - 1) * ITL + b * (gamma * L [collocated only] + (O - 1) * (D(b+1) - D(b)))
+  cost = TTFT + (O - 1) * ITL + gamma * L * b_prefilling + (O - 1) * b_decoding * (D(b+1) - D(b))
+
+(b_prefilling: the decodes on the instance that computes the prompt, b_decoding: on the one
+that decodes it.)
 
 so a long prompt is kept off an instance with many running decodes (its prefill would stall all
 of them), while a short prompt on idle instances stays collocated (no transfer, one hop).
@@ -192,29 +197,32 @@ class CostModel:
         added = self.step_time(b + 1, joined) - self.step_time(b, c) if b else 0.0
         return self.step_time(b + 1, joined) / slowdown, added
 
-    def collocated(self, load: Load, prompt_tokens: int, output_tokens: float) -> Prediction:
-        p = self.profile
+    def _prefill(self, load: Load, prompt_tokens: int) -> tuple[float, float]:
+        """(seconds until a prompt is computed on an instance of `load`, after the prompts queued
+        there and beside its decodes; the stall that adds to those decodes)."""
         queued = load.queued_prefill_tokens + prompt_tokens
-        steps = math.ceil(queued / p.chunk_tokens)
-        decode_work = self.step_time(load.num_decoding, load.mean_context) - p.decode_base_s
-        ttft = self.prefill_time(queued) + steps * decode_work
+        steps = math.ceil(queued / self.profile.chunk_tokens)
+        seconds = self.prefill_time(queued) + steps * self._decode_work(load)
+        return seconds, load.num_decoding * self.profile.gamma_s_per_prefill_token * prompt_tokens
+
+    def _decode_work(self, load: Load) -> float:
+        """What the decodes running on an instance add to each of its steps."""
+        return self.step_time(load.num_decoding, load.mean_context) - self.profile.decode_base_s
+
+    def collocated(self, load: Load, prompt_tokens: int, output_tokens: float) -> Prediction:
+        ttft, stall = self._prefill(load, prompt_tokens)
         itl, added = self._decode_itl(load, prompt_tokens + output_tokens / 2)
-        stall = p.gamma_s_per_prefill_token * prompt_tokens
-        imposed = load.num_decoding * (stall + max(output_tokens - 1, 0) * added)
+        imposed = stall + load.num_decoding * max(output_tokens - 1, 0) * added
         return Prediction(ttft, itl, imposed)
 
     def disaggregated(
         self, prefill: Load, decode: Load, prompt_tokens: int, output_tokens: float
     ) -> Prediction:
-        p = self.profile
-        decode_work = self.step_time(decode.num_decoding, decode.mean_context) - p.decode_base_s
-        ttft = (
-            self.prefill_time(prefill.queued_prefill_tokens + prompt_tokens)
-            + self.transfer_time(prompt_tokens)
-            + decode_work
-        )
+        """The prefill instance may decode too (kv_both): its decodes are stalled the same."""
+        prefilled, stall = self._prefill(prefill, prompt_tokens)
+        ttft = prefilled + self.transfer_time(prompt_tokens) + self._decode_work(decode)
         itl, added = self._decode_itl(decode, prompt_tokens + output_tokens / 2)
-        imposed = decode.num_decoding * max(output_tokens - 1, 0) * added
+        imposed = stall + decode.num_decoding * max(output_tokens - 1, 0) * added
         return Prediction(ttft, itl, imposed)
 
 
@@ -289,14 +297,25 @@ class Flight:
     """A request the router sent to an instance and has not seen answered."""
 
     body: dict  # held so that its id stays this request's while in the ledger
+    work: str  # what the instance does for it: "prefill", "decode" or "both"
     prompt_tokens: int
-    prompt_chars: int | None  # a text prompt's characters (None: token ids, counted exactly)
     output_tokens: float  # expected
-    sent_at: float
-    first_token_at: float  # predicted: until then its prompt counts as queued prefill
-    prefill_only: bool  # on a prefill instance: it leaves when prefilled
+    sent_at: float = 0.0
+    first_token_at: float = 0.0  # predicted
+    prompt_chars: int | None = None  # a text prompt's characters (None: token ids)
     path: str = "collocated"
     predicted: Prediction | None = None
+    tally: StreamTally | None = None  # the relayed stream, once it started
+
+    def prefilling(self, now: float) -> bool:
+        """Whether its prompt is (still) to be computed on this instance: a prefill-only one
+        until answered, a collocated one until its stream's first text (or, not streamed, its
+        predicted first token)."""
+        if self.work != "both":
+            return self.work == "prefill"
+        if self.tally is not None:
+            return self.tally.first_at is None
+        return now < self.first_token_at
 
 
 @dataclass
@@ -350,9 +369,9 @@ class CostModelRouting:
     def load(self, url: str, now: float) -> Load:
         queued, contexts = 0, []
         for flight in self.flights[url].values():
-            if now < flight.first_token_at:
+            if flight.prefilling(now):
                 queued += flight.prompt_tokens
-            elif not flight.prefill_only:
+            elif flight.work != "prefill":
                 contexts.append(flight.prompt_tokens + flight.output_tokens / 2)
         arrivals = self.arrivals[url]
         while arrivals and arrivals[0][0] < now - self.rate_window_s:
@@ -373,6 +392,8 @@ class CostModelRouting:
         for instance in candidates:
             if instance.role == "prefill":
                 for decode in decodes:
+                    if decode.url == instance.url:  # an instance of both roles: collocated
+                        continue
                     prediction = self.model.disaggregated(
                         loads[instance.url], loads[decode.url], length, expected
                     )
@@ -387,20 +408,20 @@ class CostModelRouting:
         prompt = body.get("prompt")
         chars = None if isinstance(prompt, list) else len(text)
 
-        def record(instance, first_token_at: float, prefill_only: bool, path: str, pred) -> None:
+        def record(instance, work: str, path: str, predicted: Prediction | None) -> None:
             self.flights[instance.url][id(body)] = Flight(
-                body, length, chars, expected, now, first_token_at, prefill_only, path, pred
+                body, work, length, expected, now, ttft_at, chars, path, predicted
             )
-            if prefill_only or path != "disaggregated":  # its prompt is computed there
+            if work != "decode":  # its prompt is computed there
                 self.arrivals[instance.url].append((now, length))
 
         if decode is None:
             path = "collocated" if first.role == "collocated" else "decode_only"
-            record(first, ttft_at, False, path, prediction)
+            record(first, "both", path, prediction)
         else:
             path = "disaggregated"
-            record(first, ttft_at - self.model.transfer_time(length), True, path, None)
-            record(decode, ttft_at, False, path, prediction)
+            record(first, "prefill", path, None)
+            record(decode, "decode", path, prediction)
             self.planned_decode[id(body)] = decode
         self.choices[path] += 1
         return first
@@ -413,13 +434,19 @@ class CostModelRouting:
         return min(decodes, key=lambda i: self.load(i.url, now).num_decoding)
 
     # ---- answers ----
+    def relaying(self, instance, body: dict, tally: StreamTally) -> None:
+        """The answer of `instance` to `body` streams through `tally` from now on."""
+        flight = self.flights[instance.url].get(id(body))
+        if flight is not None:
+            flight.tally = tally
+
     def done(self, instance, body: dict, tally: StreamTally | None, usage: dict | None) -> None:
         """`instance` answered `body` (or failed): it leaves the ledger; its observed lengths
         and latencies feed the predictor and the accuracy report."""
         self.planned_decode.pop(id(body), None)
         flight = self.flights[instance.url].pop(id(body), None)
         usage = usage or (tally.usage if tally else None)
-        if flight is None or flight.prefill_only:
+        if flight is None or flight.work == "prefill":
             return
         prompt_tokens = flight.prompt_tokens
         if usage and usage.get("prompt_tokens"):
@@ -470,6 +497,9 @@ class CostModelPolicy(Policy):
             return self.routing.choose_decode(instances, body)
         decodes = [i for i in self.instances if i.role == "decode" and i.healthy]
         return self.routing.choose_first(instances, decodes, body, text)
+
+    def relaying(self, instance: Instance, body: dict, tally: StreamTally) -> None:
+        self.routing.relaying(instance, body, tally)
 
     def done(
         self,

@@ -98,6 +98,9 @@ class Policy:
         """One of `instances` for the request `body` whose prompt text is `text`."""
         raise NotImplementedError
 
+    def relaying(self, instance: Instance, body: dict, tally) -> None:
+        """The answer of `instance` to `body` streams through `tally` (a StreamTally) now."""
+
     def done(self, instance: Instance, body: dict, tally=None, usage: dict | None = None) -> None:
         """`instance` answered `body` (its stream's `tally`, its `usage` report) or failed."""
 
