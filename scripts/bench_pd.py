@@ -3,7 +3,8 @@
     python scripts/bench_pd.py [--rates 0.25 0.5 1] [--num-prompts 16] [--out-dir bench-pd]
 
 Starts two `quire serve` instances of the default model with `kv_role` kv_both (each pinned to
-one core: `taskset -c 0` and `-c 1`, one thread), measures them with `quire bench pd-profile`,
+one core: `taskset -c 0` and `-c 1`, one thread; 1024 KV blocks, 377 MiB, not the default
+4 GiB: the host has 23 GiB for everyone), measures them with `quire bench pd-profile`,
 and puts three routers in front of the same two instances:
 
   least_loaded    both instances collocated
@@ -237,6 +238,8 @@ def main() -> None:
                     kv_both,
                     "--port",
                     str(port),
+                    "--num-kv-blocks",
+                    "1024",
                     core=core,
                     log=out / f"instance{core}.log",
                 )

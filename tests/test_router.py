@@ -290,7 +290,7 @@ def test_pd_profile_measures_the_instances_and_the_cost_model_router_uses_it(ins
         prompt_lens=[BLOCK, 25 * BLOCK],
         batch_sizes=[1, 2],
         contexts=[8, 40],
-        decode_tokens=12,
+        decode_tokens=64,
         gamma_prompt_len=8 * CHUNK,
         rounds=1,
         timeout=60.0,
