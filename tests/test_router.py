@@ -4,6 +4,7 @@ is gone or the configuration is wrong, and the policies' choices."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import httpx
@@ -12,8 +13,10 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from server_utils import ServerThread, assert_all_blocks_free, serve_engine, wait_until
 
+from quire.bench import pd_profile
 from quire.config import EngineConfig
 from quire.router.app import Router, RouterConfigError, build_router_app, check_instances
+from quire.router.cost_model import load_profile
 from quire.router.policies import CacheAware, Instance, LeastLoaded, RoundRobin
 
 MODEL = "tiny"
@@ -257,3 +260,60 @@ def test_cache_aware_follows_the_longest_prefix_unless_load_is_imbalanced():
     assert policy.choose([a, b], system + "second").url == "a"  # the shared prefix is on a
     a.polled_load = 10  # imbalanced: 10 - 0 > 4 and 10 > 0 * 1.5
     assert policy.choose([a, b], system + "third").url == "b"
+
+
+def test_pd_profile_measures_the_instances_and_the_cost_model_router_uses_it(instances, tmp_path):
+    """`quire bench pd-profile` on the running instances writes a profile the router loads; the
+    cost-model router then answers as one collocated instance does, and learns from the
+    answers it relayed."""
+    (prefill_server, prefill), (decode_server, decode), (collocated_server, _) = instances
+    path = tmp_path / "profile.json"
+    args = argparse.Namespace(
+        prefill=prefill_server.url,
+        decode=decode_server.url,
+        collocated=collocated_server.url,
+        model=MODEL,
+        output=str(path),
+        prompt_lens=[BLOCK, 25 * BLOCK],
+        batch_sizes=[1, 2],
+        contexts=[8, 40],
+        decode_tokens=64,
+        gamma_prompt_len=8 * CHUNK,
+        rounds=1,
+        timeout=60.0,
+    )
+    assert pd_profile.main(args) == 0
+    profile = load_profile(path)
+    measured = json.loads(path.read_text())["measured"]
+    moved = {s["prompt_tokens"]: s["bytes"] for s in measured["prefill_and_transfer"]}
+    assert moved[25 * BLOCK] == 25 * moved[BLOCK]  # blocks x block bytes
+    assert profile.kv_bytes_per_token == moved[BLOCK] / BLOCK
+    assert profile.chunk_tokens == CHUNK
+    assert {(s["batch"], s["context"]) for s in measured["decode_steps"]} == {
+        (1, 8), (2, 8), (1, 40), (2, 40)
+    }  # fmt: skip
+
+    router = Router(
+        check_instances([prefill_server.url], [decode_server.url], [collocated_server.url]),
+        "cost_model",
+        cost_profile=profile,
+    )
+    server = ServerThread(build_router_app(router))
+    try:
+        prompt = token_prompt(CHUNK + 3, 11)
+        expected = completion(collocated_server.url, prompt, ignore_eos=True)["choices"][0]
+        assert completion(server.url, prompt, ignore_eos=True)["choices"][0]["text"] == (
+            expected["text"]
+        )
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0}
+        assert streamed_text(server.url, "/v1/completions", {**body, "ignore_eos": True}) == (
+            expected["text"]
+        )
+        state = httpx.get(server.url + "/load").json()["policy_state"]
+    finally:
+        server.stop()
+    assert sum(state["choices"].values()) == 2
+    assert sum(a["requests"] for a in state["accuracy"].values()) == 1  # the streamed one
+    assert router.first.routing.outputs.predict(CHUNK + 3, max_tokens=None) == 10
+    assert not any(router.first.routing.flights.values())
+    assert_all_blocks_free(prefill, decode)

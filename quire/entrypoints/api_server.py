@@ -730,6 +730,7 @@ def build_app(
             "num_running": stats.num_running,
             "num_waiting": stats.num_waiting + (kv.num_waiting if kv else 0),
             "kv_cache_usage": stats.kv_cache_usage,
+            "max_num_batched_tokens": config.max_num_batched_tokens,
             "disaggregation_mode": config.disaggregation_mode,
             "kv_endpoint": (
                 None if kv is None else {"host": config.kv_host, "port": config.kv_port}

@@ -69,11 +69,13 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _add_bench(subparsers: argparse._SubParsersAction) -> None:
-    from quire.bench import latency, serve, speculative, throughput
+    from quire.bench import latency, pd_profile, serve, speculative, throughput
 
-    p = subparsers.add_parser("bench", help="benchmarks: throughput, latency, serve, speculative")
+    p = subparsers.add_parser(
+        "bench", help="benchmarks: throughput, latency, serve, speculative, pd-profile"
+    )
     benches = p.add_subparsers(dest="bench_command", required=True)
-    for module in (throughput, latency, serve, speculative):
+    for module in (throughput, latency, serve, speculative, pd_profile):
         module.add_parser(benches)
 
 
@@ -217,6 +219,13 @@ def _add_router(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--policy", default="round_robin", choices=POLICIES, help="(default: %(default)s)"
     )
+    p.add_argument(
+        "--cost-profile",
+        default=None,
+        metavar="JSON",
+        help="the instances' measured parameters for --policy cost_model, written by "
+        "`quire bench pd-profile`",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     p.set_defaults(func=_run_router)
@@ -227,7 +236,15 @@ def _run_router(args: argparse.Namespace) -> int:
 
     if logging.getLogger().getEffectiveLevel() > logging.INFO:
         logging.getLogger("quire").setLevel(logging.INFO)
-    run_router(args.prefill, args.decode, args.collocated, args.policy, args.host, args.port)
+    run_router(
+        args.prefill,
+        args.decode,
+        args.collocated,
+        args.policy,
+        args.host,
+        args.port,
+        cost_profile=args.cost_profile,
+    )
     return 0
 
 

@@ -27,7 +27,7 @@ import itertools
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -35,6 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
+from quire.router.cost_model import CostProfile, StreamTally, cost_model_policies, load_profile
 from quire.router.policies import Instance, Policy, make_policy
 
 logger = logging.getLogger(__name__)
@@ -117,11 +118,16 @@ class Router:
         policy: str,
         poll_interval_s: float = 0.5,
         timeout_s: float = 600.0,
+        cost_profile: CostProfile | None = None,
     ):
         self.instances = instances
         self.policy_name = policy
-        self.first: Policy = make_policy(policy)  # among collocated and prefill instances
-        self.second: Policy = make_policy(policy)  # among decode instances
+        self.first: Policy  # among collocated and prefill instances
+        self.second: Policy  # among decode instances
+        if policy == "cost_model" and cost_profile is not None:
+            self.first, self.second = cost_model_policies(cost_profile, instances)
+        else:
+            self.first, self.second = make_policy(policy), make_policy(policy)
         self.poll_interval_s = poll_interval_s
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
         self.registry = CollectorRegistry()
@@ -177,14 +183,14 @@ class Router:
         first_choices = self.of_role("collocated") + prefills
         if not disaggregable(body) or not first_choices:
             first_choices = self.of_role("collocated") or self.of_role("decode")
-        first = self.first.choose(self._live(first_choices), text)
+        first = self.first.choose(self._live(first_choices), text, body)
         if first.role != "prefill":
             self.requests.labels(
                 "collocated" if first.role == "collocated" else "decode_only"
             ).inc()
             return await self._proxy(first, path, body)
         self.requests.labels("disaggregated").inc()
-        decode = self.second.choose(self._live(self.of_role("decode")), text)
+        decode = self.second.choose(self._live(self.of_role("decode")), text, body)
         transfer_id = f"{uuid.uuid4().hex}-{next(self._transfer_ids)}"
         prefill_body = dict(body)
         for name in ("stream", "stream_options", "max_completion_tokens"):
@@ -192,11 +198,12 @@ class Router:
         prefill_body["max_tokens"] = 1
         prefill_body["min_tokens"] = min(body.get("min_tokens", 0), 1)
         prefill_body["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": transfer_id}
-        answered = await self._prefill(first, path, prefill_body, text)
+        answered = await self._prefill(first, path, prefill_body, text, body)
         if answered is None:  # no prefill instance answered: the decode instance computes it
             return await self._proxy(decode, path, body)
         first, response = answered
         if response.status_code != 200:
+            self.first.done(decode, body)
             self.errors.labels("prefill").inc()
             return Response(response.content, response.status_code, media_type="application/json")
         decode_body = dict(body)
@@ -206,30 +213,35 @@ class Router:
             "remote_host": first.kv_host,
             "remote_port": first.kv_port,
         }
-        return await self._proxy(decode, path, decode_body, retry_body=body)
+        return await self._proxy(decode, path, decode_body, origin=body)
 
     def _live(self, instances: list[Instance]) -> list[Instance]:
         """The healthy ones (all of them when none is: the request then fails clearly)."""
         return [i for i in instances if i.healthy] or instances
 
     async def _prefill(
-        self, first: Instance, path: str, body: dict[str, Any], text: str
+        self, first: Instance, path: str, body: dict[str, Any], text: str, origin: dict[str, Any]
     ) -> tuple[Instance, httpx.Response] | None:
-        """The prefill instance that answered `body`, and its answer: an instance that fails
-        (refused, dropped, timed out: the client has seen nothing yet) is marked down and
-        another live prefill instance is asked. None when none is left."""
+        """The prefill instance that answered `body` (made from the client's `origin`), and its
+        answer: an instance that fails (refused, dropped, timed out: the client has seen nothing
+        yet) is marked down and another live prefill instance is asked. None when none is
+        left."""
         instance: Instance | None = first
         tried = []
         while instance is not None:
             instance.sent_since_poll += 1
             try:
-                return instance, await self.client.post(f"{instance.url}{path}", json=body)
+                response = await self.client.post(f"{instance.url}{path}", json=body)
             except httpx.HTTPError as error:
+                self.first.done(instance, origin)
                 self._unreachable(instance, error)
                 tried.append(instance)
-                instance = self._another(instance, tried, text)
+                instance = self._another(instance, tried, text, origin)
                 if instance is not None:
                     self.retries.labels("prefill").inc()
+                continue
+            self.first.done(instance, origin)
+            return instance, response
         return None
 
     async def _proxy(
@@ -237,23 +249,25 @@ class Router:
         instance: Instance,
         path: str,
         body: dict[str, Any],
-        retry_body: dict[str, Any] | None = None,
+        origin: dict[str, Any] | None = None,
     ) -> Response:
-        """The instance's answer to `body`, streamed through when the body asks to stream. An
-        instance that fails before the client got a byte (it refuses the connection, or drops it
-        before its first event) is marked down, and the request goes to another live instance
-        of its role (as `retry_body` when given); a 502 names every instance tried when none
-        is left."""
-        text = prompt_text(body)
+        """The instance's answer to `body` (made from the client's `origin`, if not `body`
+        itself), streamed through when the body asks to stream. An instance that fails before
+        the client got a byte (it refuses the connection, or drops it before its first event)
+        is marked down, and `origin` goes to another live instance of its role; a 502 names
+        every instance tried when none is left."""
+        origin = body if origin is None else origin
+        text = prompt_text(origin)
         tried: list[Instance] = []
         while True:
             instance.sent_since_poll += 1
             try:
-                return await self._send(instance, path, body)
+                return await self._send(instance, path, body, origin)
             except httpx.HTTPError as error:
+                self.first.done(instance, origin)
                 failure = self._unreachable(instance, error)
                 tried.append(instance)
-                retry = self._another(instance, tried, text)
+                retry = self._another(instance, tried, text, origin)
                 if retry is None:
                     if len(tried) == 1:
                         return failure
@@ -261,9 +275,11 @@ class Router:
                     return _error(502, f"No {instance.role} instance answered (tried {urls}).")
                 logger.warning("Retrying the request on the %s instance %s", retry.role, retry.url)
                 self.retries.labels(instance.role).inc()
-                instance, body = retry, retry_body or body
+                instance, body = retry, origin
 
-    async def _send(self, instance: Instance, path: str, body: dict[str, Any]) -> Response:
+    async def _send(
+        self, instance: Instance, path: str, body: dict[str, Any], origin: dict[str, Any]
+    ) -> Response:
         """`body` posted to the instance; a stream is returned once its first chunk came (an
         httpx.HTTPError before then: nothing has reached the client)."""
         request = self.client.build_request("POST", f"{instance.url}{path}", json=body)
@@ -272,6 +288,7 @@ class Router:
             if response.status_code != 200 or not body.get("stream"):
                 content = await response.aread()
                 await response.aclose()
+                self.first.done(instance, origin, usage=_usage(content))
                 if response.status_code != 200:
                     self.errors.labels(instance.role).inc()
                 return Response(
@@ -279,21 +296,29 @@ class Router:
                     response.status_code,
                     media_type=response.headers.get("content-type", "application/json"),
                 )
+            tally = StreamTally()
+            self.first.relaying(instance, origin, tally)
             chunks = response.aiter_raw()
             first = await anext(chunks, b"")
         except BaseException:
             await response.aclose()
             raise
+        tally.feed(first)
         return StreamingResponse(
-            _relay(response, first, chunks), media_type=response.headers.get("content-type")
+            _relay(
+                response, first, chunks, tally, lambda: self.first.done(instance, origin, tally)
+            ),
+            media_type=response.headers.get("content-type"),
         )
 
-    def _another(self, failed: Instance, tried: list[Instance], text: str) -> Instance | None:
+    def _another(
+        self, failed: Instance, tried: list[Instance], text: str, origin: dict[str, Any]
+    ) -> Instance | None:
         """A live instance of `failed`'s role not tried yet, by the policy; None if none."""
         others = [i for i in self.of_role(failed.role) if i.healthy and i not in tried]
         if not others:
             return None
-        return (self.second if failed.role == "decode" else self.first).choose(others, text)
+        return (self.second if failed.role == "decode" else self.first).choose(others, text, origin)
 
     def _unreachable(self, instance: Instance, error: Exception) -> JSONResponse:
         self.errors.labels(instance.role).inc()
@@ -304,17 +329,33 @@ class Router:
 
 
 async def _relay(
-    response: httpx.Response, first: bytes, chunks: AsyncIterator[bytes]
+    response: httpx.Response,
+    first: bytes,
+    chunks: AsyncIterator[bytes],
+    tally: StreamTally,
+    on_end: Callable[[], None],
 ) -> AsyncIterator[bytes]:
+    """The stream's first chunk (already read and tallied), then the rest as it comes."""
     try:
         yield first
         async for chunk in chunks:
+            tally.feed(chunk)
             yield chunk
     except httpx.HTTPError as error:  # the instance died mid-stream: say so in the stream
         body = {"error": {"message": f"The instance stopped mid-stream: {error!r}", "code": 502}}
         yield f"data: {json.dumps(body)}\n\n".encode()
     finally:
         await response.aclose()
+        on_end()
+
+
+def _usage(content: bytes) -> dict[str, Any] | None:
+    """The usage report of a whole (not streamed) answer, if it has one."""
+    try:
+        usage = json.loads(content).get("usage")
+    except (ValueError, AttributeError):
+        return None
+    return usage if isinstance(usage, dict) else None
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -385,6 +426,7 @@ def build_router_app(router: Router) -> FastAPI:
                 {"url": i.url, "role": i.role, "load": i.load, "healthy": i.healthy}
                 for i in router.instances
             ],
+            **({"policy_state": state} if (state := router.first.describe()) else {}),
         }
 
     @app.get("/metrics")
@@ -401,14 +443,23 @@ def run_router(
     policy: str,
     host: str,
     port: int,
+    cost_profile: str | None = None,
 ) -> None:
     import uvicorn
 
-    make_policy(policy)  # a bad name fails before any instance is contacted
+    profile = None
+    if policy == "cost_model" and cost_profile is not None:
+        profile = load_profile(cost_profile)  # a bad profile fails before any instance is
+    elif cost_profile is not None:  # contacted, as a bad policy name does
+        raise RouterConfigError(f"--cost-profile is for --policy cost_model, not {policy}.")
+    else:
+        make_policy(policy)
     instances = check_instances(prefill, decode, collocated)
     logger.info(
         "Routing with %s over %s",
         policy,
         ", ".join(f"{i.role} {i.url}" for i in instances),
     )
-    uvicorn.run(build_router_app(Router(instances, policy)), host=host, port=port)
+    uvicorn.run(
+        build_router_app(Router(instances, policy, cost_profile=profile)), host=host, port=port
+    )

@@ -17,7 +17,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-POLICIES = ("round_robin", "least_loaded", "cache_aware")
+POLICIES = ("round_robin", "least_loaded", "cache_aware", "cost_model")
 
 
 class PrefixTree:
@@ -94,20 +94,31 @@ class Instance:
 
 
 class Policy:
-    def choose(self, instances: list[Instance], text: str) -> Instance:
+    def choose(self, instances: list[Instance], text: str, body: dict | None = None) -> Instance:
+        """One of `instances` for the request `body` whose prompt text is `text`."""
         raise NotImplementedError
+
+    def relaying(self, instance: Instance, body: dict, tally) -> None:
+        """The answer of `instance` to `body` streams through `tally` (a StreamTally) now."""
+
+    def done(self, instance: Instance, body: dict, tally=None, usage: dict | None = None) -> None:
+        """`instance` answered `body` (its stream's `tally`, its `usage` report) or failed."""
+
+    def describe(self) -> dict:
+        """What the router's /load shows of the policy's state."""
+        return {}
 
 
 class RoundRobin(Policy):
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def choose(self, instances: list[Instance], text: str) -> Instance:
+    def choose(self, instances: list[Instance], text: str, body: dict | None = None) -> Instance:
         return instances[next(self._counter) % len(instances)]
 
 
 class LeastLoaded(Policy):
-    def choose(self, instances: list[Instance], text: str) -> Instance:
+    def choose(self, instances: list[Instance], text: str, body: dict | None = None) -> Instance:
         return min(instances, key=lambda instance: instance.load)
 
 
@@ -122,7 +133,7 @@ class CacheAware(Policy):
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
 
-    def choose(self, instances: list[Instance], text: str) -> Instance:
+    def choose(self, instances: list[Instance], text: str, body: dict | None = None) -> Instance:
         loads = [instance.load for instance in instances]
         imbalanced = (
             max(loads) - min(loads) > self.balance_abs_threshold
@@ -148,4 +159,6 @@ def make_policy(name: str) -> Policy:
         return LeastLoaded()
     if name == "cache_aware":
         return CacheAware()
+    if name == "cost_model":
+        raise ValueError("policy cost_model needs measured parameters: pass --cost-profile.")
     raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {name!r}.")
