@@ -18,6 +18,7 @@
 
 #include "bf16.h"
 #include "kernels.h"
+#include "kv_quant.h"
 
 #define MAX_HEADS 64
 #define MAX_HEAD_DIM 256
@@ -35,15 +36,18 @@ static inline int kv_heads_per_task(int num_seqs, int num_kv_heads, int num_thre
     return heads;
 }
 
-// Portable C, instantiated for bfloat16 and float32 below.
-#define DEFINE_PAGED_DECODE(LINKAGE, NAME, T, LOAD, STORE)                                         \
+// Portable C, instantiated below for bfloat16 and float32 queries and caches, and for bfloat16
+// queries over the quantized caches of kv_quant.h: KT is the cache's element, ROW(head_dim) the
+// elements of one token's row per KV head, LOAD_ROW(dst, row, head_dim) its float32 values.
+#define DEFINE_PAGED_DECODE(LINKAGE, NAME, T, KT, ROW, LOAD, STORE, LOAD_ROW)                      \
 LINKAGE                                                                                            \
-int NAME(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,             \
+int NAME(const T* q, const KT* k_cache, const KT* v_cache, const int32_t* block_tables,           \
          const int32_t* seq_lens, T* out, int num_seqs, int num_heads, int num_kv_heads,          \
          int head_dim, int block_size, int max_blocks, float scale, int num_threads) {             \
     const int group = num_heads / num_kv_heads;                                                    \
     if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK_SIZE) return -1; \
-    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;                                 \
+    const int64_t row = ROW(head_dim);                                                             \
+    const int64_t token_stride = (int64_t)num_kv_heads * row;                                      \
     const int64_t block_stride = token_stride * block_size;                                        \
     const int heads_per_task = kv_heads_per_task(num_seqs, num_kv_heads, num_threads);             \
     const int tasks_per_seq = num_kv_heads / heads_per_task;                                       \
@@ -72,10 +76,9 @@ int NAME(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_ta
             const int n = len - start < block_size ? len - start : block_size;                     \
             const int64_t base = (int64_t)table[start / block_size] * block_stride;                \
             for (int t = 0; t < n; t++) {                                                          \
-                const T* k_tok = k_cache + base + t * token_stride;                                \
+                const KT* k_tok = k_cache + base + t * token_stride;                               \
                 for (int kvh = kvh0; kvh < kvh0 + heads_per_task; kvh++) {                         \
-                    const T* k_row = k_tok + (int64_t)kvh * head_dim;                              \
-                    for (int d = 0; d < head_dim; d++) kf[d] = LOAD(k_row[d]);                     \
+                    LOAD_ROW(kf, k_tok + kvh * row, head_dim);                                     \
                     for (int j = 0; j < group; j++) {                                              \
                         const int h = (kvh - kvh0) * group + j;                                    \
                         float dot = 0.0f;                                                          \
@@ -98,10 +101,9 @@ int NAME(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_ta
                 running_max[h] = block_max;                                                        \
             }                                                                                      \
             for (int t = 0; t < n; t++) {                                                          \
-                const T* v_tok = v_cache + base + t * token_stride;                                \
+                const KT* v_tok = v_cache + base + t * token_stride;                               \
                 for (int kvh = kvh0; kvh < kvh0 + heads_per_task; kvh++) {                         \
-                    const T* v_row = v_tok + (int64_t)kvh * head_dim;                              \
-                    for (int d = 0; d < head_dim; d++) kf[d] = LOAD(v_row[d]);                     \
+                    LOAD_ROW(kf, v_tok + kvh * row, head_dim);                                     \
                     for (int j = 0; j < group; j++) {                                              \
                         const int h = (kvh - kvh0) * group + j;                                    \
                         const float p = scores[h][t];                                              \
@@ -552,8 +554,23 @@ static int paged_decode_bf16_avx512(const uint16_t* q, const uint16_t* k_cache,
 
 #define LOAD_F32(x) (x)
 #define STORE_F32(x) (x)
-DEFINE_PAGED_DECODE(static, paged_decode_bf16_portable, uint16_t, bf16_to_f32, f32_to_bf16)
-DEFINE_PAGED_DECODE(, paged_decode_f32, float, LOAD_F32, STORE_F32)
+#define PLAIN_ROW(head_dim) (head_dim)
+#define QUANT_ROW(head_dim) ((head_dim) + KV_SCALE_BYTES)
+#define LOAD_BF16_ROW(dst, src, head_dim) \
+    for (int d = 0; d < head_dim; d++) dst[d] = bf16_to_f32((src)[d])
+#define LOAD_F32_ROW(dst, src, head_dim) memcpy(dst, src, sizeof(float) * (head_dim))
+#define LOAD_INT8_ROW(dst, src, head_dim) kv_dequant_row(KV_INT8, src, head_dim, dst)
+#define LOAD_E4M3_ROW(dst, src, head_dim) kv_dequant_row(KV_FP8_E4M3, src, head_dim, dst)
+#define LOAD_E5M2_ROW(dst, src, head_dim) kv_dequant_row(KV_FP8_E5M2, src, head_dim, dst)
+DEFINE_PAGED_DECODE(static, paged_decode_bf16_portable, uint16_t, uint16_t, PLAIN_ROW, bf16_to_f32,
+                    f32_to_bf16, LOAD_BF16_ROW)
+DEFINE_PAGED_DECODE(, paged_decode_f32, float, float, PLAIN_ROW, LOAD_F32, STORE_F32, LOAD_F32_ROW)
+DEFINE_PAGED_DECODE(static, paged_decode_int8_portable, uint16_t, uint8_t, QUANT_ROW, bf16_to_f32,
+                    f32_to_bf16, LOAD_INT8_ROW)
+DEFINE_PAGED_DECODE(static, paged_decode_e4m3_portable, uint16_t, uint8_t, QUANT_ROW, bf16_to_f32,
+                    f32_to_bf16, LOAD_E4M3_ROW)
+DEFINE_PAGED_DECODE(static, paged_decode_e5m2_portable, uint16_t, uint8_t, QUANT_ROW, bf16_to_f32,
+                    f32_to_bf16, LOAD_E5M2_ROW)
 
 int paged_decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                       const int32_t* block_tables, const int32_t* seq_lens, uint16_t* out,
@@ -569,4 +586,27 @@ int paged_decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t
     return paged_decode_bf16_portable(q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs,
                                       num_heads, num_kv_heads, head_dim, block_size, max_blocks,
                                       scale, num_threads);
+}
+
+// Decode attention over a quantized cache (kv_quant.h; `kind` says which): bf16 queries and
+// output, the arguments of paged_decode_bf16 otherwise.
+int paged_decode_quant(int kind, const uint16_t* q, const uint8_t* k_cache, const uint8_t* v_cache,
+                       const int32_t* block_tables, const int32_t* seq_lens, uint16_t* out,
+                       int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                       int max_blocks, float scale, int num_threads) {
+    switch (kind) {
+        case KV_INT8:
+            return paged_decode_int8_portable(q, k_cache, v_cache, block_tables, seq_lens, out,
+                                              num_seqs, num_heads, num_kv_heads, head_dim,
+                                              block_size, max_blocks, scale, num_threads);
+        case KV_FP8_E4M3:
+            return paged_decode_e4m3_portable(q, k_cache, v_cache, block_tables, seq_lens, out,
+                                              num_seqs, num_heads, num_kv_heads, head_dim,
+                                              block_size, max_blocks, scale, num_threads);
+        case KV_FP8_E5M2:
+            return paged_decode_e5m2_portable(q, k_cache, v_cache, block_tables, seq_lens, out,
+                                              num_seqs, num_heads, num_kv_heads, head_dim,
+                                              block_size, max_blocks, scale, num_threads);
+    }
+    return -1;
 }
