@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from quire.engine_args import KV_CACHE_DTYPES
+
 SCALE_BYTES = 4
 # The quantized formats: their cache tensor dtype and their number in kernels/cpu/kv_quant.h.
 _QUANTIZED = {
@@ -36,9 +37,7 @@ def check_kv_cache_dtype(name: str) -> str:
     return "fp8_e4m3" if name == "fp8" else name
 
 
-def cache_dtype(
-    kv_cache_dtype: str, model_dtype: torch.dtype, have_c_kernels: bool
-) -> torch.dtype:
+def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, have_c_kernels: bool) -> torch.dtype:
     """The dtype of the cache tensors for a (canonical) `kv_cache_dtype` and the model's dtype.
     Raises ValueError where the attention kernels cannot read it: a bf16 or quantized cache
     needs bf16 activations, and a quantized one the C kernels (`have_c_kernels`)."""

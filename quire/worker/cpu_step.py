@@ -326,9 +326,9 @@ class CpuStepRunner:
                     head_dim=layer.head_dim,
                     intermediate_size=weights.intermediate_size,
                     block_size=kv_cache.block_size,
-                    kv_kind=kv_format.kind(kv_cache.dtype) if kv_format.is_quantized(
-                        kv_cache.dtype
-                    ) else 0,
+                    kv_kind=kv_format.kind(kv_cache.dtype)
+                    if kv_format.is_quantized(kv_cache.dtype)
+                    else 0,
                     eps=layer.eps,
                     qk_eps=layer.qk_eps,
                     scale=layer.scale,
