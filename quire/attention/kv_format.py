@@ -37,10 +37,11 @@ def check_kv_cache_dtype(name: str) -> str:
     return "fp8_e4m3" if name == "fp8" else name
 
 
-def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, have_c_kernels: bool) -> torch.dtype:
+def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, c_decode: bool) -> torch.dtype:
     """The dtype of the cache tensors for a (canonical) `kv_cache_dtype` and the model's dtype.
     Raises ValueError where the attention kernels cannot read it: a bf16 or quantized cache
-    needs bf16 activations, and a quantized one the C kernels (`have_c_kernels`)."""
+    needs bf16 activations, and a quantized one the C decode kernel for the model's attention
+    shape (`c_decode`: kernels/cpu.supports_paged_decode; there is no PyTorch path for it)."""
     if kv_cache_dtype == "auto":
         return model_dtype
     if model_dtype != torch.bfloat16:
@@ -51,10 +52,11 @@ def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, have_c_kernels: b
         )
     if kv_cache_dtype == "bfloat16":
         return torch.bfloat16
-    if not have_c_kernels:
+    if not c_decode:
         raise ValueError(
             f"kv_cache_dtype {kv_cache_dtype!r} is read by the C attention kernels, which are "
-            "off or could not be built here (cpu_kernels, a C compiler): use kv_cache_dtype auto."
+            "off, could not be built here (cpu_kernels, a C compiler) or do not take this "
+            "model's attention (at most 64 heads, head_dim 256): use kv_cache_dtype auto."
         )
     return _QUANTIZED[kv_cache_dtype][0]
 

@@ -142,7 +142,7 @@ def measure_decode(
     from quire.sampling_params import SamplingParams
 
     mc, dtype = engine.model_config, engine.dtype
-    kv_dtype = kv_format.cache_dtype(engine.config.kv_cache_dtype, dtype, have_c_kernels=True)
+    kv_dtype = kv_format.cache_dtype(engine.config.kv_cache_dtype, dtype, c_decode=True)
     params = SamplingParams(
         temperature=0.0, max_tokens=None, ignore_eos=True, structured_outputs=structured_outputs
     )

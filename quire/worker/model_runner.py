@@ -124,11 +124,12 @@ class ModelRunner:
         )
         self.backend = make_backend(config.attention_backend)
         self.sampler = Sampler()
-        kv_dtype = kv_format.cache_dtype(
-            config.kv_cache_dtype, dtype, cpu_kernels.load_library() is not None
+        first = self.model.attention_layers[0]
+        num_kv_heads = first.num_kv_heads  # this rank's share (all of them with one rank)
+        c_decode = self.device.type == "cpu" and cpu_kernels.supports_paged_decode(
+            torch.bfloat16, first.num_heads, num_kv_heads, model_config.head_dim
         )
-        # this rank's share of the KV heads (all of them with one rank)
-        num_kv_heads = self.model.attention_layers[0].num_kv_heads
+        kv_dtype = kv_format.cache_dtype(config.kv_cache_dtype, dtype, c_decode)
         rank_config = dataclasses.replace(model_config, num_key_value_heads=num_kv_heads)
         self.num_blocks = config.num_kv_blocks or kv_cache.num_kv_blocks(
             rank_config,
