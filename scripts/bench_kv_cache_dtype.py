@@ -1,7 +1,14 @@
 """What a quantized KV cache costs in accuracy on a real model: perplexity from `prompt_logprobs`
-over fixed texts, and greedy agreement with the bf16 cache, for each `--kv-cache-dtype`.
+over fixed texts, and greedy agreement with the bf16 cache, for each `--kv-cache-dtype`; with
+`--speed`, its batch-1 decode step at a long context instead.
 
     python scripts/bench_kv_cache_dtype.py [--model PATH] [--dtypes auto int8 fp8 fp8_e5m2]
+    python scripts/bench_kv_cache_dtype.py --speed [--prompt-len 4096] [--rounds 40]
+
+`--speed`: one engine per dtype in one process, each prefilled with the same random prompt, then
+rounds of one decode step on each engine in turn (order reversed every round, ABBA), so every
+engine's steps share the host's moments; per dtype the median step, and per quantized dtype the
+median over rounds of its step time over the bf16 (auto) engine's.
 
 Texts: tests/test_quantized_gguf.py's prose (~200 tokens) and the first 2,048 tokens of
 docs/ARCHITECTURE.md (a long context, where every token's keys are read by every later one).
@@ -41,12 +48,60 @@ def perplexity(llm: LLM, token_ids: list[int]) -> float:
     return math.exp(-sum(logprobs) / len(logprobs))
 
 
+def decode_speed(args: argparse.Namespace) -> None:
+    import random
+    import statistics
+    import time
+
+    engines = {}
+    for name in args.dtypes:
+        engines[name] = LLM(
+            args.model,
+            kv_cache_dtype=name,
+            kv_cache_memory=256 << 20,
+            max_model_len=args.prompt_len + args.rounds + 64,
+        ).engine
+    vocab = next(iter(engines.values())).model_config.vocab_size
+    rng = random.Random(0)
+    prompt = [rng.randrange(10, vocab) for _ in range(args.prompt_len)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.rounds + 16, ignore_eos=True)
+    for engine in engines.values():
+        engine.add_request("decode", prompt, params)
+        for _ in range(4):  # the prefill (chunks), then warm-up decodes
+            engine.step()
+    times = {name: [] for name in engines}
+    for r in range(args.rounds):
+        order = list(engines) if r % 2 == 0 else list(engines)[::-1]
+        for name in order:
+            start = time.perf_counter()
+            engines[name].step()
+            times[name].append(time.perf_counter() - start)
+    base = times[args.dtypes[0]]
+    for name, t in times.items():
+        ratios = [a / b for a, b in zip(t, base)]
+        print(
+            f"{name:9s} decode step at context ~{args.prompt_len}: median "
+            f"{statistics.median(t) * 1e3:.2f} ms (fastest {min(t) * 1e3:.2f}); "
+            f"/ {args.dtypes[0]}: median of rounds {statistics.median(ratios):.3f}x "
+            f"(quartiles {statistics.quantiles(ratios, n=4)[0]:.3f}-"
+            f"{statistics.quantiles(ratios, n=4)[2]:.3f}), fastest steps "
+            f"{min(t) / min(base):.3f}x",
+            flush=True,
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="default: quire's default model")
     parser.add_argument("--dtypes", nargs="+", default=["auto", "int8", "fp8", "fp8_e5m2"])
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--speed", action="store_true", help="decode step time instead")
+    parser.add_argument("--prompt-len", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=40)
     args = parser.parse_args()
+    if args.speed:
+        decode_speed(args)
+        return 0
     from test_quantized_gguf import PROSE
 
     with open(os.path.join(ROOT, "docs", "ARCHITECTURE.md")) as f:

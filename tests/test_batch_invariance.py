@@ -17,6 +17,7 @@ from quire import LLM, SamplingParams
 # Lengths around the block size (16) and the chunk budget below: prefix-cache hits leave 1 or 2
 # tokens to compute, and chunking leaves last chunks of one token.
 LENGTHS = [97, 33, 65, 17, 210, 5, 130, 48]
+KV_MEMORY = 64 << 20  # ~60k tokens of this model's bf16 cache: far more than a run holds
 
 
 def run(llm: LLM, batch: list[dict], max_tokens: int = 6) -> list[tuple[list[int], list[float]]]:
@@ -50,7 +51,11 @@ def kv_cache_dtype(request) -> str:
 @pytest.fixture(scope="module")
 def alone(model_dir, kv_cache_dtype) -> list[tuple[list[int], list[float]]]:
     llm = LLM(
-        model_dir, dtype="bfloat16", enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype
+        model_dir,
+        dtype="bfloat16",
+        enable_prefix_caching=False,
+        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_memory=KV_MEMORY,
     )
     return [run(llm, [p])[0] for p in token_prompts(LENGTHS)]
 
@@ -67,6 +72,7 @@ def test_a_batch_gives_each_request_its_bits_alone(
         max_num_batched_tokens=budget,
         max_num_seqs=max_seqs,
         kv_cache_dtype=kv_cache_dtype,
+        kv_cache_memory=KV_MEMORY,
     )
     assert run(llm, token_prompts(LENGTHS)) == alone
     # Again: now every prompt's full blocks are cached, and only its tail is computed.
