@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from quire.attention import kv_format
 from quire.engine_args import ATTENTION_BACKENDS, DEVICES, QUANTIZATIONS, EngineArgs
 from quire.layers.linear import onednn_runs_bf16
 
@@ -175,6 +176,13 @@ class EngineConfig(EngineArgs):
             )
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if self.device == "cuda" else "torch"
+        self.kv_cache_dtype = kv_format.check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.kv_cache_dtype not in ("auto", "bfloat16") and self.attention_backend != "torch":
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} runs on the CPU attention path only "
+                "(attention_backend torch); the Triton (GPU) kernels read auto or bfloat16 "
+                "caches. Use kv_cache_dtype auto or bfloat16 on a GPU."
+            )
         if self.distributed_executor_backend not in ("uni", "mp"):
             raise ValueError(
                 "distributed_executor_backend must be 'uni' (in process) or 'mp' (a worker "

@@ -28,6 +28,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("auto", "none")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# --kv-cache-dtype: vLLM's values (fp8 is fp8_e4m3), and int8 (quire/attention/kv_format.py)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 
 
 def _knob(
@@ -93,6 +95,13 @@ class EngineArgs:
     num_kv_blocks: int | None = _knob(
         help="KV cache blocks (default: as many as --kv-cache-memory or, on a GPU, "
         "--gpu-memory-utilization allows)"
+    )
+    kv_cache_dtype: str = _knob(
+        "auto",
+        choices=KV_CACHE_DTYPES,
+        help="what the KV cache stores: auto, the model's dtype; bfloat16; int8 or fp8 "
+        "(fp8_e4m3; also fp8_e5m2): one byte a value with a float32 scale per token and KV "
+        "head, ~1.9x the tokens in the same memory (CPU with the C kernels, bf16 models)",
     )
     kv_cache_memory: int | None = _knob(
         metavar="BYTES",

@@ -1,6 +1,7 @@
 """bfloat16 outputs do not depend on the batch: a request's tokens and logprobs are the same bits
 whether it runs alone or beside others, whatever chunk sizes the token budget gives its prompt,
-and whether a prefix-cache hit leaves one prompt token or many to compute.
+and whether a prefix-cache hit leaves one prompt token or many to compute; with a bf16, int8 or
+fp8 KV cache alike (a quantized token's row is set once, from that token alone).
 
 The model takes the CPU kernel paths (head_dim 64) and has a projection with K > 1,024 (the MLP's
 down projection), where oneDNN's summation order changes with the number of rows; a prompt whose
@@ -16,6 +17,7 @@ from quire import LLM, SamplingParams
 # Lengths around the block size (16) and the chunk budget below: prefix-cache hits leave 1 or 2
 # tokens to compute, and chunking leaves last chunks of one token.
 LENGTHS = [97, 33, 65, 17, 210, 5, 130, 48]
+KV_MEMORY = 64 << 20  # ~60k tokens of this model's bf16 cache: far more than a run holds
 
 
 def run(llm: LLM, batch: list[dict], max_tokens: int = 6) -> list[tuple[list[int], list[float]]]:
@@ -41,17 +43,37 @@ def model_dir(build_model, tmp_path_factory) -> str:
     )
 
 
+@pytest.fixture(scope="module", params=["auto", "int8", "fp8"])
+def kv_cache_dtype(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def alone(model_dir) -> list[tuple[list[int], list[float]]]:
-    llm = LLM(model_dir, dtype="bfloat16", enable_prefix_caching=False)
+def alone(model_dir, kv_cache_dtype) -> list[tuple[list[int], list[float]]]:
+    llm = LLM(
+        model_dir,
+        dtype="bfloat16",
+        enable_prefix_caching=False,
+        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_memory=KV_MEMORY,
+    )
     return [run(llm, [p])[0] for p in token_prompts(LENGTHS)]
 
 
 @pytest.mark.parametrize(
     "budget, max_seqs", [(2048, 256), (64, 3), (24, 8)], ids=["one-step", "chunks-64", "chunks-24"]
 )
-def test_a_batch_gives_each_request_its_bits_alone(model_dir, alone, budget, max_seqs) -> None:
-    llm = LLM(model_dir, dtype="bfloat16", max_num_batched_tokens=budget, max_num_seqs=max_seqs)
+def test_a_batch_gives_each_request_its_bits_alone(
+    model_dir, kv_cache_dtype, alone, budget, max_seqs
+) -> None:
+    llm = LLM(
+        model_dir,
+        dtype="bfloat16",
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_seqs,
+        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_memory=KV_MEMORY,
+    )
     assert run(llm, token_prompts(LENGTHS)) == alone
     # Again: now every prompt's full blocks are cached, and only its tail is computed.
     assert run(llm, token_prompts(LENGTHS)) == alone

@@ -121,6 +121,15 @@ def test_decode_step_bytes_are_weights_plus_kv_context():
     assert roofline.decode_step_bytes(mc, torch.bfloat16, [3, 5]) == 2464 + 8 * 32
 
 
+def test_the_kv_context_is_counted_in_the_caches_dtype():
+    mc = _hand_model()
+    # K and V, 2 layers, 1 KV head: 4 one-byte codes and a 4-byte scale each
+    assert roofline.kv_bytes_per_token(mc, torch.int8) == 2 * 2 * (4 + 4)
+    # bf16 weights, a float32 cache: 64 bytes per token
+    step = roofline.decode_step_bytes(mc, torch.bfloat16, [3, 5], kv_dtype=torch.float32)
+    assert step == 2464 + 8 * 64
+
+
 def test_prefill_flops_are_2_per_weight_per_token_plus_causal_attention():
     mc = _hand_model()
     layers = 2 * 1152 * 3

@@ -280,3 +280,33 @@ def test_a_request_preempted_on_the_decode_side_is_recomputed_there(
         assert_all_blocks_free(small, prefill)
     finally:
         small.shutdown()
+
+
+def test_an_int8_kv_cache_moves_with_its_scales(build_model, tmp_path_factory):
+    """Quantized rows carry their scales, so a pulled int8 cache decodes as a collocated one."""
+    import torch
+
+    model = build_model(
+        str(tmp_path_factory.mktemp("int8-kv")),
+        "llama",
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        dtype=torch.bfloat16,
+    )
+    kv = dict(dtype="bfloat16", kv_cache_dtype="int8")
+    prefill_engine = engine(model, disaggregation_mode="prefill", **kv)
+    decode_engine = engine(model, disaggregation_mode="decode", **kv)
+    try:
+        request = PROMPTS["longer than a chunk"]
+        out = disaggregated(prefill_engine, decode_engine, request, params())
+        collocated = LLM(
+            model=model, block_size=BLOCK, max_num_batched_tokens=CHUNK, num_kv_blocks=48, **kv
+        )
+        expected = collocated.generate([request], params(), use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert_all_blocks_free(prefill_engine, decode_engine)
+    finally:
+        prefill_engine.shutdown()
+        decode_engine.shutdown()

@@ -27,6 +27,7 @@ EXPECTED_FLAGS = {
     "--max-num-batched-tokens": "max_num_batched_tokens",
     "--enable-prefix-caching": "enable_prefix_caching",
     "--no-enable-prefix-caching": "enable_prefix_caching",
+    "--kv-cache-dtype": "kv_cache_dtype",
     "--kv-cache-memory": "kv_cache_memory",
     "--gpu-memory-utilization": "gpu_memory_utilization",
     "--attention-backend": "attention_backend",

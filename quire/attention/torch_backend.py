@@ -5,7 +5,12 @@ reads K/V through the block table, no gathered copy); otherwise as one padded ba
 decode sequence's blocks are gathered into a `[num_decodes, max_blocks * block_size,
 num_kv_heads, head_dim]` tensor and masked past its length.
 Prefill chunks likewise run in a C kernel when it can be built for the dtype (bf16 on CPUs with
-AVX-512 BF16: all chunks of a step in one call, K/V read through the block table). Where it
+AVX-512 BF16: all chunks of a step in one call, K/V read through the block table).
+
+A quantized cache (attention/kv_format.py) is written by the C quantizer, each token's row on its
+own, and read by the C decode kernel; prefill chunks read their blocks dequantized to bf16 by the
+prefill kernel (a token's bits still depend only on its context's codes), or run as decodes
+where that kernel does not run. There is no PyTorch fallback for it (checked at start). Where it
 cannot and the dtype is bf16 (an AVX2-only CPU), each prompt token runs as a decode over its
 context in the decode kernel, so that its bits do not depend on chunking or batching; otherwise
 (float32, or no C kernels) one request at a time with `scaled_dot_product_attention` over the
@@ -17,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from quire.attention import kv_format
 from quire.attention.backend import AttentionBackend, AttentionMetadata
 from quire.kernels import cpu as cpu_kernels
 
@@ -24,10 +30,13 @@ from quire.kernels import cpu as cpu_kernels
 def store_kv(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim (+ 4 quantized)]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> None:
+    if kv_format.is_quantized(k_cache.dtype):
+        cpu_kernels.store_kv_quant(key, value, k_cache, v_cache, slot_mapping)
+        return
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     k_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     v_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(
@@ -77,7 +86,7 @@ class TorchAttentionBackend(AttentionBackend):
         num_decodes = metadata.num_decodes
         if query.device.type == "cpu" and cpu_kernels.supports_paged_decode(
             query.dtype, query.shape[1], k_cache.shape[2], query.shape[2]
-        ):
+        ):  # a quantized cache always comes here (kv_format.cache_dtype)
             return cpu_kernels.paged_decode(
                 query,
                 k_cache,
@@ -104,6 +113,8 @@ class TorchAttentionBackend(AttentionBackend):
             # above) from the cache through the block tables.
             n = metadata.num_decode_tokens
             block_tables, query_start_loc, seq_lens = metadata.prefill_tables()
+            if kv_format.is_quantized(k_cache.dtype):
+                k_cache, v_cache, block_tables = dequantized_blocks(k_cache, v_cache, block_tables)
             cpu_kernels.prefill_attention(
                 query[n:],
                 k_cache,
@@ -125,6 +136,21 @@ class TorchAttentionBackend(AttentionBackend):
             decoded_prefill(query, k_cache, v_cache, metadata, scale, output)
             return
         gathered_prefill(query, k_cache, v_cache, metadata, scale, output)
+
+
+def dequantized_blocks(
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim + 4] quantized
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The blocks these tables name, dequantized to bf16 (`[num_used, block_size, num_kv_heads,
+    head_dim]` each), and the tables renumbered into them: what the bf16 prefill kernel reads."""
+    used = torch.unique(block_tables)  # sorted
+    tables = torch.searchsorted(used, block_tables).to(torch.int32)
+    index = used.long()
+    keys = kv_format.dequantize(k_cache[index]).to(torch.bfloat16)
+    values = kv_format.dequantize(v_cache[index]).to(torch.bfloat16)
+    return keys, values, tables
 
 
 def decoded_prefill(

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from quire.attention import kv_format
 from quire.bench import roofline
 from quire.bench.models import add_model_dir_arg, resolve_model
 from quire.bench.speculative import describe_spec_decoding, spec_decoding_report
@@ -141,6 +142,7 @@ def measure_decode(
     from quire.sampling_params import SamplingParams
 
     mc, dtype = engine.model_config, engine.dtype
+    kv_dtype = kv_format.cache_dtype(engine.config.kv_cache_dtype, dtype, c_decode=True)
     params = SamplingParams(
         temperature=0.0, max_tokens=None, ignore_eos=True, structured_outputs=structured_outputs
     )
@@ -167,7 +169,9 @@ def measure_decode(
         step()
         times.append(time.perf_counter() - start)
         bandwidths.append(probe.read_gbps())
-        step_bytes.append(roofline.decode_step_bytes(mc, dtype, context_lens, weight_bytes))
+        step_bytes.append(
+            roofline.decode_step_bytes(mc, dtype, context_lens, weight_bytes, kv_dtype)
+        )
         contexts.append(statistics.fmean(context_lens))
     tokens_per_step = (sum(num_output.values()) - num_before) / num_steps
     engine.abort_request(ids)
@@ -310,7 +314,7 @@ def main(args: argparse.Namespace) -> int:
         weights += f" with {'/'.join(sorted(kept))} blocks kept"
     print(
         f"model: {engine.config.model} ({roofline.num_params(mc) / 1e6:.0f}M params, "
-        f"{weights}), {device}, "
+        f"{weights}), KV cache {engine.config.kv_cache_dtype}, {device}, "
         f"{torch.get_num_threads()} threads\n"
         f"machine at the start: read {hardware.read_gbps:.1f} GB/s, copy "
         f"{hardware.copy_gbps:.1f} GB/s, matmul {hardware.matmul_tflops:.3f} TFLOP/s\n"
@@ -345,6 +349,7 @@ def main(args: argparse.Namespace) -> int:
         "model": engine.config.model,
         "dtype": str(dtype).removeprefix("torch."),
         "quantization": engine.config.quantization,
+        "kv_cache_dtype": engine.config.kv_cache_dtype,
         "decode_weight_bytes": weight_bytes,
         "device": device,
         "torch_threads": torch.get_num_threads(),

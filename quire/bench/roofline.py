@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quire.attention import kv_format
 from quire.model.model_config import ModelConfig
 from quire.worker import host_memory
 
@@ -153,9 +154,12 @@ def num_params(mc: ModelConfig) -> int:
     return mc.num_hidden_layers * layer_matmul_params(mc) + embeddings
 
 
-def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype) -> int:
-    """K and V of one token across all layers."""
-    return 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * dtype.itemsize
+def kv_bytes_per_token(mc: ModelConfig, kv_dtype: torch.dtype) -> int:
+    """K and V of one token across all layers, in a cache of `kv_dtype` (a quantized one's
+    scales included)."""
+    return mc.num_hidden_layers * kv_format.bytes_per_token(
+        mc.num_key_value_heads, mc.head_dim, kv_dtype
+    )
 
 
 def decode_weight_bytes(mc: ModelConfig, dtype: torch.dtype) -> int:
@@ -168,13 +172,15 @@ def decode_step_bytes(
     dtype: torch.dtype,
     context_lens: Sequence[int],
     weight_bytes: int | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> int:
     """Bytes one decode step moves: the weights once (`weight_bytes`, default
     `decode_weight_bytes`: all in `dtype`), plus each request's K/V over its context
-    (`context_lens[i]` tokens attended, the new one included)."""
+    (`context_lens[i]` tokens attended, the new one included) in `kv_dtype` (default `dtype`)."""
     if weight_bytes is None:
         weight_bytes = decode_weight_bytes(mc, dtype)
-    return weight_bytes + sum(context_lens) * kv_bytes_per_token(mc, dtype)
+    kv_bytes = kv_bytes_per_token(mc, dtype if kv_dtype is None else kv_dtype)
+    return weight_bytes + sum(context_lens) * kv_bytes
 
 
 def attention_flops(mc: ModelConfig, num_queries: int, context_len: int) -> int:

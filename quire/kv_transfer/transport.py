@@ -5,7 +5,7 @@ One request, one round trip. The decode side sends a JSON header (`op`, the tran
 leading blocks it already holds, its KV layout); the prefill side answers with a JSON header
 (the first token and what decoding needs besides the blocks) and one frame per layer, each the
 request's blocks of that layer contiguous: `[2 (K, V), num_blocks, block_size, num_kv_heads,
-head_dim]` in the cache's dtype. So a request moves blocks x block bytes, nothing else. A second
+row]` in the cache's dtype (row: head_dim, or a quantized cache's codes and scale). So a request moves blocks x block bytes, nothing else. A second
 message (`done`) ends the lease, whether the blocks were taken or the request was dropped.
 
 A layout that differs (model, block size, KV dtype, heads, tensor-parallel size) is refused on
@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import zmq
 
+from quire.attention import kv_format
+
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 100  # how often the server thread looks at its stop flag
@@ -43,7 +45,7 @@ class KVLayout:
     block_size: int
     num_kv_heads: int
     head_dim: int
-    dtype: str
+    dtype: str  # the KV cache's (kv_format.name): bfloat16, float32, int8, fp8_e4m3, fp8_e5m2
     tensor_parallel_size: int
 
     def as_dict(self) -> dict[str, Any]:
@@ -207,7 +209,8 @@ class KVClient:
         }
         header, frames = self._request(host, port, message)
         layout = self.layout
-        shape = (2, header["num_blocks"], layout.block_size, layout.num_kv_heads, layout.head_dim)
+        row = kv_format.row_width(layout.head_dim, self.dtype)
+        shape = (2, header["num_blocks"], layout.block_size, layout.num_kv_heads, row)
         layers = [
             torch.frombuffer(f, dtype=torch.uint8).view(self.dtype).view(shape) for f in frames
         ]

@@ -90,8 +90,9 @@ class DraftModelProposer:
         self.cpu_step: CpuStepRunner | None = None
         self.drafts: dict[str, Draft] = {}
 
-    def allocate(self, num_blocks: int, dtype: torch.dtype, huge_pages: bool) -> None:
-        """The draft's KV cache, as many blocks as the target's (the same block ids)."""
+    def allocate(self, num_blocks: int, kv_dtype: torch.dtype, huge_pages: bool) -> None:
+        """The draft's KV cache, as many blocks as the target's (the same block ids), in the
+        target's KV dtype (quantized with it: the pool is sized for both alike)."""
         cfg = self.model_config
         self.kv_cache = kv_cache.KVCache.allocate(
             cfg.num_hidden_layers,
@@ -99,7 +100,7 @@ class DraftModelProposer:
             self.block_size,
             cfg.num_key_value_heads,
             cfg.head_dim,
-            dtype,
+            kv_dtype,
             self.device,
             huge_pages,
         )

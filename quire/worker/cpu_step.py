@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from quire.attention import kv_format
 from quire.attention.backend import AttentionMetadata
 from quire.distributed.parallel_state import shm_group, tp_size
 from quire.distributed.shm_all_reduce import ShmAllReduce
@@ -56,7 +57,7 @@ class _Projection(ctypes.Structure):  # Projection in decode_layer.c
 
 _LAYER_POINTERS = "input_norm post_norm q_norm k_norm k_cache v_cache"
 _LAYER_PROJECTIONS = "qkv o gate_up down"
-_LAYER_INTS = "hidden_size num_heads num_kv_heads head_dim intermediate_size block_size"
+_LAYER_INTS = "hidden_size num_heads num_kv_heads head_dim intermediate_size block_size kv_kind"
 _STEP_POINTERS = "cos sin slots block_tables seq_lens silu x qkv q attn gate_up act"
 _MODEL_POINTERS = "layers embedding cos_cache sin_cache final_norm"
 _MODEL_INTS = "num_layers vocab_size vocab_start vocab_rows max_position"
@@ -94,6 +95,11 @@ def _data(t: torch.Tensor | None) -> int | None:
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t as a contiguous `dtype` tensor, converted only when it is not one already."""
     return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
+def _kv_readable(kv_cache: KVCache) -> bool:
+    """A cache the C step reads: bf16, or quantized (attention/kv_format.py)."""
+    return kv_cache.dtype == torch.bfloat16 or kv_format.is_quantized(kv_cache.dtype)
 
 
 def _fits(metadata: AttentionMetadata, num_tokens: int) -> bool:
@@ -213,10 +219,10 @@ class CpuStepRunner:
     """Runs the model's forward for decode-only steps; see the module docstring."""
 
     def __init__(self, weights: StepWeights, kv_cache: KVCache, group: ShmAllReduce | None = None):
-        if kv_cache.dtype != torch.bfloat16 or not all(
+        if not _kv_readable(kv_cache) or not all(
             k.is_contiguous() and v.is_contiguous() for k, v in kv_cache.layers
         ):
-            raise ValueError("CpuStepRunner: the KV cache must be contiguous bf16")
+            raise ValueError("CpuStepRunner: the KV cache must be contiguous bf16 or quantized")
         if not all(t.dtype == torch.float32 for t in (weights.cos_cache, weights.sin_cache)):
             raise ValueError("CpuStepRunner: the rotary tables must be float32")
         self.weights = weights
@@ -269,15 +275,15 @@ class CpuStepRunner:
 
     @staticmethod
     def supported(weights: StepWeights, kv_cache: KVCache) -> bool:
-        """Whether the path runs: bf16 on CPU, every projection GEMV-packed or in GGUF blocks,
-        an attention shape the paged-decode kernel takes, and with several ranks a shared-memory
-        group and no bias on the row-parallel projections (the C step adds none after the
-        all-reduce)."""
+        """Whether the path runs: bf16 on CPU (a bf16 or quantized KV cache), every projection
+        GEMV-packed or in GGUF blocks, an attention shape the paged-decode kernel takes, and
+        with several ranks a shared-memory group and no bias on the row-parallel projections
+        (the C step adds none after the all-reduce)."""
         first = weights.layers[0]
         return (
             weights.embedding.device.type == "cpu"
             and weights.embedding.dtype == torch.bfloat16
-            and kv_cache.dtype == torch.bfloat16
+            and _kv_readable(kv_cache)
             and all(_c_projection(p) for layer in weights.layers for p in layer.projections)
             and cpu_kernels.supports_paged_decode(
                 torch.bfloat16, first.num_heads, first.num_kv_heads, first.head_dim
@@ -320,6 +326,9 @@ class CpuStepRunner:
                     head_dim=layer.head_dim,
                     intermediate_size=weights.intermediate_size,
                     block_size=kv_cache.block_size,
+                    kv_kind=kv_format.kind(kv_cache.dtype)
+                    if kv_format.is_quantized(kv_cache.dtype)
+                    else 0,
                     eps=layer.eps,
                     qk_eps=layer.qk_eps,
                     scale=layer.scale,

@@ -2,7 +2,8 @@
 read and written as data), how many blocks fit the memory budget, and the profiling step.
 
 Layout, for every layer: K and V are each `[num_blocks, block_size, num_kv_heads, head_dim]`
-tensors of the KV dtype (num_kv_heads is this rank's share under tensor parallelism). Logical
+tensors of the KV dtype (num_kv_heads is this rank's share under tensor parallelism); a quantized
+cache's rows are `head_dim` codes and their scale (`head_dim + 4` elements, attention/kv_format.py). Logical
 position p of a request lives in block `block_table[p // block_size]` at offset
 `p % block_size`; one slot index is `block * block_size + offset`. Block 0..num_blocks-1 are the
 same ids the engine's KVCacheManager hands out.
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from quire.attention import kv_format
 from quire.attention.backend import AttentionBackend, AttentionMetadata
 from quire.attention.forward_context import forward_context
 from quire.layers.rotary import RotaryEmbedding
@@ -44,8 +46,11 @@ _PROFILE_SAMPLING = SamplingParams(
 )
 
 
-def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    per_token = 2 * model_config.num_key_value_heads * model_config.head_dim * dtype.itemsize
+def bytes_per_block(model_config: ModelConfig, block_size: int, kv_dtype: torch.dtype) -> int:
+    """One block of every layer in a cache of `kv_dtype` (a quantized one's scales included)."""
+    per_token = kv_format.bytes_per_token(
+        model_config.num_key_value_heads, model_config.head_dim, kv_dtype
+    )
     return model_config.num_hidden_layers * block_size * per_token
 
 
@@ -153,12 +158,13 @@ def num_kv_blocks(
     backend: AttentionBackend | None = None,
     max_num_seqs: int = 256,
     draft_model_config: ModelConfig | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> int:
     """Blocks that fit the budget (in the target's cache and, with a draft model, the draft's):
     `kv_cache_memory` if given; on CUDA, what
     `gpu_memory_utilization` leaves after the loaded `model` and the activations of its largest
     step, profiled (a heuristic per batched token when no model is given); on CPU, a fixed share
-    of physical memory."""
+    of physical memory. Blocks are of `kv_dtype` (default: `dtype`, the model's)."""
     if kv_cache_memory is not None:
         budget = kv_cache_memory
     elif device == "cuda":
@@ -171,9 +177,10 @@ def num_kv_blocks(
         budget = gpu_kv_bytes(gpu_memory_utilization, activations, device)
     else:
         budget = default_cpu_kv_bytes()
-    block_bytes = bytes_per_block(model_config, block_size, dtype)
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    block_bytes = bytes_per_block(model_config, block_size, kv_dtype)
     if draft_model_config is not None:  # a draft model's cache, indexed by the same block ids
-        block_bytes += bytes_per_block(draft_model_config, block_size, dtype)
+        block_bytes += bytes_per_block(draft_model_config, block_size, kv_dtype)
     num_blocks = budget // block_bytes
     if num_blocks < 1:
         raise ValueError(
@@ -187,16 +194,19 @@ def num_kv_blocks(
 class KVBlocks:
     """Some blocks of a KV cache as data, to move between instances or ranks.
 
-    `data` is `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]` (K then V) in
-    the cache's dtype; `scales` holds a quantized cache's scales in the same block order (None
-    for bf16/fp32 caches)."""
+    `data` is `[num_layers, 2, num_blocks, block_size, num_kv_heads, row]` (K then V) in the
+    cache's dtype, which it carries: row is head_dim, or for a quantized cache head_dim codes
+    and their scale (kv_format.py), so the scales travel inside the rows."""
 
     data: torch.Tensor
-    scales: torch.Tensor | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
 
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes + (0 if self.scales is None else self.scales.nbytes)
+        return self.data.nbytes
 
 
 class KVCache:
@@ -206,8 +216,9 @@ class KVCache:
     def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]]):
         self.layers = layers  # per layer: (K, V)
         k = layers[0][0]
-        self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = k.shape
-        self.dtype = k.dtype
+        self.num_blocks, self.block_size, self.num_kv_heads, _ = k.shape
+        self.head_dim = kv_format.head_dim_of(k)
+        self.dtype = k.dtype  # the cache's (kv_format.py): the model's, bf16, int8 or fp8
         self.device = k.device
 
     @classmethod
@@ -222,9 +233,9 @@ class KVCache:
         device: str | torch.device,
         huge_pages: bool = False,
     ) -> KVCache:
-        """Zeroed tensors; on CPU all of them in one arena, on huge pages if `huge_pages`
-        (host_memory.py)."""
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        """Zeroed tensors of `dtype` (kv_format.cache_dtype); on CPU all of them in one arena,
+        on huge pages if `huge_pages` (host_memory.py)."""
+        shape = (num_blocks, block_size, num_kv_heads, kv_format.row_width(head_dim, dtype))
         specs = [(shape, dtype)] * (2 * num_layers)
         if torch.device(device).type == "cpu":
             tensors = host_memory.zeros(specs, huge_pages)
@@ -268,8 +279,9 @@ class KVCache:
     ) -> None:
         """Writes `blocks` (as `read_blocks` made them) into these block ids."""
         chosen = range(self.num_layers) if layers is None else layers
-        expected = (len(chosen), 2, len(block_ids), self.block_size, self.num_kv_heads)
-        if tuple(blocks.data.shape[:5]) != expected or blocks.data.dtype != self.dtype:
+        row = kv_format.row_width(self.head_dim, self.dtype)
+        expected = (len(chosen), 2, len(block_ids), self.block_size, self.num_kv_heads, row)
+        if tuple(blocks.data.shape) != expected or blocks.dtype != self.dtype:
             raise ValueError(
                 f"KV blocks of shape {tuple(blocks.data.shape)} and {blocks.data.dtype} do not "
                 f"fit {len(block_ids)} blocks of this cache ({self.dtype}, "

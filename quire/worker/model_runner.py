@@ -25,6 +25,7 @@ import logging
 import numpy as np
 import torch
 
+from quire.attention import kv_format
 from quire.attention.backend import AttentionBackend, AttentionMetadata
 from quire.attention.forward_context import forward_context
 from quire.config import EngineConfig
@@ -123,8 +124,12 @@ class ModelRunner:
         )
         self.backend = make_backend(config.attention_backend)
         self.sampler = Sampler()
-        # this rank's share of the KV heads (all of them with one rank)
-        num_kv_heads = self.model.attention_layers[0].num_kv_heads
+        first = self.model.attention_layers[0]
+        num_kv_heads = first.num_kv_heads  # this rank's share (all of them with one rank)
+        c_decode = self.device.type == "cpu" and cpu_kernels.supports_paged_decode(
+            torch.bfloat16, first.num_heads, num_kv_heads, model_config.head_dim
+        )
+        kv_dtype = kv_format.cache_dtype(config.kv_cache_dtype, dtype, c_decode)
         rank_config = dataclasses.replace(model_config, num_key_value_heads=num_kv_heads)
         self.num_blocks = config.num_kv_blocks or kv_cache.num_kv_blocks(
             rank_config,
@@ -138,6 +143,7 @@ class ModelRunner:
             backend=self.backend,
             max_num_seqs=config.max_num_seqs,
             draft_model_config=None if self.drafter is None else self.drafter.model_config,
+            kv_dtype=kv_dtype,
         )
         self.kv_cache = kv_cache.KVCache.allocate(
             model_config.num_hidden_layers,
@@ -145,12 +151,12 @@ class ModelRunner:
             config.block_size,
             num_kv_heads,
             model_config.head_dim,
-            dtype,
+            kv_dtype,
             config.device,
             config.huge_pages,
         )
         if self.drafter is not None:
-            self.drafter.allocate(self.num_blocks, dtype, config.huge_pages)
+            self.drafter.allocate(self.num_blocks, kv_dtype, config.huge_pages)
         self.kv_connector = None
         if config.disaggregation_mode is not None:
             layout = KVLayout(
@@ -159,7 +165,7 @@ class ModelRunner:
                 block_size=config.block_size,
                 num_kv_heads=num_kv_heads,
                 head_dim=model_config.head_dim,
-                dtype=str(dtype).removeprefix("torch."),
+                dtype=kv_format.name(kv_dtype),
                 tensor_parallel_size=config.tensor_parallel_size,
             )
             self.kv_connector = KVConnectorWorker(

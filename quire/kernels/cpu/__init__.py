@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from quire import envs
+from quire.attention import kv_format
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,11 @@ _SIGNATURES = {
     # head_dim, block_size, max_blocks; scale, num_threads.
     "paged_decode_bf16": _PAGED_DECODE,
     "paged_decode_f32": _PAGED_DECODE,
+    # kind (kv_quant.h), then paged_decode_bf16's arguments over a quantized cache.
+    "paged_decode_quant": [_I32, *_PAGED_DECODE],
+    # kind, key, value, their token strides, k_cache, v_cache, slots; tokens, num_kv_heads,
+    # head_dim, num_threads.
+    "store_kv_quant": [_I32, _P, _P, _I64, _I64, _P, _P, _P] + [_I32] * 4,
     # q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out; q and out token strides;
     # num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks; scale, num_threads.
     "prefill_attention_bf16": [_P] * 7 + [_I64] * 2 + [_I32] * 6 + [_F32, _I32],
@@ -201,7 +207,13 @@ def paged_decode(
     out = torch.empty_like(query)
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    fn = getattr(load_library(), _DECODE_FUNCTIONS[query.dtype])
+    lib = load_library()
+    if kv_format.is_quantized(k_cache.dtype):
+        if query.dtype != torch.bfloat16:
+            raise ValueError("paged_decode: a quantized KV cache takes bf16 queries")
+        fn = functools.partial(lib.paged_decode_quant, kv_format.kind(k_cache.dtype))
+    else:
+        fn = getattr(lib, _DECODE_FUNCTIONS[query.dtype])
     status = fn(
         query.data_ptr(),
         k_cache.data_ptr(),
@@ -225,6 +237,38 @@ def paged_decode(
             "paged_decode: unsupported shape (more than 64 heads, head_dim > 256 or block > 128)"
         )
     return out
+
+
+def store_kv_quant(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim] bf16, heads and dims contiguous
+    value: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim + 4], quantized
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    """Quantizes each token's K and V rows (per KV head, a scale each) into their slots
+    (kv_quant.c)."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    for x in (key, value):
+        if x.dtype != torch.bfloat16 or x.stride(2) != 1 or x.stride(1) != head_dim:
+            raise ValueError("store_kv_quant: K/V must be bf16 with heads and dims contiguous")
+    slots = slot_mapping.to(torch.int64).contiguous()
+    status = load_library().store_kv_quant(
+        kv_format.kind(k_cache.dtype),
+        key.data_ptr(),
+        value.data_ptr(),
+        key.stride(0),
+        value.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slots.data_ptr(),
+        num_tokens,
+        num_kv_heads,
+        head_dim,
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise ValueError(f"store_kv_quant: not a quantized cache ({k_cache.dtype})")
 
 
 class ShmGroup(ctypes.Structure):

@@ -7,7 +7,8 @@
 //   residual += hidden; x = RMSNorm(residual)        add_rms_norm_bf16
 //   qkv = x Wqkv^T (+ b)                              gemv_bf16 or qmatmul_bf16
 //   q, k = RMSNorm per head (Qwen3); rotary           add_rms_norm_bf16, rotary_bf16
-//   K/V stored at the step's slots; paged attention   paged_decode_bf16
+//   K/V stored at the step's slots; paged attention   paged_decode_bf16 (or, quantized cache,
+//                                                     store_kv_quant, paged_decode_quant)
 //   hidden = attn Wo^T; residual += hidden; x = RMSNorm(residual)
 //   hidden = (silu(x Wg^T) * x Wu^T) Wd^T
 // so a request's tokens are the module path's with the GEMV kernel for the bf16 projections and
@@ -53,10 +54,11 @@ typedef struct {
     const uint16_t* post_norm;
     const uint16_t* q_norm;  // NULL unless the model normalizes q/k per head (Qwen3)
     const uint16_t* k_norm;
-    uint16_t* k_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]
-    uint16_t* v_cache;
+    void* k_cache;  // [num_blocks, block_size, num_kv_heads, head_dim] bf16, or quantized rows
+    void* v_cache;  // (kv_quant.h: head_dim codes and a scale each)
     Projection qkv, o, gate_up, down;
     int32_t hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, block_size;
+    int32_t kv_kind;  // 0: bf16 cache; else KV_INT8, KV_FP8_E4M3 or KV_FP8_E5M2
     float eps, qk_eps, scale;
 } DecodeLayer;
 
@@ -107,12 +109,23 @@ static int decode_layer_bf16(const DecodeLayer* L, const DecodeStep* S, const Sh
     for (int b = 0; b < B; b++) {
         const uint16_t* row = S->qkv + (int64_t)b * W;
         memcpy(S->q + (int64_t)b * Q, row, (size_t)Q * sizeof(uint16_t));
-        memcpy(L->k_cache + S->slots[b] * KV, row + Q, (size_t)KV * sizeof(uint16_t));
-        memcpy(L->v_cache + S->slots[b] * KV, row + Q + KV, (size_t)KV * sizeof(uint16_t));
+        if (L->kv_kind) continue;
+        memcpy((uint16_t*)L->k_cache + S->slots[b] * KV, row + Q, (size_t)KV * sizeof(uint16_t));
+        memcpy((uint16_t*)L->v_cache + S->slots[b] * KV, row + Q + KV,
+               (size_t)KV * sizeof(uint16_t));
     }
-    status = paged_decode_bf16(S->q, L->k_cache, L->v_cache, S->block_tables, S->seq_lens,
-                               S->attn, B, L->num_heads, L->num_kv_heads, D, L->block_size,
-                               S->max_blocks, L->scale, threads);
+    if (L->kv_kind) {
+        status = store_kv_quant(L->kv_kind, S->qkv + Q, S->qkv + Q + KV, W, W, L->k_cache,
+                                L->v_cache, S->slots, B, L->num_kv_heads, D, threads);
+        if (status) return status;
+        status = paged_decode_quant(L->kv_kind, S->q, L->k_cache, L->v_cache, S->block_tables,
+                                    S->seq_lens, S->attn, B, L->num_heads, L->num_kv_heads, D,
+                                    L->block_size, S->max_blocks, L->scale, threads);
+    } else {
+        status = paged_decode_bf16(S->q, L->k_cache, L->v_cache, S->block_tables, S->seq_lens,
+                                   S->attn, B, L->num_heads, L->num_kv_heads, D, L->block_size,
+                                   S->max_blocks, L->scale, threads);
+    }
     if (status) return status;
     status = project(&L->o, S->attn, Q, hidden, NULL, H, B, H, Q, threads);
     if (status) return status;

@@ -18,6 +18,7 @@
 
 #include "bf16.h"
 #include "kernels.h"
+#include "kv_quant.h"
 
 #define MAX_HEADS 64
 #define MAX_HEAD_DIM 256
@@ -35,15 +36,18 @@ static inline int kv_heads_per_task(int num_seqs, int num_kv_heads, int num_thre
     return heads;
 }
 
-// Portable C, instantiated for bfloat16 and float32 below.
-#define DEFINE_PAGED_DECODE(LINKAGE, NAME, T, LOAD, STORE)                                         \
+// Portable C, instantiated below for bfloat16 and float32 queries and caches, and for bfloat16
+// queries over the quantized caches of kv_quant.h: KT is the cache's element, ROW(head_dim) the
+// elements of one token's row per KV head, LOAD_ROW(dst, row, head_dim) its float32 values.
+#define DEFINE_PAGED_DECODE(LINKAGE, NAME, T, KT, ROW, LOAD, STORE, LOAD_ROW)                      \
 LINKAGE                                                                                            \
-int NAME(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,             \
+int NAME(const T* q, const KT* k_cache, const KT* v_cache, const int32_t* block_tables,           \
          const int32_t* seq_lens, T* out, int num_seqs, int num_heads, int num_kv_heads,          \
          int head_dim, int block_size, int max_blocks, float scale, int num_threads) {             \
     const int group = num_heads / num_kv_heads;                                                    \
     if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK_SIZE) return -1; \
-    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;                                 \
+    const int64_t row = ROW(head_dim);                                                             \
+    const int64_t token_stride = (int64_t)num_kv_heads * row;                                      \
     const int64_t block_stride = token_stride * block_size;                                        \
     const int heads_per_task = kv_heads_per_task(num_seqs, num_kv_heads, num_threads);             \
     const int tasks_per_seq = num_kv_heads / heads_per_task;                                       \
@@ -72,10 +76,9 @@ int NAME(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_ta
             const int n = len - start < block_size ? len - start : block_size;                     \
             const int64_t base = (int64_t)table[start / block_size] * block_stride;                \
             for (int t = 0; t < n; t++) {                                                          \
-                const T* k_tok = k_cache + base + t * token_stride;                                \
+                const KT* k_tok = k_cache + base + t * token_stride;                               \
                 for (int kvh = kvh0; kvh < kvh0 + heads_per_task; kvh++) {                         \
-                    const T* k_row = k_tok + (int64_t)kvh * head_dim;                              \
-                    for (int d = 0; d < head_dim; d++) kf[d] = LOAD(k_row[d]);                     \
+                    LOAD_ROW(kf, k_tok + kvh * row, head_dim);                                     \
                     for (int j = 0; j < group; j++) {                                              \
                         const int h = (kvh - kvh0) * group + j;                                    \
                         float dot = 0.0f;                                                          \
@@ -98,10 +101,9 @@ int NAME(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_ta
                 running_max[h] = block_max;                                                        \
             }                                                                                      \
             for (int t = 0; t < n; t++) {                                                          \
-                const T* v_tok = v_cache + base + t * token_stride;                                \
+                const KT* v_tok = v_cache + base + t * token_stride;                               \
                 for (int kvh = kvh0; kvh < kvh0 + heads_per_task; kvh++) {                         \
-                    const T* v_row = v_tok + (int64_t)kvh * head_dim;                              \
-                    for (int d = 0; d < head_dim; d++) kf[d] = LOAD(v_row[d]);                     \
+                    LOAD_ROW(kf, v_tok + kvh * row, head_dim);                                     \
                     for (int j = 0; j < group; j++) {                                              \
                         const int h = (kvh - kvh0) * group + j;                                    \
                         const float p = scores[h][t];                                              \
@@ -186,24 +188,53 @@ static inline __m512 transpose_sum16(const __m512 v[CHUNK]) {
 }
 
 // Prefetches `lines` 64-byte lines from each of pk + pf_off[t] and pv + pf_off[t], t < n.
-static inline __attribute__((always_inline)) void prefetch_rows(const uint16_t* pk,
-                                                                const uint16_t* pv,
+static inline __attribute__((always_inline)) void prefetch_rows(const char* pk, const char* pv,
                                                                 const int64_t* pf_off, int n,
                                                                 int lines) {
     for (int t = 0; t < n; t++)
         for (int i = 0; i < lines; i++) {
-            _mm_prefetch((const char*)(pk + pf_off[t] + 32 * i), _MM_HINT_T1);
-            _mm_prefetch((const char*)(pv + pf_off[t] + 32 * i), _MM_HINT_T1);
+            _mm_prefetch(pk + pf_off[t] + 64 * i, _MM_HINT_T1);
+            _mm_prefetch(pv + pf_off[t] + 64 * i, _MM_HINT_T1);
         }
 }
 
-// The 16 unscaled scores q . k_t of one query head, for the key rows at element offsets
+// A 32-dim slice of a quantized row (32 one-byte codes at p, kv_quant.h) as float32 code values
+// in the bf16 path's order: *even the 16 even dims, *odd the 16 odd ones. Each code is
+// sign-extended to 16 bits, so a 32-bit lane holds codes (2i, 2i+1); int8 converts, fp8 places
+// its sign, exponent and mantissa bits where float32's are and rescales the bias (exact).
+static inline __attribute__((always_inline)) void widen_codes(const int KIND, const char* p,
+                                                              __m512* even, __m512* odd) {
+    const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p));
+    if (KIND == KV_INT8) {
+        *even = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 16), 16));
+        *odd = _mm512_cvtepi32_ps(_mm512_srai_epi32(w, 16));
+        return;
+    }
+    const int e4m3 = KIND == KV_FP8_E4M3;
+    const __m512i mask = _mm512_set1_epi32(e4m3 ? (int)0x87F00000u : (int)0x8FE00000u);
+    const __m512 bias = _mm512_set1_ps(e4m3 ? 0x1p120f : 0x1p112f);
+    const __m512i e = e4m3 ? _mm512_slli_epi32(w, 20) : _mm512_slli_epi32(w, 21);
+    const __m512i o = e4m3 ? _mm512_slli_epi32(w, 4) : _mm512_slli_epi32(w, 5);
+    *even = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(e, mask)), bias);
+    *odd = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(o, mask)), bias);
+}
+
+// The scales of the 16 rows at byte offsets off[0..16) from base (a quantized row's scale is
+// at byte head_dim).
+static inline __attribute__((always_inline)) __m512 row_scales(const char* base,
+                                                               const int64_t* off, int head_dim) {
+    float s[CHUNK] __attribute__((aligned(64)));
+    for (int t = 0; t < CHUNK; t++) memcpy(s + t, base + off[t] + head_dim, sizeof(float));
+    return _mm512_load_ps(s);
+}
+
+// The 16 unscaled scores q . k_t of one query head, for the bf16 key rows at byte offsets
 // off[0..16) from k, with prefetch_rows(pk, pv, pf_off, npf, pf_lines) issued halfway. ND =
 // head_dim / 32 (a constant where inlined, so the query and the 16 partial sums stay in
 // registers and every loop unrolls).
 static inline __attribute__((always_inline)) __m512 qk16(const int ND, const uint16_t* q_row,
-                                                         const uint16_t* k, const int64_t* off,
-                                                         const uint16_t* pk, const uint16_t* pv,
+                                                         const char* k, const int64_t* off,
+                                                         const char* pk, const char* pv,
                                                          const int64_t* pf_off, int npf,
                                                          int pf_lines) {
     __m512bh qv[MAX_HEAD_DIM / 32];
@@ -214,7 +245,7 @@ static inline __attribute__((always_inline)) __m512 qk16(const int ND, const uin
         __m512 a = _mm512_setzero_ps();
 #pragma GCC unroll 8
         for (int i = 0; i < ND; i++)
-            a = _mm512_dpbf16_ps(a, qv[i], (__m512bh)_mm512_loadu_si512(k + off[t] + 32 * i));
+            a = _mm512_dpbf16_ps(a, qv[i], (__m512bh)_mm512_loadu_si512(k + off[t] + 64 * i));
         part[t] = a;
         if (t == CHUNK / 2 - 1) prefetch_rows(pk, pv, pf_off, npf, pf_lines);
     }
@@ -222,10 +253,10 @@ static inline __attribute__((always_inline)) __m512 qk16(const int ND, const uin
 }
 
 // qk16 for any ND. Not inlined: inside the task loop gcc would keep the partial sums in memory.
-static __attribute__((noinline)) __m512 qk_scores(int nd, const uint16_t* q_row,
-                                                  const uint16_t* k, const int64_t* off,
-                                                  const uint16_t* pk, const uint16_t* pv,
-                                                  const int64_t* pf_off, int npf, int pf_lines) {
+static __attribute__((noinline)) __m512 qk_scores(int nd, const uint16_t* q_row, const char* k,
+                                                  const int64_t* off, const char* pk,
+                                                  const char* pv, const int64_t* pf_off, int npf,
+                                                  int pf_lines) {
 #define QK_CASE(ND) \
     case ND: return qk16(ND, q_row, k, off, pk, pv, pf_off, npf, pf_lines);
     switch (nd) {
@@ -235,14 +266,43 @@ static __attribute__((noinline)) __m512 qk_scores(int nd, const uint16_t* q_row,
 #undef QK_CASE
 }
 
+// A chunk's 16 quantized key rows (byte offsets off[t] from k) as bf16 rows of head_dim in
+// kb, exactly (an int8 or fp8 code is a bf16 number; the scales stay aside), so that QK runs
+// as for a bf16 cache, once per query head of the group, over a 16 x head_dim tile in L1.
+static void keys_to_bf16(int kind, const char* k, const int64_t* off, int head_dim,
+                         uint16_t* kb) {
+    const int e4m3 = kind == KV_FP8_E4M3;
+    const int shift = e4m3 ? 20 : 21;
+    const __m512i mask = _mm512_set1_epi32(e4m3 ? (int)0x87F00000u : (int)0x8FE00000u);
+    const __m512 bias = _mm512_set1_ps(e4m3 ? 0x1p120f : 0x1p112f);
+    for (int t = 0; t < CHUNK; t++)
+        for (int d = 0; d < head_dim; d += 32) {
+            __m512 f[2];
+            for (int half = 0; half < 2; half++) {
+                const __m512i w = _mm512_cvtepi8_epi32(
+                    _mm_loadu_si128((const __m128i*)(k + off[t] + d + 16 * half)));
+                f[half] = kind == KV_INT8
+                              ? _mm512_cvtepi32_ps(w)
+                              : _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(
+                                                  _mm512_sll_epi32(w, _mm_cvtsi32_si128(shift)),
+                                                  mask)),
+                                              bias);
+            }
+            _mm512_storeu_si512(kb + t * head_dim + d, (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]));
+        }
+}
+
 // One PV register tile: NH query heads x NS 32-dim slices starting at dim d0. The accumulator
 // rows (one per head, acc_stride floats apart) are rescaled by corr[j], then accumulate
-// p[j][t] * v_t (p rows CHUNK floats apart) over the value rows at element offsets off[0..n)
-// from v.
-static inline __attribute__((always_inline)) void pv_tile(const int NS, const int NH, float* acc,
+// p[j][t] * v_t (p rows CHUNK floats apart) over the value rows at byte offsets off[0..n)
+// from v: bf16 rows (KIND 0), or quantized ones whose codes count p[j][t] * vs[t] (the row's
+// scale) each.
+static inline __attribute__((always_inline)) void pv_tile(const int KIND, const int NS,
+                                                          const int NH, float* acc,
                                                           int acc_stride, const float* p,
-                                                          const float* corr, const uint16_t* v,
-                                                          const int64_t* off, int n, int d0) {
+                                                          const float* vs, const float* corr,
+                                                          const char* v, const int64_t* off, int n,
+                                                          int d0) {
     __m512 a[PV_TILE_HEADS][2 * PV_TILE_SLICES];
     for (int j = 0; j < NH; j++) {
         const __m512 c = _mm512_set1_ps(corr[j]);
@@ -252,11 +312,17 @@ static inline __attribute__((always_inline)) void pv_tile(const int NS, const in
     const __m512i high_half = _mm512_set1_epi32((int)0xFFFF0000u);
     for (int t = 0; t < n; t++) {
         __m512 pt[PV_TILE_HEADS];
-        for (int j = 0; j < NH; j++) pt[j] = _mm512_set1_ps(p[j * CHUNK + t]);
+        for (int j = 0; j < NH; j++)
+            pt[j] = _mm512_set1_ps(KIND == 0 ? p[j * CHUNK + t] : p[j * CHUNK + t] * vs[t]);
         for (int s = 0; s < NS; s++) {
-            const __m512i w = _mm512_loadu_si512(v + off[t] + d0 + 32 * s);
-            const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-            const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(w, high_half));
+            __m512 even, odd;
+            if (KIND == 0) {
+                const __m512i w = _mm512_loadu_si512(v + off[t] + 2 * (d0 + 32 * s));
+                even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+                odd = _mm512_castsi512_ps(_mm512_and_si512(w, high_half));
+            } else {
+                widen_codes(KIND, v + off[t] + d0 + 32 * s, &even, &odd);
+            }
             for (int j = 0; j < NH; j++) {
                 a[j][2 * s] = _mm512_fmadd_ps(pt[j], even, a[j][2 * s]);
                 a[j][2 * s + 1] = _mm512_fmadd_ps(pt[j], odd, a[j][2 * s + 1]);
@@ -268,18 +334,23 @@ static inline __attribute__((always_inline)) void pv_tile(const int NS, const in
             _mm512_store_ps(acc + j * acc_stride + d0 + 16 * i, a[j][i]);
 }
 
-static void pv_update(int ns, int nh, float* acc, int acc_stride, const float* p,
-                      const float* corr, const uint16_t* v, const int64_t* off, int n, int d0) {
-#define PV_CASE(NS, NH) \
-    case NS * 8 + NH: pv_tile(NS, NH, acc, acc_stride, p, corr, v, off, n, d0); break;
-    switch (ns * 8 + nh) {
-        PV_CASE(1, 1) PV_CASE(1, 2) PV_CASE(1, 3) PV_CASE(1, 4)
-        PV_CASE(2, 1) PV_CASE(2, 2) PV_CASE(2, 3) PV_CASE(2, 4)
+static void pv_update(int kind, int ns, int nh, float* acc, int acc_stride, const float* p,
+                      const float* vs, const float* corr, const char* v, const int64_t* off,
+                      int n, int d0) {
+#define PV_CASE(KIND, NS, NH) \
+    case (KIND * 2 + NS - 1) * 8 + NH: \
+        pv_tile(KIND, NS, NH, acc, acc_stride, p, vs, corr, v, off, n, d0); break;
+#define PV_KIND(KIND) \
+    PV_CASE(KIND, 1, 1) PV_CASE(KIND, 1, 2) PV_CASE(KIND, 1, 3) PV_CASE(KIND, 1, 4) \
+    PV_CASE(KIND, 2, 1) PV_CASE(KIND, 2, 2) PV_CASE(KIND, 2, 3) PV_CASE(KIND, 2, 4)
+    switch ((kind * 2 + ns - 1) * 8 + nh) {
+        PV_KIND(0) PV_KIND(KV_INT8) PV_KIND(KV_FP8_E4M3) PV_KIND(KV_FP8_E5M2)
     }
+#undef PV_KIND
 #undef PV_CASE
 }
 
-// The element offsets of a request's token rows (from the cache start, KV head 0), chunk by
+// The byte offsets of a request's token rows (from the cache start, KV head 0), chunk by
 // chunk, found through the block table in order and kept for the last OFFSET_RING chunks.
 // Positions past the end of the context get the offset of the chunk's first row, so that the
 // 16 rows QK reads are all inside the cache.
@@ -363,9 +434,9 @@ typedef struct {
     const int32_t* seq_lens;
     const int* unit_seq;  // per unit (request, partition): its request and partition
     const int* unit_part;
-    const uint16_t* k_cache;
-    const uint16_t* v_cache;
-    int64_t block_stride, token_stride;
+    const char* k_cache;
+    const char* v_cache;
+    int64_t block_stride, token_stride, row_bytes;  // bytes
     int max_blocks, block_size, head_dim, tasks_per_unit, heads_per_task;
 } CallShape;
 
@@ -374,8 +445,8 @@ typedef struct {
 typedef struct {
     int u, s, part, kvh0, len, c0, c1;
     RowLocator rows;
-    const uint16_t* pk;
-    const uint16_t* pv;
+    const char* pk;
+    const char* pv;
 } TaskSpan;
 
 static inline void task_span(const CallShape* cs, int task, TaskSpan* t) {
@@ -391,18 +462,21 @@ static inline void task_span(const CallShape* cs, int task, TaskSpan* t) {
                            .block_stride = cs->block_stride, .token_stride = cs->token_stride,
                            .located = t->c0, .block = t->c0 * CHUNK / cs->block_size,
                            .in_block = t->c0 * CHUNK % cs->block_size};
-    t->pk = cs->k_cache + (int64_t)t->kvh0 * cs->head_dim;
-    t->pv = cs->v_cache + (int64_t)t->kvh0 * cs->head_dim;
+    t->pk = cs->k_cache + t->kvh0 * cs->row_bytes;
+    t->pv = cs->v_cache + t->kvh0 * cs->row_bytes;
 }
 
-static int paged_decode_bf16_avx512(const uint16_t* q, const uint16_t* k_cache,
-                                    const uint16_t* v_cache, const int32_t* block_tables,
-                                    const int32_t* seq_lens, uint16_t* out, int num_seqs,
-                                    int num_heads, int num_kv_heads, int head_dim, int block_size,
-                                    int max_blocks, float scale, int num_threads) {
+// kind 0: a bf16 cache; else a quantized one (kv_quant.h), whose rows are head_dim codes and a
+// scale.
+static int paged_decode_avx512(int kind, const uint16_t* q, const void* k_cache,
+                               const void* v_cache, const int32_t* block_tables,
+                               const int32_t* seq_lens, uint16_t* out, int num_seqs,
+                               int num_heads, int num_kv_heads, int head_dim, int block_size,
+                               int max_blocks, float scale, int num_threads) {
     const int group = num_heads / num_kv_heads;
-    const int nd = head_dim / 32;  // 32-dim slices (64-byte lines of a row)
-    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+    const int nd = head_dim / 32;  // 32-dim slices
+    const int64_t row_bytes = kind == 0 ? 2 * head_dim : head_dim + KV_SCALE_BYTES;
+    const int64_t token_stride = num_kv_heads * row_bytes;
     const int64_t block_stride = token_stride * block_size;
     // Units of work: (request, partition); unit_seq / unit_part say which.
     int num_units = 0;
@@ -435,13 +509,14 @@ static int paged_decode_bf16_avx512(const uint16_t* q, const uint16_t* k_cache,
     // Prefetching a chunk: per token, heads_per_task * nd lines of K and of V; the unit of KV
     // head i takes tokens [i * pf_per_unit, (i + 1) * pf_per_unit), its QK call for query head
     // j of the group pf_per_call of those.
-    const int pf_lines = heads_per_task * nd;
+    const int pf_lines = (int)((heads_per_task * row_bytes + 63) / 64);
     const int pf_per_unit = (CHUNK + heads_per_task - 1) / heads_per_task;
     const int pf_per_call = (pf_per_unit + group - 1) / group;
     const CallShape cs = {.block_tables = block_tables, .seq_lens = seq_lens,
                           .unit_seq = unit_seq, .unit_part = unit_part,
                           .k_cache = k_cache, .v_cache = v_cache,
                           .block_stride = block_stride, .token_stride = token_stride,
+                          .row_bytes = row_bytes,
                           .max_blocks = max_blocks, .block_size = block_size,
                           .head_dim = head_dim, .tasks_per_unit = tasks_per_unit,
                           .heads_per_task = heads_per_task};
@@ -462,6 +537,9 @@ static int paged_decode_bf16_avx512(const uint16_t* q, const uint16_t* k_cache,
             float p[MAX_HEADS * CHUNK] __attribute__((aligned(64)));  // softmax numerators
             __m512 sum[MAX_HEADS];  // running softmax denominators, per lane
             float running_max[MAX_HEADS], corr[MAX_HEADS];
+            uint16_t kb[CHUNK * MAX_HEAD_DIM] __attribute__((aligned(64)));  // quantized keys
+            int64_t kb_off[CHUNK];
+            for (int t = 0; t < CHUNK; t++) kb_off[t] = 2 * t * head_dim;
             for (int i = 0; i < nh * head_dim; i++) acc[i] = 0.0f;
             for (int h = 0; h < nh; h++) running_max[h] = -1e30f, sum[h] = _mm512_setzero_ps();
             const uint16_t* q_row = q + ((int64_t)s * num_heads + h0) * head_dim;
@@ -484,8 +562,18 @@ static int paged_decode_bf16_avx512(const uint16_t* q, const uint16_t* k_cache,
                 const int64_t* pf_off = pf_len ? chunk_rows(&ahead->rows, pf_chunk) : off;
                 for (int kvh = kvh0; kvh < kvh0 + heads_per_task; kvh++) {
                     const int hb = (kvh - kvh0) * group;  // the group's first head in this task
-                    const uint16_t* k = k_cache + (int64_t)kvh * head_dim;
-                    const uint16_t* v = v_cache + (int64_t)kvh * head_dim;
+                    const char* k = cs.k_cache + kvh * row_bytes;
+                    const char* v = cs.v_cache + kvh * row_bytes;
+                    // QK reads bf16 rows: the cache's, or a quantized chunk's keys converted
+                    // (kb, rows kb_off apart), the scores then times their rows' scales (ks).
+                    const char* qk_rows = k;
+                    const int64_t* qk_off = off;
+                    __m512 ks = _mm512_set1_ps(scale);
+                    if (kind) {
+                        keys_to_bf16(kind, k, off, head_dim, kb);
+                        qk_rows = (const char*)kb, qk_off = kb_off;
+                        ks = _mm512_mul_ps(ks, row_scales(k, off, head_dim));
+                    }
                     // This unit's tokens of chunk pf_chunk to prefetch: [pf_begin, pf_end).
                     int pf_begin = min_int((kvh - kvh0) * pf_per_unit, pf_len);
                     const int pf_end = min_int(pf_begin + pf_per_unit, pf_len);
@@ -493,9 +581,9 @@ static int paged_decode_bf16_avx512(const uint16_t* q, const uint16_t* k_cache,
                         const int npf = min_int(pf_end - pf_begin, pf_per_call);
                         const __m512 sc = _mm512_mask_mul_ps(
                             _mm512_set1_ps(-1e30f), valid,
-                            qk_scores(nd, q_row + h * head_dim, k, off, ahead->pk, ahead->pv,
-                                      pf_off + pf_begin, npf, pf_lines),
-                            _mm512_set1_ps(scale));
+                            qk_scores(nd, q_row + h * head_dim, qk_rows, qk_off, ahead->pk,
+                                      ahead->pv, pf_off + pf_begin, npf, pf_lines),
+                            ks);
                         pf_begin += npf;
                         const float m = _mm512_reduce_max_ps(sc);
                         corr[h] = 1.0f;
@@ -509,12 +597,15 @@ static int paged_decode_bf16_avx512(const uint16_t* q, const uint16_t* k_cache,
                         sum[h] = _mm512_add_ps(sum[h], e);
                         _mm512_store_ps(p + h * CHUNK, e);
                     }
+                    float vs[CHUNK] __attribute__((aligned(64)));  // quantized: V rows' scales
+                    if (kind) _mm512_store_ps(vs, row_scales(v, off, head_dim));
                     for (int j = 0; j < group; j += PV_TILE_HEADS) {
                         const int th = min_int(group - j, PV_TILE_HEADS);
                         for (int sl = 0; sl < nd; sl += PV_TILE_SLICES) {
                             const int ts = min_int(nd - sl, PV_TILE_SLICES);
-                            pv_update(ts, th, acc + (hb + j) * head_dim, head_dim,
-                                      p + (hb + j) * CHUNK, corr + hb + j, v, off, n, 32 * sl);
+                            pv_update(kind, ts, th, acc + (hb + j) * head_dim, head_dim,
+                                      p + (hb + j) * CHUNK, vs, corr + hb + j, v, off, n,
+                                      32 * sl);
                         }
                     }
                 }
@@ -552,8 +643,23 @@ static int paged_decode_bf16_avx512(const uint16_t* q, const uint16_t* k_cache,
 
 #define LOAD_F32(x) (x)
 #define STORE_F32(x) (x)
-DEFINE_PAGED_DECODE(static, paged_decode_bf16_portable, uint16_t, bf16_to_f32, f32_to_bf16)
-DEFINE_PAGED_DECODE(, paged_decode_f32, float, LOAD_F32, STORE_F32)
+#define PLAIN_ROW(head_dim) (head_dim)
+#define QUANT_ROW(head_dim) ((head_dim) + KV_SCALE_BYTES)
+#define LOAD_BF16_ROW(dst, src, head_dim) \
+    for (int d = 0; d < head_dim; d++) dst[d] = bf16_to_f32((src)[d])
+#define LOAD_F32_ROW(dst, src, head_dim) memcpy(dst, src, sizeof(float) * (head_dim))
+#define LOAD_INT8_ROW(dst, src, head_dim) kv_dequant_row(KV_INT8, src, head_dim, dst)
+#define LOAD_E4M3_ROW(dst, src, head_dim) kv_dequant_row(KV_FP8_E4M3, src, head_dim, dst)
+#define LOAD_E5M2_ROW(dst, src, head_dim) kv_dequant_row(KV_FP8_E5M2, src, head_dim, dst)
+DEFINE_PAGED_DECODE(static, paged_decode_bf16_portable, uint16_t, uint16_t, PLAIN_ROW, bf16_to_f32,
+                    f32_to_bf16, LOAD_BF16_ROW)
+DEFINE_PAGED_DECODE(, paged_decode_f32, float, float, PLAIN_ROW, LOAD_F32, STORE_F32, LOAD_F32_ROW)
+DEFINE_PAGED_DECODE(static, paged_decode_int8_portable, uint16_t, uint8_t, QUANT_ROW, bf16_to_f32,
+                    f32_to_bf16, LOAD_INT8_ROW)
+DEFINE_PAGED_DECODE(static, paged_decode_e4m3_portable, uint16_t, uint8_t, QUANT_ROW, bf16_to_f32,
+                    f32_to_bf16, LOAD_E4M3_ROW)
+DEFINE_PAGED_DECODE(static, paged_decode_e5m2_portable, uint16_t, uint8_t, QUANT_ROW, bf16_to_f32,
+                    f32_to_bf16, LOAD_E5M2_ROW)
 
 int paged_decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                       const int32_t* block_tables, const int32_t* seq_lens, uint16_t* out,
@@ -562,11 +668,41 @@ int paged_decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t
     if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK_SIZE) return -1;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
     if (head_dim % 32 == 0)
-        return paged_decode_bf16_avx512(q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs,
-                                        num_heads, num_kv_heads, head_dim, block_size, max_blocks,
-                                        scale, num_threads);
+        return paged_decode_avx512(0, q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs,
+                                   num_heads, num_kv_heads, head_dim, block_size, max_blocks,
+                                   scale, num_threads);
 #endif
     return paged_decode_bf16_portable(q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs,
                                       num_heads, num_kv_heads, head_dim, block_size, max_blocks,
                                       scale, num_threads);
+}
+
+// Decode attention over a quantized cache (kv_quant.h; `kind` says which): bf16 queries and
+// output, the arguments of paged_decode_bf16 otherwise.
+int paged_decode_quant(int kind, const uint16_t* q, const uint8_t* k_cache, const uint8_t* v_cache,
+                       const int32_t* block_tables, const int32_t* seq_lens, uint16_t* out,
+                       int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                       int max_blocks, float scale, int num_threads) {
+    if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK_SIZE) return -1;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+    if (head_dim % 32 == 0 && kind >= KV_INT8 && kind <= KV_FP8_E5M2)
+        return paged_decode_avx512(kind, q, k_cache, v_cache, block_tables, seq_lens, out,
+                                   num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+                                   max_blocks, scale, num_threads);
+#endif
+    switch (kind) {
+        case KV_INT8:
+            return paged_decode_int8_portable(q, k_cache, v_cache, block_tables, seq_lens, out,
+                                              num_seqs, num_heads, num_kv_heads, head_dim,
+                                              block_size, max_blocks, scale, num_threads);
+        case KV_FP8_E4M3:
+            return paged_decode_e4m3_portable(q, k_cache, v_cache, block_tables, seq_lens, out,
+                                              num_seqs, num_heads, num_kv_heads, head_dim,
+                                              block_size, max_blocks, scale, num_threads);
+        case KV_FP8_E5M2:
+            return paged_decode_e5m2_portable(q, k_cache, v_cache, block_tables, seq_lens, out,
+                                              num_seqs, num_heads, num_kv_heads, head_dim,
+                                              block_size, max_blocks, scale, num_threads);
+    }
+    return -1;
 }

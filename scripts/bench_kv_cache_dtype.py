@@ -1,0 +1,139 @@
+"""What a quantized KV cache costs in accuracy on a real model: perplexity from `prompt_logprobs`
+over fixed texts, and greedy agreement with the bf16 cache, for each `--kv-cache-dtype`; with
+`--speed`, its batch-1 decode step at a long context instead.
+
+    python scripts/bench_kv_cache_dtype.py [--model PATH] [--dtypes auto int8 fp8 fp8_e5m2]
+    python scripts/bench_kv_cache_dtype.py --speed [--prompt-len 4096] [--rounds 40]
+
+`--speed`: one engine per dtype in one process, each prefilled with the same random prompt, then
+rounds of one decode step on each engine in turn (order reversed every round, ABBA), so every
+engine's steps share the host's moments; per dtype the median step, and per quantized dtype the
+median over rounds of its step time over the bf16 (auto) engine's.
+
+Texts: tests/test_quantized_gguf.py's prose (~200 tokens) and the first 2,048 tokens of
+docs/ARCHITECTURE.md (a long context, where every token's keys are read by every later one).
+Greedy agreement: 8 prompts x 64 generated tokens; reported as the share of positions generated
+before a request's first token that differs from the bf16 cache's, and how many requests agree
+to the end. Also the KV pool's tokens for a 256 MiB budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+from quire import LLM, SamplingParams
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about the sea.",
+    "def fibonacci(n):",
+    "Explain how a refrigerator works in simple terms.",
+    "List three benefits of regular exercise:",
+    "Once upon a time, in a small village by the mountains,",
+    "Translate to French: The weather is nice today.",
+    "What is the difference between a list and a tuple in Python?",
+]
+
+
+def perplexity(llm: LLM, token_ids: list[int]) -> float:
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    out = llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False)[0]
+    logprobs = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], token_ids[1:], strict=True)]
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
+def decode_speed(args: argparse.Namespace) -> None:
+    import random
+    import statistics
+    import time
+
+    engines = {}
+    for name in args.dtypes:
+        engines[name] = LLM(
+            args.model,
+            kv_cache_dtype=name,
+            kv_cache_memory=256 << 20,
+            max_model_len=args.prompt_len + args.rounds + 64,
+        ).engine
+    vocab = next(iter(engines.values())).model_config.vocab_size
+    rng = random.Random(0)
+    prompt = [rng.randrange(10, vocab) for _ in range(args.prompt_len)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.rounds + 16, ignore_eos=True)
+    for engine in engines.values():
+        engine.add_request("decode", prompt, params)
+        for _ in range(4):  # the prefill (chunks), then warm-up decodes
+            engine.step()
+    times = {name: [] for name in engines}
+    for r in range(args.rounds):
+        order = list(engines) if r % 2 == 0 else list(engines)[::-1]
+        for name in order:
+            start = time.perf_counter()
+            engines[name].step()
+            times[name].append(time.perf_counter() - start)
+    base = times[args.dtypes[0]]
+    for name, t in times.items():
+        ratios = [a / b for a, b in zip(t, base)]
+        print(
+            f"{name:9s} decode step at context ~{args.prompt_len}: median "
+            f"{statistics.median(t) * 1e3:.2f} ms (fastest {min(t) * 1e3:.2f}); "
+            f"/ {args.dtypes[0]}: median of rounds {statistics.median(ratios):.3f}x "
+            f"(quartiles {statistics.quantiles(ratios, n=4)[0]:.3f}-"
+            f"{statistics.quantiles(ratios, n=4)[2]:.3f}), fastest steps "
+            f"{min(t) / min(base):.3f}x",
+            flush=True,
+        )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="default: quire's default model")
+    parser.add_argument("--dtypes", nargs="+", default=["auto", "int8", "fp8", "fp8_e5m2"])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--speed", action="store_true", help="decode step time instead")
+    parser.add_argument("--prompt-len", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=40)
+    args = parser.parse_args()
+    if args.speed:
+        decode_speed(args)
+        return 0
+    from test_quantized_gguf import PROSE
+
+    with open(os.path.join(ROOT, "docs", "ARCHITECTURE.md")) as f:
+        architecture = f.read()
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    reference = None
+    for name in args.dtypes:
+        llm = LLM(args.model, kv_cache_dtype=name, kv_cache_memory=256 << 20, max_model_len=4096)
+        tokenizer = llm.get_tokenizer()
+        texts = {
+            "prose": tokenizer.encode(PROSE),
+            "architecture-2048": tokenizer.encode(architecture)[:2048],
+        }
+        ppl = {key: perplexity(llm, ids) for key, ids in texts.items()}
+        outputs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+        if reference is None:
+            reference = outputs
+        agreed = [
+            next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), len(o))
+            for o, r in zip(outputs, reference)
+        ]
+        pool = llm.engine.num_kv_blocks * llm.engine.config.block_size
+        print(
+            f"{name:9s} pool {pool} tokens | perplexity "
+            + ", ".join(f"{k} {v:.3f}" for k, v in ppl.items())
+            + f" | greedy agreement {sum(agreed) / (len(outputs) * args.max_tokens):.1%} of "
+            f"positions before the first difference, {sum(a == args.max_tokens for a in agreed)}"
+            f"/{len(outputs)} requests identical",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
