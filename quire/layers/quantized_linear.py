@@ -8,6 +8,12 @@ repacked once for the int8 kernel (quire/kernels/cpu/qmatmul.c), which quantizes
 to int8 in blocks of 32 and sums every row in one order whatever the number of rows, prompt and
 generated tokens alike, so a request's bits do not depend on the batch. A decode step then
 reads 4.5-8.5 bits a weight instead of bf16's 16.
+
+Under tensor parallelism each rank keeps its shard's blocks, cut as the parallel layers cut a
+float tensor (`Shard`): whole rows for column-parallel, q|k|v, gate|up and LM-head shards; whole
+blocks of each row for a row-parallel shard (o_proj, down_proj), whose partial products are then
+summed over the ranks. A row-parallel split that does not fall on a block boundary (input
+features per rank not a multiple of 32) dequantizes that matrix, with a warning.
 """
 
 from __future__ import annotations
@@ -21,8 +27,14 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from torch import nn
 
+from quire.distributed.parallel_state import all_reduce, tp_size
 from quire.kernels.cpu import qmatmul
-from quire.layers.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear
+from quire.layers.parallel_linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    Shard,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +54,28 @@ class QuantizedWeight:
     def dequantize(self) -> torch.Tensor:  # [out_features, in_features] float32
         values = dequantize(self.raw, GGMLQuantizationType[self.qtype])
         return torch.from_numpy(np.require(values, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
+
+    def shard(self, shard: Shard) -> QuantizedWeight | None:
+        """This rank's part (`Shard`, as the parallel layers' loaders cut a float tensor): whole
+        rows, or whole blocks of every row, with zero blocks (zero scales, adding nothing) where
+        it runs past the end. None when a split of the input features does not fall on a block
+        boundary."""
+        if (shard.start, shard.size) == (0, self.shape[shard.dim]):
+            return self
+        if shard.dim == 0:
+            rows = self.raw[shard.start : shard.start + shard.size]
+            pad = np.zeros((shard.size - rows.shape[0], self.raw.shape[1]), np.uint8)
+            raw = np.concatenate([rows, pad])
+            return QuantizedWeight(raw, self.qtype, (shard.size, self.shape[1]))
+        if shard.start % qmatmul.QBLOCK or shard.size % qmatmul.QBLOCK:
+            return None
+        block_bytes = qmatmul.GGUF_BLOCK_BYTES[self.qtype]
+        first = shard.start // qmatmul.QBLOCK * block_bytes
+        width = shard.size // qmatmul.QBLOCK * block_bytes
+        cols = self.raw[:, first : first + width]
+        pad = np.zeros((self.raw.shape[0], width - cols.shape[1]), np.uint8)
+        raw = np.concatenate([cols, pad], axis=1)
+        return QuantizedWeight(raw, self.qtype, (self.shape[0], shard.size))
 
     @staticmethod
     def stack(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -76,6 +110,37 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype}"
 
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, weight: QuantizedWeight) -> QuantizedLinear:
+        """`linear`'s replacement holding `weight` (its shard's blocks) and its bias."""
+        if isinstance(linear, RowParallelLinear) and tp_size() > 1:
+            return QuantizedRowParallelLinear(weight, linear.bias)
+        return cls(weight, linear.bias)
+
+
+class QuantizedRowParallelLinear(QuantizedLinear):
+    """A RowParallelLinear's shard in blocks: the partial product summed over the ranks, then
+    the bias added once (as PackedRowParallelLinear)."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None):
+        super().__init__(weight, None)
+        self.row_bias = None if bias is None else bias.detach().to(torch.bfloat16).contiguous()
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        out = all_reduce(super().forward(x, out_dtype))
+        return out if self.row_bias is None else out + self.row_bias
+
+
+def shard_of(
+    module: nn.Module, weight: QuantizedWeight, shard_id: str | int | None
+) -> QuantizedWeight | None:
+    """This rank's blocks of `weight` for `module` (a parallel linear or embedding: its `shard`;
+    any other module takes it whole), or None where they are not whole blocks."""
+    cut = getattr(module, "shard", None)
+    if cut is None:
+        return weight
+    return weight.shard(cut() if shard_id is None else cut(shard_id))
+
 
 def _shard_ids(linear: nn.Linear) -> list[str | int | None]:
     """The shards a linear's weight is loaded from, in its rows' order."""
@@ -99,7 +164,7 @@ def quantize_linear_layers(model: nn.Module) -> int:
             types = {p.qtype for p in shards.values()}
             if set(shards) == set(ids) and len(types) == 1:
                 weight = QuantizedWeight.stack([shards[i] for i in ids])
-                setattr(model, name, QuantizedLinear(weight, child.bias))
+                setattr(model, name, QuantizedLinear.from_linear(child, weight))
                 count += 1
                 continue
             logger.warning(
@@ -109,12 +174,14 @@ def quantize_linear_layers(model: nn.Module) -> int:
                 child.weight.dtype,
             )
             with torch.no_grad():
-                for shard_id, part in shards.items():
+                for shard_id, part in shards.items():  # this rank's blocks, into their rows
                     if shard_id is None:
                         child.weight.copy_(part.dequantize())
                     else:
-                        child.weight_loader(child.weight, part.dequantize(), shard_id)
+                        rows = child.shard(shard_id)
+                        child.weight.narrow(0, rows.offset, rows.size).copy_(part.dequantize())
             del child.quantized_shards
         else:
             count += quantize_linear_layers(child)
     return count
+

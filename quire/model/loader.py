@@ -14,7 +14,6 @@ from safetensors import safe_open
 from torch import nn
 
 from quire.config import EngineConfig
-from quire.distributed.parallel_state import tp_size
 from quire.kernels.cpu import qmatmul
 from quire.layers.linear import PackedLinear, pack_linear_layers, packed_linear_supported
 from quire.layers.quantized_linear import KERNEL_TYPES, QuantizedLinear, quantize_linear_layers
@@ -54,15 +53,13 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def kept_quantized_types(config: EngineConfig, dtype: torch.dtype) -> frozenset[str]:
     """The GGUF block types loaded as they are, for the int8 kernel (layers/quantized_linear.py):
-    all it takes for a GGUF file run in bf16 on CPU with the C kernels, one rank, and
+    all it takes for a GGUF file run in bf16 on CPU with the C kernels (any rank count) and
     `quantization` auto; none otherwise (every weight dequantized to `dtype`, as before)."""
     if not config.is_gguf or config.quantization == "none":
         return frozenset()
     reasons = []
     if torch.device(config.device).type != "cpu" or dtype != torch.bfloat16:
         reasons.append(f"it runs bf16 on CPU, not {dtype} on {config.device}")
-    if tp_size() > 1:
-        reasons.append("it runs on one rank")
     if not qmatmul.available():
         reasons.append("the C kernels are off or do not build here")
     if reasons:
