@@ -78,6 +78,24 @@ class QuantizedWeight:
         return QuantizedWeight(raw, self.qtype, (self.shape[0], shard.size))
 
     @staticmethod
+    def from_float(weight: torch.Tensor) -> QuantizedWeight:
+        """[out, in] (in a multiple of 32) -> symmetric int8 per output channel in blocks of 32
+        along the input, as GGUF's Q8_0 (and the gguf package's quantizer, bit for bit): a block
+        d = amax / 127 (float16), codes round(w / d) half away from zero."""
+        rows, cols = weight.shape
+        blocks = weight.detach().float().reshape(rows, cols // qmatmul.QBLOCK, qmatmul.QBLOCK)
+        d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+        inverse = torch.where(d == 0, 0.0, 1 / d)
+        scaled = blocks * inverse
+        magnitude = scaled.abs()
+        whole = magnitude.floor()
+        codes = scaled.sign() * (whole + (2 * (magnitude - whole)).floor())
+        raw = torch.cat(
+            [d.half().view(torch.uint8), codes.to(torch.int8).view(torch.uint8)], dim=-1
+        )  # [rows, blocks, 2 + 32]
+        return QuantizedWeight(raw.reshape(rows, -1).numpy(), "Q8_0", (rows, cols))
+
+    @staticmethod
     def stack(parts: list[QuantizedWeight]) -> QuantizedWeight:
         """Row blocks of one type, one under the other (q | k | v, gate | up)."""
         (qtype,) = {p.qtype for p in parts}
@@ -185,3 +203,26 @@ def quantize_linear_layers(model: nn.Module) -> int:
             count += quantize_linear_layers(child)
     return count
 
+
+def int8_linear_layers(model: nn.Module) -> int:
+    """`--quantization int8`: every linear under `model` (this rank's shard) whose input features
+    are whole blocks of 32 becomes a QuantizedLinear on its weight quantized to Q8_0's blocks
+    (`QuantizedWeight.from_float`); returns how many. Others stay in their dtype."""
+    count = 0
+    for name, child in list(model.named_children()):
+        if isinstance(child, nn.Linear):
+            if child.in_features % qmatmul.QBLOCK == 0:
+                weight = QuantizedWeight.from_float(child.weight)
+                setattr(model, name, QuantizedLinear.from_linear(child, weight))
+                count += 1
+            else:
+                logger.warning(
+                    "%s stays %s: %d input features are not whole int8 blocks of %d",
+                    name,
+                    child.weight.dtype,
+                    child.in_features,
+                    qmatmul.QBLOCK,
+                )
+        else:
+            count += int8_linear_layers(child)
+    return count
