@@ -31,12 +31,14 @@ needs_kernels = pytest.mark.skipif(
 
 
 def test_weights_quantize_as_ggufs_q8_0() -> None:
-    weight = (torch.randn(37, 96, generator=torch.Generator().manual_seed(0)) * 0.05).bfloat16()
+    # more rows than one slice of the quantizer (4,096)
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(4099, 96, generator=gen) * 0.05).bfloat16()
     weight[3, :32] = 0  # an all-zero block: scale 0, codes 0
-    weight[5, 5] = 1.0  # an outlier: its block's scale, 127 its code
+    weight[4097, 5] = 1.0  # an outlier: its block's scale, 127 its code
     got = QuantizedWeight.from_float(weight)
     want = quantize(weight.float().numpy(), GGMLQuantizationType.Q8_0)
-    assert got.qtype == "Q8_0" and got.shape == (37, 96)
+    assert got.qtype == "Q8_0" and got.shape == (4099, 96)
     assert np.array_equal(got.raw, want)
 
 

@@ -38,6 +38,8 @@ from quire.layers.parallel_linear import (
 
 logger = logging.getLogger(__name__)
 
+_QUANTIZE_ROWS = 4096  # rows of a float weight quantized at a time (from_float)
+
 # The GGUF types the kernel takes; others are dequantized at load (gguf_loader.py).
 KERNEL_TYPES = frozenset(qmatmul.FORMATS)
 
@@ -81,18 +83,21 @@ class QuantizedWeight:
     def from_float(weight: torch.Tensor) -> QuantizedWeight:
         """[out, in] (in a multiple of 32) -> symmetric int8 per output channel in blocks of 32
         along the input, as GGUF's Q8_0 (and the gguf package's quantizer, bit for bit): a block
-        d = amax / 127 (float16), codes round(w / d) half away from zero."""
+        d = amax / 127 (float16), codes round(w / d) half away from zero. Done a slice of rows
+        at a time, so a large LM head needs no float32 copy of itself."""
         rows, cols = weight.shape
-        blocks = weight.detach().float().reshape(rows, cols // qmatmul.QBLOCK, qmatmul.QBLOCK)
-        d = blocks.abs().amax(dim=-1, keepdim=True) / 127
-        inverse = torch.where(d == 0, 0.0, 1 / d)
-        scaled = blocks * inverse
-        magnitude = scaled.abs()
-        whole = magnitude.floor()
-        codes = scaled.sign() * (whole + (2 * (magnitude - whole)).floor())
-        raw = torch.cat(
-            [d.half().view(torch.uint8), codes.to(torch.int8).view(torch.uint8)], dim=-1
-        )  # [rows, blocks, 2 + 32]
+        raw = torch.empty(rows, cols // qmatmul.QBLOCK, 2 + qmatmul.QBLOCK, dtype=torch.uint8)
+        for start in range(0, rows, _QUANTIZE_ROWS):
+            part = weight[start : start + _QUANTIZE_ROWS].detach().float()
+            blocks = part.reshape(part.shape[0], -1, qmatmul.QBLOCK)
+            d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+            scaled = blocks * torch.where(d == 0, 0.0, 1 / d)
+            magnitude = scaled.abs()
+            whole = magnitude.floor()
+            codes = scaled.sign() * (whole + (2 * (magnitude - whole)).floor())
+            out = raw[start : start + _QUANTIZE_ROWS]
+            out[..., :2] = d.half().view(torch.uint8)
+            out[..., 2:] = codes.to(torch.int8).view(torch.uint8)
         return QuantizedWeight(raw.reshape(rows, -1).numpy(), "Q8_0", (rows, cols))
 
     @staticmethod
