@@ -140,11 +140,6 @@ def test_int8_on_a_gguf_file_is_refused(default_model) -> None:
         EngineConfig(model=default_model, quantization="int8")
 
 
-def test_an_unknown_quantization_names_the_choices(tiny_models) -> None:
-    with pytest.raises(ValueError, match="quantization must be one of auto, none, int8; got 'fp4'"):
-        EngineConfig(model=tiny_models["llama"], quantization="fp4")
-
-
 def test_int8_in_float32_is_refused(tiny_models) -> None:
     with pytest.raises(ValueError, match="int8 runs bf16 on CPU, not torch.float32 .* bfloat16"):
         LLM(tiny_models["llama"], quantization="int8", dtype="float32")
