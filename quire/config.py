@@ -165,6 +165,11 @@ class EngineConfig(EngineArgs):
                 f"quantization must be one of {', '.join(QUANTIZATIONS)}; "
                 f"got {self.quantization!r}."
             )
+        if self.quantization == "int8" and self.is_gguf:
+            raise ValueError(
+                "quantization int8 quantizes a Hugging Face checkpoint at load; a GGUF file "
+                "keeps its own blocks: use quantization auto (its blocks) or none (dequantized)."
+            )
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device not in DEVICES:

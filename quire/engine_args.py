@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATIONS = ("auto", "none")
+QUANTIZATIONS = ("auto", "none", "int8")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # --kv-cache-dtype: vLLM's values (fp8 is fp8_e4m3), and int8 (quire/attention/kv_format.py)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
@@ -76,8 +76,9 @@ class EngineArgs:
         "auto",
         choices=QUANTIZATIONS,
         help="weights in quantized blocks: auto keeps a GGUF file's Q8_0 / Q4_0 / Q4_1 matrices "
-        "in their blocks for the int8 kernels (bf16 on CPU; other types are dequantized); none "
-        "dequantizes every weight to --dtype",
+        "in their blocks for the int8 kernels (bf16 on CPU; other types are dequantized); int8 "
+        "quantizes a Hugging Face checkpoint's matrices at load (symmetric int8 per output "
+        "channel in blocks of 32, bf16 on CPU); none keeps every weight in --dtype",
     )
     device: str = _knob("auto", choices=DEVICES, help="auto: cuda when there is a GPU, else cpu")
     max_model_len: int | None = _knob(

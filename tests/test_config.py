@@ -49,5 +49,7 @@ def test_a_draft_model_under_tensor_parallelism_is_refused_at_start(tmp_path):
 
 
 def test_an_unknown_quantization_is_refused_with_the_choices(tiny_llama):
-    with pytest.raises(ValueError, match="quantization must be one of auto, none; got 'int4'"):
+    with pytest.raises(
+        ValueError, match="quantization must be one of auto, none, int8; got 'int4'"
+    ):
         EngineConfig(tiny_llama, quantization="int4")

@@ -16,12 +16,15 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import token_prompts
+from test_quantized_gguf import TINY_LLAMA
 
 from quire import LLM, SamplingParams
+from quire.bench import gguf_files
 from quire.distributed.parallel_state import init_tensor_parallel
 from quire.executor.multiproc import free_port
 from quire.kernels.cpu import gemv
 from quire.layers.linear import packed_linear_supported
+from quire.layers.quantized_linear import QuantizedLinear
 
 pytestmark = pytest.mark.skipif(
     not (gemv.available() and packed_linear_supported("cpu", torch.bfloat16)),
@@ -37,19 +40,25 @@ CASES = {
     "qwen2": dict(),
     "qwen3": dict(),
 }
+# and: a random Llama in Q4_1 blocks (TINY_LLAMA: per rank, 2 query heads, so o_proj has 128
+# input features, 4 blocks; one KV head; 544 of the MLP's 1,088, so down_proj 17 blocks); the
+# tiny Llama above quantized to int8 at load, each rank its shard
+ARCHS = [*CASES, "gguf_q4_1", "llama_int8"]
+ENGINE_ARGS = {"llama_int8": dict(quantization="int8")}
 LENGTHS = [3, 17, 40]
 MAX_TOKENS = 8
 
 
-def _run_rank(model: str) -> dict:
+def _run_rank(model: str, tokenizer: str, **engine_args) -> dict:
     """This rank's engine over `model`: whether it has the C step, the request count of every
     step the C step ran (each checked against the module path), and the tokens of a greedy
     batch and of a seeded sampled one."""
     from test_cpu_decode import check_each_fused_step
 
-    llm = LLM(model, dtype="bfloat16", num_kv_blocks=64)
+    llm = LLM(model, dtype="bfloat16", num_kv_blocks=64, tokenizer=tokenizer, **engine_args)
     runner = llm.engine.core.executor.worker.runner
-    result = {"cpu_step": runner.cpu_step is not None, "steps": [], "tokens": []}
+    kept = {m.qtype for m in runner.model.modules() if isinstance(m, QuantizedLinear)}
+    result = {"cpu_step": runner.cpu_step is not None, "steps": [], "tokens": [], "kept": kept}
     if runner.cpu_step is None:
         return result
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -63,34 +72,48 @@ def _run_rank(model: str) -> dict:
     return result
 
 
-def _rank_main(rank: int, port: int, models: dict[str, str], results) -> None:
+def _rank_main(rank: int, port: int, models: dict[str, str], tokenizer: str, results) -> None:
     init_tensor_parallel(rank, WORLD, port, "cpu", shm_bytes=1 << 16)
     torch.set_num_threads(1)
     for arch, model in models.items():
         try:
-            results[(rank, arch)] = _run_rank(model)
+            results[(rank, arch)] = _run_rank(model, tokenizer, **ENGINE_ARGS.get(arch, {}))
         except Exception:  # the other rank may then wait in a collective: end both
             results[(rank, arch)] = {"error": traceback.format_exc()}
             raise
 
 
 @pytest.fixture(scope="module")
-def rank_results(build_model, tmp_path_factory) -> dict[tuple[int, str], dict]:
+def rank_results(build_model, tokenizer_dir, tmp_path_factory) -> dict[tuple[int, str], dict]:
     root = tmp_path_factory.mktemp("tp_cpu_step")
     models = {arch: build_model(str(root / arch), arch, **o) for arch, o in CASES.items()}
+    path = str(root / "llama-q4_1.gguf")
+    models["gguf_q4_1"] = gguf_files.write_random(path, "Q4_1", ("llama", TINY_LLAMA))
+    models["llama_int8"] = models["llama"]
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_rank_main, args=(free_port(), models, results), nprocs=WORLD)
+        mp.spawn(_rank_main, args=(free_port(), models, tokenizer_dir, results), nprocs=WORLD)
         return dict(results)
 
 
-@pytest.mark.parametrize("arch", CASES)
+@pytest.mark.parametrize("arch", ARCHS)
 def test_every_rank_takes_the_c_step(rank_results, arch):
     for rank in range(WORLD):
         assert rank_results[(rank, arch)]["cpu_step"], rank_results[(rank, arch)]
 
 
-@pytest.mark.parametrize("arch", CASES)
+def test_every_rank_keeps_the_gguf_blocks(rank_results):
+    for rank in range(WORLD):
+        assert rank_results[(rank, "gguf_q4_1")]["kept"] == {"Q4_1"}
+        assert rank_results[(rank, "llama")]["kept"] == set()
+
+
+def test_every_rank_quantizes_its_shard_to_int8(rank_results):
+    for rank in range(WORLD):
+        assert rank_results[(rank, "llama_int8")]["kept"] == {"Q8_0"}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_c_steps_equal_the_module_path_on_every_rank(rank_results, arch):
     # Greedy, then sampled: after each batch's prefill step, every step decodes all requests
     # in one C call, checked bit for bit against the modules inside the rank.
@@ -98,7 +121,7 @@ def test_c_steps_equal_the_module_path_on_every_rank(rank_results, arch):
         assert rank_results[(rank, arch)]["steps"] == [len(LENGTHS)] * (2 * (MAX_TOKENS - 1))
 
 
-@pytest.mark.parametrize("arch", CASES)
+@pytest.mark.parametrize("arch", ARCHS)
 def test_ranks_agree_on_every_token(rank_results, arch):
     tokens = [rank_results[(rank, arch)]["tokens"] for rank in range(WORLD)]
     assert tokens[0] == tokens[1]

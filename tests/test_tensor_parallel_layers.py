@@ -1,25 +1,31 @@
 """Each tensor-parallel layer on two gloo ranks against the single-rank layer with the same full
 weights (float32): a column-parallel output is the full output's slice, a row-parallel output
 and the vocabulary-parallel embedding the full output, the LM head's gathered logits the full
-logits. The shapes leave padding (11 rows over two ranks) and replicated KV heads."""
+logits. The shapes leave padding (11 rows over two ranks) and replicated KV heads. GGUF blocks
+cut for a rank (Q4_1) against the single-rank QuantizedLinear on the whole blocks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
 from torch import nn
 
 from quire.distributed import parallel_state
 from quire.distributed.parallel_state import all_reduce, init_tensor_parallel
 from quire.executor.multiproc import free_port
+from quire.kernels.cpu import qmatmul
 from quire.layers.linear import PackedLinear, packed_linear_supported
 from quire.layers.parallel_linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    Shard,
 )
+from quire.layers.quantized_linear import QuantizedLinear, QuantizedWeight, shard_of
 from quire.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding, gather_logits
 
 WORLD = 2
@@ -116,6 +122,38 @@ def _errors(rank: int) -> dict[str, float]:
         packed = PackedLinear.from_linear(row16, use_gemv=True)
         got = packed(_shard(x_odd, 1, rank, 6).bfloat16()).float()
         errors["packed_row_bf16"] = (got - full(x_odd)).abs().max().item() / 10  # bf16 scale
+    if qmatmul.available():
+        errors.update(_quantized_errors(rank))
+    return errors
+
+
+def _q4_1(rows: int, cols: int) -> QuantizedWeight:
+    values = torch.randn(rows, cols).numpy()
+    return QuantizedWeight(quantize(values, GGMLQuantizationType.Q4_1), "Q4_1", (rows, cols))
+
+
+def _quantized_errors(rank: int) -> dict[str, float]:
+    """Column shard: the full output's columns bit for bit (0 error). Row-parallel: the full
+    output up to bf16 rounding of the two partial sums and their sum, as a fraction of the
+    largest output."""
+    k = 4 * qmatmul.QBLOCK  # two blocks per rank
+    x = torch.randn(5, k).bfloat16()
+    errors = {}
+
+    full = _q4_1(ODD, k)
+    column = ColumnParallelLinear(k, ODD)
+    got = QuantizedLinear.from_linear(column, shard_of(column, full, None))(x).float()
+    want = _shard(QuantizedLinear(full, None)(x).float(), 1, rank, 6)
+    errors["quantized_column"] = (got - want).abs().max().item()
+
+    full, bias = _q4_1(HIDDEN, k), torch.randn(HIDDEN)
+    row = RowParallelLinear(k, HIDDEN, bias=True)
+    row.weight_loader(row.bias, bias)
+    half = k // WORLD
+    parallel = QuantizedLinear.from_linear(row, shard_of(row, full, None))
+    got = parallel(x[:, rank * half : (rank + 1) * half]).float()
+    want = QuantizedLinear(full, bias)(x).float()
+    errors["quantized_row"] = ((got - want).abs().max() / want.abs().max()).item()
     return errors
 
 
@@ -152,6 +190,26 @@ LAYERS = [
 def test_parallel_layer_matches_single_rank(rank_errors, layer):
     for rank in range(WORLD):
         assert rank_errors[rank][layer] < 1e-5, (rank, layer)
+
+
+@pytest.mark.skipif(not qmatmul.available(), reason="the C kernels are off here")
+def test_quantized_column_shard_is_the_full_outputs_columns(rank_errors):
+    for rank in range(WORLD):
+        assert rank_errors[rank]["quantized_column"] == 0.0
+
+
+@pytest.mark.skipif(not qmatmul.available(), reason="the C kernels are off here")
+def test_quantized_row_parallel_linear_sums_ranks(rank_errors):
+    for rank in range(WORLD):
+        assert rank_errors[rank]["quantized_row"] < 4 * 2**-8  # bf16: three roundings
+
+
+def test_a_row_split_inside_a_block_keeps_no_blocks():
+    # 96 input features over two ranks: 48 a rank, a block and a half
+    full = _q4_1(ODD, 3 * qmatmul.QBLOCK)
+    assert full.shard(RowParallelLinear(96, ODD).shard()) is full  # one rank: whole
+    split = Shard(1, 48, 48, 96)
+    assert full.shard(split) is None
 
 
 @pytest.mark.skipif(

@@ -32,6 +32,7 @@ from quire.attention import kv_format
 from quire.bench import roofline
 from quire.bench.models import add_model_dir_arg, resolve_model
 from quire.bench.speculative import describe_spec_decoding, spec_decoding_report
+from quire.kernels.cpu import qmatmul
 from quire.model import gguf_loader, loader
 
 _WARMUP_DECODE_STEPS = 2
@@ -242,7 +243,11 @@ def measure_grammar_overhead(
 
 def _weight_bytes(config, mc, dtype: torch.dtype) -> int:
     """The weight bytes of a decode step: a GGUF file's kept blocks as stored (the loader's
-    choice for this engine), every other weight in `dtype`."""
+    choice for this engine), `--quantization int8`'s blocks (Q8_0: 34 bytes per 32 weights), every
+    other weight in `dtype`."""
+    if config.quantization == "int8":
+        block_bytes = qmatmul.GGUF_BLOCK_BYTES["Q8_0"]
+        return roofline.decode_weight_bytes(mc, torch.int8) * block_bytes // qmatmul.QBLOCK
     if not config.is_gguf:
         return roofline.decode_weight_bytes(mc, dtype)
     kept = loader.kept_quantized_types(config, dtype)
@@ -312,6 +317,8 @@ def main(args: argparse.Namespace) -> int:
     weights = f"{weight_bytes / 1e9:.2f} GB read per step, {str(dtype).removeprefix('torch.')}"
     if kept:
         weights += f" with {'/'.join(sorted(kept))} blocks kept"
+    elif engine.config.quantization == "int8":
+        weights += " with int8 (Q8_0) blocks"
     print(
         f"model: {engine.config.model} ({roofline.num_params(mc) / 1e6:.0f}M params, "
         f"{weights}), KV cache {engine.config.kv_cache_dtype}, {device}, "

@@ -19,6 +19,8 @@ must divide (config check: `tensor_parallel_split_error`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -44,6 +46,24 @@ def load_shard(dest: torch.Tensor, full: torch.Tensor, dim: int, start: int, exp
         dest.narrow(dim, length, dest.shape[dim] - length).zero_()
 
 
+@dataclass(frozen=True)
+class Shard:
+    """This rank's part of a checkpoint tensor: `full[start : start + size]` along `dim` (zeros
+    past `full_size`, the tensor's size there), stored at rows [offset, offset + size) of the
+    parameter (dim 0) or as its whole columns (dim 1). GGUF blocks kept quantized are cut by the
+    same description (layers/quantized_linear.py)."""
+
+    dim: int
+    start: int
+    size: int
+    full_size: int
+    offset: int = 0
+
+    def load(self, param: torch.Tensor, full: torch.Tensor) -> None:
+        dest = param.narrow(0, self.offset, self.size) if self.dim == 0 else param
+        load_shard(dest, full, self.dim, self.start, self.full_size)
+
+
 def load_full(dest: torch.Tensor, full: torch.Tensor) -> None:
     """A replicated parameter: the whole tensor."""
     if dest.shape != full.shape:
@@ -56,9 +76,12 @@ class ColumnParallelLinear(nn.Linear):
         self.full_out_features = out_features
         super().__init__(in_features, shard_size(out_features, tp_size()), bias=bias)
 
+    def shard(self) -> Shard:
+        n = self.out_features
+        return Shard(0, tp_rank() * n, n, self.full_out_features)
+
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor) -> None:
-        n = param.shape[0]
-        load_shard(param.data, full, 0, tp_rank() * n, self.full_out_features)
+        self.shard().load(param.data, full)
 
 
 class MergedColumnParallelLinear(nn.Linear):
@@ -70,10 +93,13 @@ class MergedColumnParallelLinear(nn.Linear):
         self.shard_sizes = [shard_size(n, tp_size()) for n in output_sizes]
         super().__init__(in_features, sum(self.shard_sizes), bias=bias)
 
-    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: int) -> None:
+    def shard(self, shard_id: int) -> Shard:
         size = self.shard_sizes[shard_id]
-        dest = param.data.narrow(0, sum(self.shard_sizes[:shard_id]), size)
-        load_shard(dest, full, 0, tp_rank() * size, self.output_sizes[shard_id])
+        offset = sum(self.shard_sizes[:shard_id])
+        return Shard(0, tp_rank() * size, size, self.output_sizes[shard_id], offset)
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: int) -> None:
+        self.shard(shard_id).load(param.data, full)
 
 
 class QKVParallelLinear(nn.Linear):
@@ -97,12 +123,19 @@ class QKVParallelLinear(nn.Linear):
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         super().__init__(hidden_size, out, bias=bias)
 
-    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: str) -> None:
+    def shard(self, shard_id: str) -> Shard:
         offset = {"q": 0, "k": self.num_heads, "v": self.num_heads + self.num_kv_heads}[shard_id]
         d = self.head_dim
-        dest = param.data.narrow(0, offset * d, self.local_heads[shard_id] * d)
-        start = self.first_head[shard_id] * d
-        load_shard(dest, full, 0, start, self.total_heads[shard_id] * d)
+        return Shard(
+            0,
+            self.first_head[shard_id] * d,
+            self.local_heads[shard_id] * d,
+            self.total_heads[shard_id] * d,
+            offset * d,
+        )
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: str) -> None:
+        self.shard(shard_id).load(param.data, full)
 
 
 class RowParallelLinear(nn.Linear):
@@ -113,12 +146,15 @@ class RowParallelLinear(nn.Linear):
         self.full_in_features = in_features
         super().__init__(shard_size(in_features, tp_size()), out_features, bias=bias)
 
+    def shard(self) -> Shard:  # of the weight; the bias is whole
+        n = self.in_features
+        return Shard(1, tp_rank() * n, n, self.full_in_features)
+
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor) -> None:
         if param.dim() == 1:  # the bias
             load_full(param.data, full)
             return
-        n = param.shape[1]
-        load_shard(param.data, full, 1, tp_rank() * n, self.full_in_features)
+        self.shard().load(param.data, full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:

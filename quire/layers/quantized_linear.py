@@ -8,6 +8,12 @@ repacked once for the int8 kernel (quire/kernels/cpu/qmatmul.c), which quantizes
 to int8 in blocks of 32 and sums every row in one order whatever the number of rows, prompt and
 generated tokens alike, so a request's bits do not depend on the batch. A decode step then
 reads 4.5-8.5 bits a weight instead of bf16's 16.
+
+Under tensor parallelism each rank keeps its shard's blocks, cut as the parallel layers cut a
+float tensor (`Shard`): whole rows for column-parallel, q|k|v, gate|up and LM-head shards; whole
+blocks of each row for a row-parallel shard (o_proj, down_proj), whose partial products are then
+summed over the ranks. A row-parallel split that does not fall on a block boundary (input
+features per rank not a multiple of 32) dequantizes that matrix, with a warning.
 """
 
 from __future__ import annotations
@@ -21,10 +27,18 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from torch import nn
 
+from quire.distributed.parallel_state import all_reduce, tp_size
 from quire.kernels.cpu import qmatmul
-from quire.layers.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear
+from quire.layers.parallel_linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    Shard,
+)
 
 logger = logging.getLogger(__name__)
+
+_QUANTIZE_ROWS = 4096  # rows of a float weight quantized at a time (from_float)
 
 # The GGUF types the kernel takes; others are dequantized at load (gguf_loader.py).
 KERNEL_TYPES = frozenset(qmatmul.FORMATS)
@@ -42,6 +56,49 @@ class QuantizedWeight:
     def dequantize(self) -> torch.Tensor:  # [out_features, in_features] float32
         values = dequantize(self.raw, GGMLQuantizationType[self.qtype])
         return torch.from_numpy(np.require(values, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
+
+    def shard(self, shard: Shard) -> QuantizedWeight | None:
+        """This rank's part (`Shard`, as the parallel layers' loaders cut a float tensor): whole
+        rows, or whole blocks of every row, with zero blocks (zero scales, adding nothing) where
+        it runs past the end. None when a split of the input features does not fall on a block
+        boundary."""
+        if (shard.start, shard.size) == (0, self.shape[shard.dim]):
+            return self
+        if shard.dim == 0:
+            rows = self.raw[shard.start : shard.start + shard.size]
+            pad = np.zeros((shard.size - rows.shape[0], self.raw.shape[1]), np.uint8)
+            raw = np.concatenate([rows, pad])
+            return QuantizedWeight(raw, self.qtype, (shard.size, self.shape[1]))
+        if shard.start % qmatmul.QBLOCK or shard.size % qmatmul.QBLOCK:
+            return None
+        block_bytes = qmatmul.GGUF_BLOCK_BYTES[self.qtype]
+        first = shard.start // qmatmul.QBLOCK * block_bytes
+        width = shard.size // qmatmul.QBLOCK * block_bytes
+        cols = self.raw[:, first : first + width]
+        pad = np.zeros((self.raw.shape[0], width - cols.shape[1]), np.uint8)
+        raw = np.concatenate([cols, pad], axis=1)
+        return QuantizedWeight(raw, self.qtype, (self.shape[0], shard.size))
+
+    @staticmethod
+    def from_float(weight: torch.Tensor) -> QuantizedWeight:
+        """[out, in] (in a multiple of 32) -> symmetric int8 per output channel in blocks of 32
+        along the input, as GGUF's Q8_0 (and the gguf package's quantizer, bit for bit): a block
+        d = amax / 127 (float16), codes round(w / d) half away from zero. Done a slice of rows
+        at a time, so a large LM head needs no float32 copy of itself."""
+        rows, cols = weight.shape
+        raw = torch.empty(rows, cols // qmatmul.QBLOCK, 2 + qmatmul.QBLOCK, dtype=torch.uint8)
+        for start in range(0, rows, _QUANTIZE_ROWS):
+            part = weight[start : start + _QUANTIZE_ROWS].detach().float()
+            blocks = part.reshape(part.shape[0], -1, qmatmul.QBLOCK)
+            d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+            scaled = blocks * torch.where(d == 0, 0.0, 1 / d)
+            magnitude = scaled.abs()
+            whole = magnitude.floor()
+            codes = scaled.sign() * (whole + (2 * (magnitude - whole)).floor())
+            out = raw[start : start + _QUANTIZE_ROWS]
+            out[..., :2] = d.half().view(torch.uint8)
+            out[..., 2:] = codes.to(torch.int8).view(torch.uint8)
+        return QuantizedWeight(raw.reshape(rows, -1).numpy(), "Q8_0", (rows, cols))
 
     @staticmethod
     def stack(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -76,6 +133,37 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype}"
 
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, weight: QuantizedWeight) -> QuantizedLinear:
+        """`linear`'s replacement holding `weight` (its shard's blocks) and its bias."""
+        if isinstance(linear, RowParallelLinear) and tp_size() > 1:
+            return QuantizedRowParallelLinear(weight, linear.bias)
+        return cls(weight, linear.bias)
+
+
+class QuantizedRowParallelLinear(QuantizedLinear):
+    """A RowParallelLinear's shard in blocks: the partial product summed over the ranks, then
+    the bias added once (as PackedRowParallelLinear)."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None):
+        super().__init__(weight, None)
+        self.row_bias = None if bias is None else bias.detach().to(torch.bfloat16).contiguous()
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        out = all_reduce(super().forward(x, out_dtype))
+        return out if self.row_bias is None else out + self.row_bias
+
+
+def shard_of(
+    module: nn.Module, weight: QuantizedWeight, shard_id: str | int | None
+) -> QuantizedWeight | None:
+    """This rank's blocks of `weight` for `module` (a parallel linear or embedding: its `shard`;
+    any other module takes it whole), or None where they are not whole blocks."""
+    cut = getattr(module, "shard", None)
+    if cut is None:
+        return weight
+    return weight.shard(cut() if shard_id is None else cut(shard_id))
+
 
 def _shard_ids(linear: nn.Linear) -> list[str | int | None]:
     """The shards a linear's weight is loaded from, in its rows' order."""
@@ -99,7 +187,7 @@ def quantize_linear_layers(model: nn.Module) -> int:
             types = {p.qtype for p in shards.values()}
             if set(shards) == set(ids) and len(types) == 1:
                 weight = QuantizedWeight.stack([shards[i] for i in ids])
-                setattr(model, name, QuantizedLinear(weight, child.bias))
+                setattr(model, name, QuantizedLinear.from_linear(child, weight))
                 count += 1
                 continue
             logger.warning(
@@ -109,12 +197,37 @@ def quantize_linear_layers(model: nn.Module) -> int:
                 child.weight.dtype,
             )
             with torch.no_grad():
-                for shard_id, part in shards.items():
+                for shard_id, part in shards.items():  # this rank's blocks, into their rows
                     if shard_id is None:
                         child.weight.copy_(part.dequantize())
                     else:
-                        child.weight_loader(child.weight, part.dequantize(), shard_id)
+                        rows = child.shard(shard_id)
+                        child.weight.narrow(0, rows.offset, rows.size).copy_(part.dequantize())
             del child.quantized_shards
         else:
             count += quantize_linear_layers(child)
+    return count
+
+
+def int8_linear_layers(model: nn.Module) -> int:
+    """`--quantization int8`: every linear under `model` (this rank's shard) whose input features
+    are whole blocks of 32 becomes a QuantizedLinear on its weight quantized to Q8_0's blocks
+    (`QuantizedWeight.from_float`); returns how many. Others stay in their dtype."""
+    count = 0
+    for name, child in list(model.named_children()):
+        if isinstance(child, nn.Linear):
+            if child.in_features % qmatmul.QBLOCK == 0:
+                weight = QuantizedWeight.from_float(child.weight)
+                setattr(model, name, QuantizedLinear.from_linear(child, weight))
+                count += 1
+            else:
+                logger.warning(
+                    "%s stays %s: %d input features are not whole int8 blocks of %d",
+                    name,
+                    child.weight.dtype,
+                    child.in_features,
+                    qmatmul.QBLOCK,
+                )
+        else:
+            count += int8_linear_layers(child)
     return count

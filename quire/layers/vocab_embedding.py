@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from quire.distributed.parallel_state import all_gather_last_dim, all_reduce, tp_rank, tp_size
-from quire.layers.parallel_linear import load_shard, shard_size
+from quire.layers.parallel_linear import Shard, shard_size
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -23,8 +23,11 @@ class VocabParallelEmbedding(nn.Embedding):
         self.vocab_start = tp_rank() * rows
         super().__init__(rows, hidden_size)
 
+    def shard(self) -> Shard:
+        return Shard(0, self.vocab_start, self.weight.shape[0], self.vocab_size)
+
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor) -> None:
-        load_shard(param.data, full, 0, self.vocab_start, self.vocab_size)
+        self.shard().load(param.data, full)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, hidden]
         if tp_size() == 1:
@@ -44,8 +47,11 @@ class ParallelLMHead(nn.Linear):
         self.vocab_start = tp_rank() * rows
         super().__init__(hidden_size, rows, bias=False)
 
+    def shard(self) -> Shard:
+        return Shard(0, self.vocab_start, self.weight.shape[0], self.vocab_size)
+
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor) -> None:
-        load_shard(param.data, full, 0, self.vocab_start, self.vocab_size)
+        self.shard().load(param.data, full)
 
 
 def gather_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

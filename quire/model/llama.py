@@ -6,11 +6,14 @@ qwen3.py. Projections are fused (q|k|v, gate|up); `load_weights` maps checkpoint
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from quire.distributed.parallel_state import tp_size
+from quire.kernels.cpu import qmatmul
 from quire.layers.activation import silu_and_mul
 from quire.layers.attention import Attention
 from quire.layers.linear import PackedLinear
@@ -20,10 +23,12 @@ from quire.layers.parallel_linear import (
     RowParallelLinear,
     load_full,
 )
-from quire.layers.quantized_linear import QuantizedLinear, QuantizedWeight
+from quire.layers.quantized_linear import QuantizedLinear, QuantizedWeight, shard_of
 from quire.layers.rotary import RotaryEmbedding
 from quire.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding, gather_logits
 from quire.model.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 class MLP(nn.Module):
@@ -122,6 +127,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
         loaded: set[str] = set()
+        split: list[str] = []  # kept types whose split over the ranks cuts blocks
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.lm_head is None):
@@ -143,16 +149,31 @@ class LlamaForCausalLM(nn.Module):
                     # the shape checked as the loader checks it, on a tensor of no storage
                     check = torch.empty(tensor.shape, device="meta")
                     _load(loader, torch.empty_like(param, device="meta"), check, shard_id)
-                    if isinstance(module, nn.Linear):
-                        module.__dict__.setdefault("quantized_shards", {})[shard_id] = tensor
+                    part = shard_of(module, tensor, shard_id)
+                    if isinstance(module, nn.Linear) and part is not None:
+                        module.__dict__.setdefault("quantized_shards", {})[shard_id] = part
                         loaded.add(name)
                         continue
-                    module.quantized = tensor
+                    if part is None:
+                        split.append(name)
+                    else:
+                        module.quantized = part
                     tensor = tensor.dequantize()
                 _load(loader, param, tensor, shard_id)
             except ValueError as error:
                 raise ValueError(f"Checkpoint tensor {name!r} {error}.") from None
             loaded.add(name)
+        if split:
+            logger.warning(
+                "%d matrices (%s, ...) are dequantized: their input features split over %d "
+                "ranks do not fall on %d-weight block boundaries (a tensor_parallel_size that "
+                "divides them into multiples of %d keeps them in their blocks)",
+                len(split),
+                split[0],
+                tp_size(),
+                qmatmul.QBLOCK,
+                qmatmul.QBLOCK,
+            )
         expected = set().union(*(_checkpoint_name(n) for n in params))
         missing = expected - loaded
         if missing:

@@ -14,10 +14,15 @@ from safetensors import safe_open
 from torch import nn
 
 from quire.config import EngineConfig
-from quire.distributed.parallel_state import tp_size
 from quire.kernels.cpu import qmatmul
 from quire.layers.linear import PackedLinear, pack_linear_layers, packed_linear_supported
-from quire.layers.quantized_linear import KERNEL_TYPES, QuantizedLinear, quantize_linear_layers
+from quire.layers.quantized_linear import (
+    KERNEL_TYPES,
+    QuantizedLinear,
+    QuantizedWeight,
+    int8_linear_layers,
+    quantize_linear_layers,
+)
 from quire.layers.rotary import RotaryEmbedding
 from quire.model.gguf_loader import iter_gguf_weights, load_gguf_config
 from quire.model.model_config import ModelConfig, architecture_of, read_hf_config
@@ -54,21 +59,45 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def kept_quantized_types(config: EngineConfig, dtype: torch.dtype) -> frozenset[str]:
     """The GGUF block types loaded as they are, for the int8 kernel (layers/quantized_linear.py):
-    all it takes for a GGUF file run in bf16 on CPU with the C kernels, one rank, and
+    all it takes for a GGUF file run in bf16 on CPU with the C kernels (any rank count) and
     `quantization` auto; none otherwise (every weight dequantized to `dtype`, as before)."""
     if not config.is_gguf or config.quantization == "none":
         return frozenset()
     reasons = []
     if torch.device(config.device).type != "cpu" or dtype != torch.bfloat16:
         reasons.append(f"it runs bf16 on CPU, not {dtype} on {config.device}")
-    if tp_size() > 1:
-        reasons.append("it runs on one rank")
     if not qmatmul.available():
         reasons.append("the C kernels are off or do not build here")
     if reasons:
         logger.info("GGUF weights dequantized: the int8 kernel %s", "; ".join(reasons))
         return frozenset()
     return KERNEL_TYPES
+
+
+def check_int8(config: EngineConfig, dtype: torch.dtype) -> None:
+    """`--quantization int8` runs on the int8 kernel: bf16 activations on CPU, the C kernels on.
+    Raises ValueError saying what to change otherwise."""
+    if torch.device(config.device).type != "cpu" or dtype != torch.bfloat16:
+        raise ValueError(
+            f"quantization int8 runs bf16 on CPU, not {dtype} on {config.device}: "
+            "use --dtype bfloat16 --device cpu, or quantization none."
+        )
+    if not qmatmul.available():
+        raise ValueError(
+            "quantization int8 needs quire's C kernels, which are off or do not build here: "
+            "use quantization none."
+        )
+
+
+def quantize_int8(model: nn.Module) -> int:
+    """Every linear's weight quantized to int8 blocks; a tied LM head gets its own from the
+    embedding table (which stays as it is, read a row per token). Returns how many."""
+    count = int8_linear_layers(model)
+    table = model.embed_tokens.weight
+    if model.lm_head is None and table.shape[1] % qmatmul.QBLOCK == 0:
+        model.lm_head = QuantizedLinear(QuantizedWeight.from_float(table), None)
+        count += 1
+    return count
 
 
 def quantize_weights(model: nn.Module) -> int:
@@ -103,6 +132,8 @@ def load_model(
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.build_cache()
+    if config.quantization == "int8":
+        check_int8(config, dtype)
     keep_quantized = kept_quantized_types(config, dtype)
     weights = (
         iter_gguf_weights(config.model, keep_quantized)
@@ -115,6 +146,8 @@ def load_model(
     num_params = sum(p.numel() for p in model.parameters())
     if keep_quantized:
         logger.info("%d linear layers kept in GGUF blocks", quantize_weights(model))
+    if config.quantization == "int8":
+        logger.info("%d linear layers quantized to int8", quantize_int8(model))
     if config.pack_weights and packed_linear_supported(config.device, dtype):
         pack_weights(model, use_gemv=config.gemv)
     logger.info(

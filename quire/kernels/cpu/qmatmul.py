@@ -19,7 +19,7 @@ QBLOCK = 32  # weights per block along K, in every format here
 # GGUF type name -> the kernel's format id (the enum in qmatmul.c)
 FORMATS = {"Q8_0": 1, "Q4_0": 2, "Q4_1": 3}
 # bytes of one GGUF block: float16 d (and float16 m for Q4_1), then the codes
-_GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 
 
 def available() -> bool:
@@ -53,7 +53,7 @@ def pack(raw: np.ndarray, qtype: str, in_features: int) -> torch.Tensor:
         raise ValueError(f"qmatmul: {in_features} input features is not a multiple of {QBLOCK}")
     n = raw.shape[0]
     nb = in_features // QBLOCK
-    blocks = np.ascontiguousarray(raw).reshape(n, nb, _GGUF_BLOCK_BYTES[qtype])
+    blocks = np.ascontiguousarray(raw).reshape(n, nb, GGUF_BLOCK_BYTES[qtype])
     padded = -(-n // QPANEL) * QPANEL
     if padded != n:  # zero rows: zero scales, nothing added
         blocks = np.concatenate([blocks, np.zeros((padded - n, *blocks.shape[1:]), np.uint8)])
