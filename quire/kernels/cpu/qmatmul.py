@@ -1,5 +1,6 @@
-"""ctypes wrapper of qmatmul.c: y = x W^T (+ b) with W in GGUF's Q8_0, Q4_0 or Q4_1 blocks, x bf16
-quantized per row to int8 blocks of 32 inside the call, for any number of rows (every row summed
+"""ctypes wrapper of qmatmul.c: y = x W^T (+ b) with W in GGUF's Q8_0, Q4_0 or Q4_1 blocks or its
+Q4_K, Q5_K or Q6_K super-blocks (qmatmul_k.c), x bf16 quantized per row to int8 blocks of 32
+inside the call, for any number of rows (every row summed
 in one order, so a row's bits do not depend on the batch). `pack` repacks a GGUF tensor's blocks
 once at load time into the kernel's panels (layout: the top of qmatmul.c).
 """
@@ -11,13 +12,13 @@ import functools
 import numpy as np
 import torch
 
-from quire.kernels.cpu import load_library
+from quire.kernels.cpu import load_library, qmatmul_k
 
 QPANEL = 32  # output columns per packed panel (QPANEL in qmatmul.c)
-QBLOCK = 32  # weights per block along K, in every format here
+QBLOCK = 32  # weights per block along K in Q8_0 / Q4_x; the K-quants' super-blocks hold 256
 
-# GGUF type name -> the kernel's format id (the enum in qmatmul.c)
-FORMATS = {"Q8_0": 1, "Q4_0": 2, "Q4_1": 3}
+# GGUF type name -> the kernel's format id (the enums in qmatmul.c and qmatmul_k.c)
+FORMATS = {"Q8_0": 1, "Q4_0": 2, "Q4_1": 3, **qmatmul_k.FORMATS}
 # bytes of one GGUF block: float16 d (and float16 m for Q4_1), then the codes
 _GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 
@@ -36,19 +37,28 @@ def uses_vnni() -> bool:
 
 def packed_bytes(qtype: str, out_features: int, in_features: int) -> int:
     panels = -(-out_features // QPANEL)
-    return panels * (in_features // QBLOCK) * _record_bytes(qtype)
+    return panels * (in_features // block_size(qtype)) * _record_bytes(qtype)
+
+
+def block_size(qtype: str) -> int:
+    """Weights along K per packed record: a block, or a K-quant's super-block."""
+    return qmatmul_k.SUPER_BLOCK if qtype in qmatmul_k.FORMATS else QBLOCK
 
 
 def _record_bytes(qtype: str) -> int:
+    if qtype in qmatmul_k.FORMATS:
+        return qmatmul_k.record_bytes(qtype)
     codes = QPANEL * QBLOCK if qtype == "Q8_0" else QPANEL * QBLOCK // 2
     return codes + (4 if qtype == "Q4_1" else 2) * QPANEL
 
 
 def pack(raw: np.ndarray, qtype: str, in_features: int) -> torch.Tensor:
     """A GGUF tensor's blocks [N, K / 32 * block bytes] (uint8, rows = output features) ->
-    [ceil(N / 32), K / 32, record bytes] uint8 in qmatmul.c's layout."""
+    [ceil(N / 32), K / 32, record bytes] uint8 in qmatmul.c's layout (K-quants: qmatmul_k.pack)."""
     if qtype not in FORMATS:
         raise ValueError(f"qmatmul: {qtype} is not one of {', '.join(FORMATS)}")
+    if qtype in qmatmul_k.FORMATS:
+        return qmatmul_k.pack(raw, qtype, in_features)
     if in_features % QBLOCK:
         raise ValueError(f"qmatmul: {in_features} input features is not a multiple of {QBLOCK}")
     n = raw.shape[0]
@@ -105,7 +115,7 @@ def qmatmul(
     rows, in_features = x.shape
     if x.dtype != torch.bfloat16:
         raise ValueError(f"qmatmul: bf16 activations only, got {x.dtype}")
-    if packed.dim() != 3 or packed.shape[1] * QBLOCK != in_features:
+    if packed.dim() != 3 or packed.shape[1] * block_size(qtype) != in_features:
         raise ValueError(
             f"qmatmul: x has {in_features} columns, the packed weight {tuple(packed.shape)} "
             "was packed for another width"
