@@ -20,6 +20,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
+from quire.bench.kquants import K_TYPES, quantize_k
 from quire.bench.models import QWEN3_0_6B_SHAPE
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,8 @@ def _copy_fields(
 
 def _matrix(values: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, dict]:
     """The tensor as the writer takes it: a matrix in `qtype`, a vector in float32."""
+    if values.ndim == 2 and qtype.name in K_TYPES:  # the gguf package cannot write these
+        return quantize_k(values, qtype.name), {"raw_dtype": qtype}
     if values.ndim == 2:
         return quantize(values.astype(np.float32), qtype), {"raw_dtype": qtype}
     return values.astype(np.float32), {}
@@ -158,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     rnd.add_argument("dst")
     rnd.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
     for p in (req, rnd):
-        p.add_argument("--type", default="Q8_0", help="Q8_0, Q4_0, Q4_1, BF16, F32, ...")
+        p.add_argument(
+            "--type", default="Q8_0", help="Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, BF16, ..."
+        )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     if args.command == "requantize":
