@@ -185,13 +185,32 @@ def test_a_fused_linear_of_one_type_becomes_one_quantized_linear() -> None:
     assert_within_bound(holder.qkv(x, torch.float32), exact, magnitude)  # rows in q|k|v order
 
 
-def test_a_fused_linear_of_mixed_types_is_dequantized_in_place() -> None:
+def test_a_fused_linear_of_mixed_types_keeps_each_type_as_a_part() -> None:
+    """q and k in Q4_0, v in Q8_0: one QuantizedLinear over two parts, each summed as its own
+    type's kernel sums it; a row's bits do not depend on the batch."""
+    from quire.layers.parallel_linear import QKVParallelLinear
+    from quire.layers.quantized_linear import QuantizedLinear, quantize_linear_layers
+
+    holder = torch.nn.Module()
+    holder.qkv = QKVParallelLinear(64, 32, 2, 1, bias=False)
+    shards, full = shards_of(holder.qkv, {"q": "Q4_0", "k": "Q4_0", "v": "Q8_0"})
+    holder.qkv.quantized_shards = shards
+    assert quantize_linear_layers(holder) == 1
+    assert isinstance(holder.qkv, QuantizedLinear) and holder.qkv.qtype == "Q4_0+Q8_0"
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    out = holder.qkv(x, torch.float32)
+    assert_within_bound(out, *reference(x, full.double().numpy(), None))
+    assert torch.equal(holder.qkv(x[2:3], torch.float32), out[2:3])
+
+
+def test_a_fused_linear_with_a_float_shard_is_dequantized_in_place() -> None:
     from quire.layers.parallel_linear import QKVParallelLinear
     from quire.layers.quantized_linear import quantize_linear_layers
 
     holder = torch.nn.Module()
     holder.qkv = QKVParallelLinear(64, 32, 2, 1, bias=False)
     shards, full = shards_of(holder.qkv, {"q": "Q4_0", "k": "Q4_0", "v": "Q8_0"})
+    holder.qkv.weight_loader(holder.qkv.weight, shards.pop("v").dequantize(), "v")
     holder.qkv.quantized_shards = shards
     assert quantize_linear_layers(holder) == 0
     assert type(holder.qkv) is QKVParallelLinear and not hasattr(holder.qkv, "quantized_shards")

@@ -43,9 +43,14 @@ def _copy_fields(
 
 
 def _matrix(values: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, dict]:
-    """The tensor as the writer takes it: a matrix in `qtype`, a vector in float32."""
+    """The tensor as the writer takes it: a matrix in `qtype`, a vector in float32. A K-quant
+    needs rows of whole super-blocks of 256: other matrices fall back to Q8_0 (as llama.cpp
+    falls back to a legacy type for them)."""
     if values.ndim == 2 and qtype.name in K_TYPES:  # the gguf package cannot write these
-        return quantize_k(values, qtype.name), {"raw_dtype": qtype}
+        if values.shape[1] % 256:
+            qtype = GGMLQuantizationType.Q8_0
+        else:
+            return quantize_k(values, qtype.name), {"raw_dtype": qtype}
     if values.ndim == 2:
         return quantize(values.astype(np.float32), qtype), {"raw_dtype": qtype}
     return values.astype(np.float32), {}
@@ -61,9 +66,10 @@ def requantize(src: str, dst: str, qtype: str) -> str:
     architecture = reader.get_field("general.architecture").contents()
     writer = GGUFWriter(dst + ".tmp", architecture)
     _copy_fields(reader, writer)
-    target = GGMLQuantizationType[qtype]
+    layers = reader.get_field(f"{architecture}.block_count").contents()
     for tensor in reader.tensors:
         values = dequantize(tensor.data, tensor.tensor_type)
+        target = GGMLQuantizationType[_tensor_type(qtype, tensor.name, layers)]
         data, kwargs = _matrix(values, target)
         writer.add_tensor(tensor.name, data, **kwargs)
     _write(writer)
@@ -76,8 +82,8 @@ def write_random(
     dst: str, qtype: str, shape: str | tuple[str, dict] = "qwen3-0.6b", seed: int = 0
 ) -> str:
     """A random-weight model at `dst` (kept when it exists): `shape` a name in SHAPES or an
-    (architecture, config dict) pair, matrices in `qtype`, the default model's tokenizer padded
-    to the vocabulary size."""
+    (architecture, config dict) pair, matrices in `qtype` (Q4_K_M: llama.cpp's mix of Q4_K and
+    Q6_K), the default model's tokenizer padded to the vocabulary size."""
     if os.path.exists(dst):
         return dst
     from quire.config import default_model_path
@@ -110,7 +116,7 @@ def write_random(
     writer.add_rope_freq_base(cfg["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     gen = np.random.default_rng(seed)
-    target = GGMLQuantizationType[qtype]
+    layers = cfg["num_hidden_layers"]
 
     def add(name: str, *dims: int) -> None:
         values = (
@@ -118,11 +124,11 @@ def write_random(
             if len(dims) == 1
             else gen.standard_normal(dims, np.float32) * 0.02
         )
-        data, kwargs = _matrix(values, target)
+        data, kwargs = _matrix(values, GGMLQuantizationType[_tensor_type(qtype, name, layers)])
         writer.add_tensor(name, data, **kwargs)
 
     add("token_embd.weight", cfg["vocab_size"], hidden)
-    for i in range(cfg["num_hidden_layers"]):
+    for i in range(layers):
         add(f"blk.{i}.attn_norm.weight", hidden)
         add(f"blk.{i}.attn_q.weight", heads * head_dim, hidden)
         add(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden)
@@ -142,6 +148,22 @@ def write_random(
     os.replace(dst + ".tmp", dst)
     logger.warning("Wrote %s (%s, random) in %.0f s", dst, qtype, time.perf_counter() - start)
     return dst
+
+
+def _tensor_type(qtype: str, name: str, layers: int) -> str:
+    """A tensor's type in a file of `qtype`: the type itself, or for Q4_K_M llama.cpp's mix:
+    Q4_K, with Q6_K for the LM head and for attn_v and ffn_down in the layers it gives more bits
+    (the first and last eighth, and every third between)."""
+    if qtype != "Q4_K_M":
+        return qtype
+    if name == "output.weight":
+        return "Q6_K"
+    parts = name.split(".")
+    if parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down"):
+        i = int(parts[1])
+        more_bits = i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
+        return "Q6_K" if more_bits else "Q4_K"
+    return "Q4_K"
 
 
 def _write(writer: GGUFWriter) -> None:

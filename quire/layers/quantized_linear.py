@@ -1,13 +1,15 @@
-"""Linear layers on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1), kept in their blocks.
+"""Linear layers on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), kept in
+their blocks.
 
 The GGUF loader hands such a tensor over as a `QuantizedWeight` (its raw blocks, rows = output
 features) instead of dequantizing it; `LlamaForCausalLM.load_weights` keeps it beside the
 `nn.Linear` it belongs to (a fused q|k|v or gate|up linear collects one per shard), and
 `quantize_linear_layers` then replaces each such linear with a `QuantizedLinear`: the blocks
-repacked once for the int8 kernel (quire/kernels/cpu/qmatmul.c), which quantizes each row of x
-to int8 in blocks of 32 and sums every row in one order whatever the number of rows, prompt and
+repacked once for the int8 kernel (quire/kernels/cpu/qmatmul.c, qmatmul_k.c for the K-quants),
+which quantizes each row of x to int8 in blocks of 32 and sums every row in one order whatever the number of rows, prompt and
 generated tokens alike, so a request's bits do not depend on the batch. A decode step then
-reads 4.5-8.5 bits a weight instead of bf16's 16.
+reads 4.5-8.5 bits a weight instead of bf16's 16. A fused linear whose shards come in different
+types (Q4_K_M files give q and k in Q4_K, v in Q6_K) keeps each run of one type as a part.
 """
 
 from __future__ import annotations
@@ -53,14 +55,25 @@ class QuantizedWeight:
 
 
 class QuantizedLinear(nn.Module):
-    """y = x W^T + b with W in GGUF blocks, packed for qmatmul.c; x bf16."""
+    """y = x W^T + b with W in GGUF blocks, packed for qmatmul.c; x bf16. W is given whole, or
+    as row blocks in order (q, k, v): runs of one type are stacked, and blocks of several
+    types become the parts of one packed weight (`qtype` their types joined by "+")."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None):
+    def __init__(self, weight: QuantizedWeight | list[QuantizedWeight], bias: torch.Tensor | None):
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.qtype = weight.qtype
-        self.format = qmatmul.FORMATS[weight.qtype]
-        self.packed = qmatmul.pack(weight.raw, weight.qtype, self.in_features)
+        parts: list[QuantizedWeight] = []
+        for part in weight if isinstance(weight, list) else [weight]:
+            if parts and parts[-1].qtype == part.qtype:
+                part = QuantizedWeight.stack([parts.pop(), part])
+            parts.append(part)
+        (self.in_features,) = {p.shape[1] for p in parts}
+        self.out_features = sum(p.shape[0] for p in parts)
+        self.qtype = "+".join(p.qtype for p in parts)
+        self.format = qmatmul.format_of(self.qtype)
+        if len(parts) == 1:
+            self.packed = qmatmul.pack(parts[0].raw, self.qtype, self.in_features)
+        else:
+            self.packed = qmatmul.pack_parts([(p.raw, p.qtype) for p in parts], self.in_features)
         self.bias = None if bias is None else bias.detach().to(torch.bfloat16).contiguous()
 
     def forward(
@@ -89,23 +102,21 @@ def _shard_ids(linear: nn.Linear) -> list[str | int | None]:
 def quantize_linear_layers(model: nn.Module) -> int:
     """Replaces every linear under `model` that load_weights gave quantized shards
     (`quantized_shards`: shard id -> QuantizedWeight) with a QuantizedLinear; returns how many.
-    A linear whose shards are not all kept in one type (some GGUF files mix types within
-    q|k|v) has its kept shards dequantized into its own weight instead."""
+    A linear whose shards are not all kept (a fused q|k|v with a float v) has its kept shards
+    dequantized into its own weight instead."""
     count = 0
     for name, child in list(model.named_children()):
         shards = getattr(child, "quantized_shards", None)
         if isinstance(child, nn.Linear) and shards:
             ids = _shard_ids(child)
-            types = {p.qtype for p in shards.values()}
-            if set(shards) == set(ids) and len(types) == 1:
-                weight = QuantizedWeight.stack([shards[i] for i in ids])
-                setattr(model, name, QuantizedLinear(weight, child.bias))
+            if set(shards) == set(ids):
+                setattr(model, name, QuantizedLinear([shards[i] for i in ids], child.bias))
                 count += 1
                 continue
             logger.warning(
-                "%s holds %s blocks beside other types: dequantized to %s",
+                "%s has %s blocks for some shards only: dequantized to %s",
                 name,
-                "/".join(sorted(types)),
+                "/".join(sorted({p.qtype for p in shards.values()})),
                 child.weight.dtype,
             )
             with torch.no_grad():

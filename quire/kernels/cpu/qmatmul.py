@@ -19,6 +19,7 @@ QBLOCK = 32  # weights per block along K in Q8_0 / Q4_x; the K-quants' super-blo
 
 # GGUF type name -> the kernel's format id (the enums in qmatmul.c and qmatmul_k.c)
 FORMATS = {"Q8_0": 1, "Q4_0": 2, "Q4_1": 3, **qmatmul_k.FORMATS}
+PARTS = 7  # a weight in row blocks of several formats (`pack_parts`; its qtype "Q4_K+Q6_K+...")
 # bytes of one GGUF block: float16 d (and float16 m for Q4_1), then the codes
 _GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 
@@ -88,6 +89,28 @@ def pack(raw: np.ndarray, qtype: str, in_features: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(record))
 
 
+def pack_parts(parts: list[tuple[np.ndarray, str]], in_features: int) -> torch.Tensor:
+    """Row blocks of a fused linear in different types ([(GGUF blocks [N_i, ...], qtype)], in
+    row order) -> one uint8 buffer for format PARTS: int64 words [P, then format, rows and byte
+    offset per part], then each part as `pack` lays it out, at 64-byte aligned offsets."""
+    header_bytes = -(-(1 + 3 * len(parts)) * 8 // 64) * 64
+    packed = [pack(raw, qtype, in_features).reshape(-1) for raw, qtype in parts]
+    words, offset = [len(parts)], header_bytes
+    for (raw, qtype), data in zip(parts, packed, strict=True):
+        words += [FORMATS[qtype], raw.shape[0], offset]
+        offset += -(-data.numel() // 64) * 64
+    buffer = torch.zeros(offset, dtype=torch.uint8)
+    buffer[: 8 * len(words)] = torch.tensor(words, dtype=torch.int64).view(torch.uint8)
+    for (_, _, start), data in zip(np.reshape(words[1:], (-1, 3)), packed, strict=True):
+        buffer[start : start + data.numel()] = data
+    return buffer
+
+
+def format_of(qtype: str) -> int:
+    """The kernel's format id for a qtype, or PARTS for a joined one ("Q4_K+Q6_K")."""
+    return PARTS if "+" in qtype else FORMATS[qtype]
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's int8 activations of x [M, K] bf16: codes [M, K] int8, scales [M, K / 32]
     float32 and code sums [M, K / 32] int32 (x ~ codes * scale per block)."""
@@ -104,17 +127,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return codes, scales, sums
 
 
-def qmatmul(
-    x: torch.Tensor,  # [M, K] bf16, M >= 1; rows may be strided, each contiguous
-    packed: torch.Tensor,  # from `pack`
-    qtype: str,
-    bias: torch.Tensor | None,  # [N] bf16
-    out_features: int,
-    out_dtype: torch.dtype = torch.bfloat16,  # float32: the bf16-rounded result, widened
-) -> torch.Tensor:  # [M, N]
-    rows, in_features = x.shape
-    if x.dtype != torch.bfloat16:
-        raise ValueError(f"qmatmul: bf16 activations only, got {x.dtype}")
+def _check_packed(packed: torch.Tensor, qtype: str, in_features: int, out_features: int) -> None:
     if packed.dim() != 3 or packed.shape[1] * block_size(qtype) != in_features:
         raise ValueError(
             f"qmatmul: x has {in_features} columns, the packed weight {tuple(packed.shape)} "
@@ -122,12 +135,27 @@ def qmatmul(
         )
     if packed.shape[0] * QPANEL < out_features or packed.shape[2] != _record_bytes(qtype):
         raise ValueError(f"qmatmul: the packed weight does not hold {out_features} {qtype} rows")
+
+
+def qmatmul(
+    x: torch.Tensor,  # [M, K] bf16, M >= 1; rows may be strided, each contiguous
+    packed: torch.Tensor,  # from `pack`, or `pack_parts` for this width
+    qtype: str,  # a FORMATS name, or the parts' joined by "+"
+    bias: torch.Tensor | None,  # [N] bf16
+    out_features: int,
+    out_dtype: torch.dtype = torch.bfloat16,  # float32: the bf16-rounded result, widened
+) -> torch.Tensor:  # [M, N]
+    rows, in_features = x.shape
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"qmatmul: bf16 activations only, got {x.dtype}")
+    if "+" not in qtype:  # parts: their formats and rows are checked in C
+        _check_packed(packed, qtype, in_features, out_features)
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(rows, out_features, dtype=out_dtype)
     bf16_out = out_dtype == torch.bfloat16
     status = load_library().qmatmul_bf16(
-        FORMATS[qtype],
+        format_of(qtype),
         x.data_ptr(),
         x.stride(0),
         packed.data_ptr(),

@@ -37,7 +37,7 @@
 #define KSUB 32
 #define KGROUP 4  // rows of x per pass over a panel
 
-enum { Q4_K = 4, Q5_K = 5, Q6_K = 6 };
+enum { Q4_K = 4, Q5_K = 5, Q6_K = 6, PARTS = 7 };
 
 static int high_bytes(int format) { return format == Q4_K ? 0 : format == Q5_K ? 128 : 256; }
 static int sub_bytes(int format) { return KPANEL * KSUB / 2 + high_bytes(format); }
@@ -262,10 +262,40 @@ static void run_kpanel(int format, int MB, const int8_t* xq, const float* xd, co
 }
 #endif
 
-// qmatmul_bf16's contract (qmatmul.c) for the K-quant formats; K a multiple of 256.
+// A fused linear whose row blocks (q | k | v) came in different types, as Q4_K_M files give
+// q and k in Q4_K and v in Q6_K: `packed` starts with int64 words [number of parts P, then per
+// part its format, its rows and the byte offset of its packed weight from `packed`], and each
+// part writes its columns of y. A row's bits are each part's, so still the batch's no concern.
+static int qmatmul_parts_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* packed,
+                              const uint16_t* bias, uint16_t* y_bf16, float* y_f32,
+                              int64_t y_stride, int M, int N, int K, int num_threads) {
+    int64_t header[1 + 3 * 8];
+    memcpy(header, packed, sizeof(int64_t));
+    const int64_t parts = header[0];
+    if (parts < 1 || parts > 8) return -1;
+    memcpy(header, packed, (size_t)(1 + 3 * parts) * sizeof(int64_t));
+    int64_t n0 = 0;
+    for (int64_t i = 0; i < parts; i++) {
+        const int64_t format = header[1 + 3 * i], rows = header[2 + 3 * i];
+        if (format < 1 || format >= PARTS || rows < 1 || n0 + rows > N) return -1;
+        const int status = qmatmul_bf16(
+            (int)format, x, x_stride, packed + header[3 + 3 * i], bias ? bias + n0 : NULL,
+            y_bf16 ? y_bf16 + n0 : NULL, y_bf16 ? NULL : y_f32 + n0, y_stride, M, (int)rows, K,
+            num_threads);
+        if (status != 0) return status;
+        n0 += rows;
+    }
+    return n0 == N ? 0 : -1;
+}
+
+// qmatmul_bf16's contract (qmatmul.c) for the K-quant formats (K a multiple of 256) and for a
+// weight in parts of several formats.
 int qmatmul_k_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
                    const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M,
                    int N, int K, int num_threads) {
+    if (format == PARTS)
+        return qmatmul_parts_bf16(x, x_stride, packed, bias, y_bf16, y_f32, y_stride, M, N, K,
+                                  num_threads);
     if (M < 1 || N < 1 || K < KSUPER || K % KSUPER || qmatmul_k_record_bytes(format) < 0) return -1;
     const int nb = K / KSUB, panels = (N + KPANEL - 1) / KPANEL;
     const int64_t panel_bytes = (int64_t)(K / KSUPER) * qmatmul_k_record_bytes(format);
