@@ -1,8 +1,10 @@
-"""The int8 kernel on GGUF blocks (qmatmul.c): each format against a float64 reference of the same
-dequantized weights and the kernel's own int8 activations, within float32 accumulation plus the
-final bf16 rounding; a row's bits independent of the batch and the threads; the activations
-quantized as llama.cpp quantizes its q8 blocks; and the portable C loop (a build without
-AVX-512) within the same bound."""
+"""The int8 kernel on GGUF blocks (qmatmul.c; qmatmul_k.c for the K-quants): each format against a
+float64 reference of the same dequantized weights (`gguf.quants.dequantize`; the K-quants on
+random super-block bytes) and the kernel's own int8 activations, within float32 accumulation plus
+the final bf16 rounding; a row's bits independent of the batch and the threads; the activations
+quantized as llama.cpp quantizes its q8 blocks; the portable C loop (a build without AVX-512)
+within the same bound; K-quant rows not whole super-blocks refused; and the tests' numpy K-quant
+quantizer writing bytes gguf reads back."""
 
 from __future__ import annotations
 
@@ -13,19 +15,41 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from quire import envs
+from quire.bench.kquants import quantize_k
 from quire.kernels import cpu as cpu_kernels
-from quire.kernels.cpu import qmatmul
+from quire.kernels.cpu import qmatmul, qmatmul_k
 
 pytestmark = pytest.mark.skipif(not qmatmul.available(), reason="needs the C kernels")
 
 QTYPES = ["Q8_0", "Q4_0", "Q4_1"]
+K_QTYPES = ["Q4_K", "Q5_K", "Q6_K"]
+
+
+def random_k_blocks(qtype: str, rows: int, in_features: int, rng) -> np.ndarray:
+    """Random K-quant super-blocks [rows, K / 256 * bytes]: every code and sub-block scale byte
+    random, d (and dmin) random float16 in [0.005, 0.015)."""
+    supers = in_features // 256
+    blocks = rng.integers(0, 256, (rows * supers, qmatmul_k.GGUF_BLOCK_BYTES[qtype]), np.uint8)
+
+    def scale() -> np.ndarray:
+        return rng.uniform(0.005, 0.015, rows * supers).astype(np.float16).view(np.uint8)
+
+    if qtype == "Q6_K":
+        blocks[:, 208:210] = scale().reshape(-1, 2)
+    else:
+        blocks[:, 0:2], blocks[:, 2:4] = scale().reshape(-1, 2), scale().reshape(-1, 2)
+    return blocks.reshape(rows, -1)
 
 
 def make_case(qtype: str, rows: int, out_features: int, in_features: int, seed: int = 0):
-    """x [rows, in] bf16, the GGUF blocks of a random W [out, in], and W dequantized (float64)."""
+    """x [rows, in] bf16, the GGUF blocks of a random W [out, in] (K-quants: random block bytes),
+    and W dequantized (float64)."""
     rng = np.random.default_rng(seed)
-    weight = rng.standard_normal((out_features, in_features), np.float32)
-    raw = quantize(weight, GGMLQuantizationType[qtype])
+    if qtype in K_QTYPES:
+        raw = random_k_blocks(qtype, out_features, in_features, rng)
+    else:
+        weight = rng.standard_normal((out_features, in_features), np.float32)
+        raw = quantize(weight, GGMLQuantizationType[qtype])
     dequantized = dequantize(raw, GGMLQuantizationType[qtype]).astype(np.float64)
     x = torch.from_numpy(rng.standard_normal((rows, in_features), np.float32)).bfloat16()
     return x, raw, dequantized
@@ -52,14 +76,19 @@ def assert_within_bound(out: torch.Tensor, exact: np.ndarray, magnitude: np.ndar
     assert (error <= bound).all(), (error - bound).max()
 
 
-# K: one block, three, 33 blocks (K is always whole blocks of 32 in these formats); N: under one
-# panel of 32, one more than a panel, several panels and a part.
+# K: one block, three, 33 blocks (K is always whole blocks of 32 in these formats; the K-quants'
+# one, two and three super-blocks of 256); N: under one panel of 32, one more than a panel,
+# several panels and a part.
 SHAPES = [(7, 32), (33, 96), (100, 1056)]
+K_SHAPES = [(7, 256), (33, 512), (100, 768)]
 ROWS = [1, 2, 3, 4, 5, 9, 17]
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("out_features, in_features", SHAPES)
+@pytest.mark.parametrize(
+    "qtype, out_features, in_features",
+    [(q, *shape) for q in QTYPES for shape in SHAPES]
+    + [(q, *shape) for q in K_QTYPES for shape in K_SHAPES],
+)
 def test_each_format_matches_a_float64_reference(qtype, out_features, in_features) -> None:
     for rows in ROWS:
         x, raw, dequantized = make_case(qtype, rows, out_features, in_features, seed=rows)
@@ -69,20 +98,20 @@ def test_each_format_matches_a_float64_reference(qtype, out_features, in_feature
         assert_within_bound(out, *reference(x, dequantized, None))
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("qtype", QTYPES + K_QTYPES)
 def test_bias_is_added_before_the_rounding(qtype) -> None:
-    x, raw, dequantized = make_case(qtype, 3, 40, 64)
+    x, raw, dequantized = make_case(qtype, 3, 40, 256)
     bias = torch.randn(40, generator=torch.Generator().manual_seed(1)).bfloat16()
-    packed = qmatmul.pack(raw, qtype, 64)
+    packed = qmatmul.pack(raw, qtype, 256)
     out = qmatmul.qmatmul(x, packed, qtype, bias, 40, torch.float32)
     assert_within_bound(out, *reference(x, dequantized, bias))
     assert torch.equal(qmatmul.qmatmul(x, packed, qtype, bias, 40), out.bfloat16())
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("qtype", QTYPES + K_QTYPES)
 def test_a_rows_bits_do_not_depend_on_the_batch_or_the_threads(qtype) -> None:
-    x, raw, _ = make_case(qtype, 13, 70, 192)
-    packed = qmatmul.pack(raw, qtype, 192)
+    x, raw, _ = make_case(qtype, 13, 70, 512)
+    packed = qmatmul.pack(raw, qtype, 512)
     batch = qmatmul.qmatmul(x, packed, qtype, None, 70)
     for i in range(13):
         assert torch.equal(qmatmul.qmatmul(x[i : i + 1], packed, qtype, None, 70), batch[i : i + 1])
@@ -137,22 +166,54 @@ def test_shapes_the_kernel_does_not_take_raise() -> None:
     with pytest.raises(ValueError, match="bf16"):
         qmatmul.qmatmul(x.float(), packed, "Q8_0", None, 32)
     with pytest.raises(ValueError, match="not one of"):
-        qmatmul.pack(raw, "Q6_K", 64)
+        qmatmul.pack(raw, "Q5_0", 64)
     # GGUF's block formats hold whole blocks of 32 along K
     with pytest.raises(ValueError, match="not a multiple of 32"):
         qmatmul.pack(raw, "Q8_0", 48)
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("qtype", QTYPES + K_QTYPES)
 def test_the_portable_loop_matches_the_reference_too(qtype, monkeypatch) -> None:
-    """A build for x86-64-v3 (AVX2, no AVX-512: what an older CPU gets) runs the plain C loop."""
+    """A build for x86-64-v3 (AVX2, no AVX-512: what an older CPU gets) runs the plain C loop:
+    the same sums in the same order, so the same bits."""
     monkeypatch.setattr(envs, "QUIRE_CPU_MARCH", "x86-64-v3")
     portable = cpu_kernels.build_library.__wrapped__(cpu_kernels._SOURCE_DIR)
     assert portable is not None and portable.qmatmul_vnni() == 0
+    x, raw, dequantized = make_case(qtype, 5, 33, 512)
+    packed = qmatmul.pack(raw, qtype, 512)
+    native = qmatmul.qmatmul(x, packed, qtype, None, 33, torch.float32)
     monkeypatch.setattr(qmatmul, "load_library", lambda: portable)
-    x, raw, dequantized = make_case(qtype, 5, 33, 96)
-    out = qmatmul.qmatmul(x, qmatmul.pack(raw, qtype, 96), qtype, None, 33, torch.float32)
+    out = qmatmul.qmatmul(x, packed, qtype, None, 33, torch.float32)
     assert_within_bound(out, *reference(x, dequantized, None))
+    assert torch.equal(out, native)
+
+
+@pytest.mark.parametrize("qtype", K_QTYPES)
+def test_k_quant_rows_not_whole_super_blocks_are_refused(qtype) -> None:
+    x, raw, _ = make_case(qtype, 2, 32, 512)
+    with pytest.raises(ValueError, match="not a multiple of 256"):
+        qmatmul.pack(raw, qtype, 480)
+    packed = qmatmul.pack(raw, qtype, 512)
+    assert packed.shape == (1, 2, qmatmul_k.record_bytes(qtype))
+    with pytest.raises(ValueError, match="columns"):
+        qmatmul.qmatmul(x[:, :256], packed, qtype, None, 32)
+
+
+@pytest.mark.parametrize(
+    ("qtype", "legacy"), [("Q4_K", "Q4_0"), ("Q5_K", "Q5_0"), ("Q6_K", "Q5_0")]
+)
+def test_the_numpy_k_quantizer_writes_blocks_gguf_reads_back(qtype, legacy) -> None:
+    """Its bytes, dequantized by the gguf package, are closer to the input than the gguf
+    package's own quantizer of as many bits or fewer gets."""
+    values = np.random.default_rng(0).standard_normal((16, 512)).astype(np.float32)
+    raw = quantize_k(values, qtype)
+    assert raw.shape == (16, 2 * qmatmul_k.GGUF_BLOCK_BYTES[qtype])
+    error = dequantize(raw, GGMLQuantizationType[qtype]) - values
+    legacy_raw = quantize(values, GGMLQuantizationType[legacy])
+    legacy_error = dequantize(legacy_raw, GGMLQuantizationType[legacy]) - values
+    assert np.sqrt((error**2).mean()) < np.sqrt((legacy_error**2).mean())
+    with pytest.raises(ValueError, match="super-blocks of 256"):
+        quantize_k(values[:, :480], qtype)
 
 
 def shards_of(linear, types: dict[str, str]) -> dict:
@@ -185,13 +246,32 @@ def test_a_fused_linear_of_one_type_becomes_one_quantized_linear() -> None:
     assert_within_bound(holder.qkv(x, torch.float32), exact, magnitude)  # rows in q|k|v order
 
 
-def test_a_fused_linear_of_mixed_types_is_dequantized_in_place() -> None:
+def test_a_fused_linear_of_mixed_types_keeps_each_type_as_a_part() -> None:
+    """q and k in Q4_0, v in Q8_0: one QuantizedLinear over two parts, each summed as its own
+    type's kernel sums it; a row's bits do not depend on the batch."""
+    from quire.layers.parallel_linear import QKVParallelLinear
+    from quire.layers.quantized_linear import QuantizedLinear, quantize_linear_layers
+
+    holder = torch.nn.Module()
+    holder.qkv = QKVParallelLinear(64, 32, 2, 1, bias=False)
+    shards, full = shards_of(holder.qkv, {"q": "Q4_0", "k": "Q4_0", "v": "Q8_0"})
+    holder.qkv.quantized_shards = shards
+    assert quantize_linear_layers(holder) == 1
+    assert isinstance(holder.qkv, QuantizedLinear) and holder.qkv.qtype == "Q4_0+Q8_0"
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    out = holder.qkv(x, torch.float32)
+    assert_within_bound(out, *reference(x, full.double().numpy(), None))
+    assert torch.equal(holder.qkv(x[2:3], torch.float32), out[2:3])
+
+
+def test_a_fused_linear_with_a_float_shard_is_dequantized_in_place() -> None:
     from quire.layers.parallel_linear import QKVParallelLinear
     from quire.layers.quantized_linear import quantize_linear_layers
 
     holder = torch.nn.Module()
     holder.qkv = QKVParallelLinear(64, 32, 2, 1, bias=False)
     shards, full = shards_of(holder.qkv, {"q": "Q4_0", "k": "Q4_0", "v": "Q8_0"})
+    holder.qkv.weight_loader(holder.qkv.weight, shards.pop("v").dequantize(), "v")
     holder.qkv.quantized_shards = shards
     assert quantize_linear_layers(holder) == 0
     assert type(holder.qkv) is QKVParallelLinear and not hasattr(holder.qkv, "quantized_shards")

@@ -1,7 +1,8 @@
-"""GGUF weights kept in their blocks (Q8_0, Q4_0, Q4_1) end to end: SmolLM2's real weights (the
-default Q4_1 file, and re-quantized to Q8_0 and Q4_0) give a perplexity within 1% of the same
-file dequantized to float32; the C decode step gives the module path's bits; a request's bits do
-not depend on the batch, its chunking or prefix hits; other types are dequantized."""
+"""GGUF weights kept in their blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) end to end: SmolLM2's
+real weights (the default Q4_1 file, and re-quantized to Q8_0, Q4_0 and llama.cpp's Q4_K_M mix)
+give a perplexity within 1% of the same file dequantized to float32; the C decode step gives the
+module path's bits, a q|k|v of two types included; a request's bits do not depend on the batch,
+its chunking or prefix hits; other types are dequantized."""
 
 from __future__ import annotations
 
@@ -64,15 +65,24 @@ def linear_types(llm: LLM) -> set[str]:
     return {m.qtype for m in model.modules() if isinstance(m, QuantizedLinear)}
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize(
+    ("qtype", "types"),
+    [
+        ("Q4_1", {"Q4_1", "Q8_0"}),  # the default file's embedding (and tied LM head) is Q8_0
+        ("Q8_0", {"Q8_0"}),
+        ("Q4_0", {"Q4_0"}),
+        # the down projections (K = 1,536) in Q4_K and Q6_K; the other matrices' K = 576 is not
+        # whole super-blocks of 256, so they fall back to Q8_0, as llama.cpp falls back
+        ("Q4_K_M", {"Q4_K", "Q6_K", "Q8_0"}),
+    ],
+)
 def test_perplexity_is_within_one_percent_of_the_dequantized_file(
-    default_model, tokenizer_dir, qtype
+    default_model, tokenizer_dir, qtype, types
 ) -> None:
     path = smollm2_file(default_model, qtype)
     quantized = LLM(path, tokenizer=tokenizer_dir, num_kv_blocks=32)
     token_ids = quantized.get_tokenizer()(PROSE)["input_ids"]
-    # the default file's embedding (and tied LM head) is Q8_0
-    assert linear_types(quantized) == ({qtype, "Q8_0"} if qtype == "Q4_1" else {qtype})
+    assert linear_types(quantized) == types
     assert model_of(quantized).cpu_step is not None
     ppl = perplexity(quantized, token_ids)
     del quantized
@@ -99,23 +109,37 @@ TINY_LLAMA = dict(
 )
 
 
+# The K-quants' rows are whole super-blocks of 256.
+TINY_K_LLAMA = dict(TINY_LLAMA, hidden_size=256, intermediate_size=768)
+
+
 @pytest.fixture(scope="module")
 def tiny_files() -> dict[str, str]:
     os.makedirs(FILES_DIR, exist_ok=True)
-    return {
-        qtype: gguf_files.write_random(
-            os.path.join(FILES_DIR, f"tiny-llama-{qtype}.gguf"), qtype, ("llama", TINY_LLAMA)
-        )
-        for qtype in ["Q8_0", "Q4_0", "Q4_1"]
-    }
+    files = {}
+    for qtype in ["Q8_0", "Q4_0", "Q4_1", "Q4_K_M", "Q5_K"]:
+        shape = TINY_K_LLAMA if "_K" in qtype else TINY_LLAMA
+        path = os.path.join(FILES_DIR, f"tiny-llama-{qtype}.gguf")
+        files[qtype] = gguf_files.write_random(path, qtype, ("llama", shape))
+    return files
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize(
+    ("qtype", "types"),
+    [
+        ("Q8_0", {"Q8_0"}),
+        ("Q4_0", {"Q4_0"}),
+        ("Q4_1", {"Q4_1"}),
+        # layer 1 of 2 gets Q4_K_M's extra bits: v and the down projection in Q6_K
+        ("Q4_K_M", {"Q4_K", "Q4_K+Q6_K", "Q6_K"}),
+        ("Q5_K", {"Q5_K"}),
+    ],
+)
 def test_decode_steps_equal_the_module_path_bit_for_bit(
-    tiny_files, tokenizer_dir, qtype, monkeypatch
+    tiny_files, tokenizer_dir, qtype, types, monkeypatch
 ) -> None:
     llm = LLM(tiny_files[qtype], tokenizer=tokenizer_dir, num_kv_blocks=64)
-    assert linear_types(llm) == {qtype}
+    assert linear_types(llm) == types
     steps = check_each_fused_step(model_of(llm), monkeypatch)
     lengths = [3, 17, 40]
     outputs = llm.generate(token_prompts(lengths), greedy(8), use_tqdm=False)
@@ -131,11 +155,12 @@ def run(llm: LLM, batch: list[dict]) -> list[tuple[list[int], list[float]]]:
     ]
 
 
-def test_a_batch_gives_each_request_its_bits_alone(tiny_files, tokenizer_dir) -> None:
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K_M"])
+def test_a_batch_gives_each_request_its_bits_alone(tiny_files, tokenizer_dir, qtype) -> None:
     """Prompt and generated tokens share steps (chunks of 24 tokens, then prefix hits leaving
     one or two tokens): each row is summed in one order whatever the step holds."""
     prompts = token_prompts([97, 33, 65, 17, 5, 48])
-    path = tiny_files["Q4_1"]
+    path = tiny_files[qtype]
     alone_llm = LLM(path, tokenizer=tokenizer_dir, num_kv_blocks=128, enable_prefix_caching=False)
     alone = [run(alone_llm, [p])[0] for p in prompts]
     del alone_llm

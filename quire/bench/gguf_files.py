@@ -20,6 +20,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
+from quire.bench.kquants import K_TYPES, quantize_k
 from quire.bench.models import QWEN3_0_6B_SHAPE
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,14 @@ def _copy_fields(
 
 
 def _matrix(values: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, dict]:
-    """The tensor as the writer takes it: a matrix in `qtype`, a vector in float32."""
+    """The tensor as the writer takes it: a matrix in `qtype`, a vector in float32. A K-quant
+    needs rows of whole super-blocks of 256: other matrices fall back to Q8_0 (as llama.cpp
+    falls back to a legacy type for them)."""
+    if values.ndim == 2 and qtype.name in K_TYPES:  # the gguf package cannot write these
+        if values.shape[1] % 256:
+            qtype = GGMLQuantizationType.Q8_0
+        else:
+            return quantize_k(values, qtype.name), {"raw_dtype": qtype}
     if values.ndim == 2:
         return quantize(values.astype(np.float32), qtype), {"raw_dtype": qtype}
     return values.astype(np.float32), {}
@@ -58,9 +66,10 @@ def requantize(src: str, dst: str, qtype: str) -> str:
     architecture = reader.get_field("general.architecture").contents()
     writer = GGUFWriter(dst + ".tmp", architecture)
     _copy_fields(reader, writer)
-    target = GGMLQuantizationType[qtype]
+    layers = reader.get_field(f"{architecture}.block_count").contents()
     for tensor in reader.tensors:
         values = dequantize(tensor.data, tensor.tensor_type)
+        target = GGMLQuantizationType[_tensor_type(qtype, tensor.name, layers)]
         data, kwargs = _matrix(values, target)
         writer.add_tensor(tensor.name, data, **kwargs)
     _write(writer)
@@ -73,8 +82,8 @@ def write_random(
     dst: str, qtype: str, shape: str | tuple[str, dict] = "qwen3-0.6b", seed: int = 0
 ) -> str:
     """A random-weight model at `dst` (kept when it exists): `shape` a name in SHAPES or an
-    (architecture, config dict) pair, matrices in `qtype`, the default model's tokenizer padded
-    to the vocabulary size."""
+    (architecture, config dict) pair, matrices in `qtype` (Q4_K_M: llama.cpp's mix of Q4_K and
+    Q6_K), the default model's tokenizer padded to the vocabulary size."""
     if os.path.exists(dst):
         return dst
     from quire.config import default_model_path
@@ -107,7 +116,7 @@ def write_random(
     writer.add_rope_freq_base(cfg["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     gen = np.random.default_rng(seed)
-    target = GGMLQuantizationType[qtype]
+    layers = cfg["num_hidden_layers"]
 
     def add(name: str, *dims: int) -> None:
         values = (
@@ -115,11 +124,11 @@ def write_random(
             if len(dims) == 1
             else gen.standard_normal(dims, np.float32) * 0.02
         )
-        data, kwargs = _matrix(values, target)
+        data, kwargs = _matrix(values, GGMLQuantizationType[_tensor_type(qtype, name, layers)])
         writer.add_tensor(name, data, **kwargs)
 
     add("token_embd.weight", cfg["vocab_size"], hidden)
-    for i in range(cfg["num_hidden_layers"]):
+    for i in range(layers):
         add(f"blk.{i}.attn_norm.weight", hidden)
         add(f"blk.{i}.attn_q.weight", heads * head_dim, hidden)
         add(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden)
@@ -141,6 +150,22 @@ def write_random(
     return dst
 
 
+def _tensor_type(qtype: str, name: str, layers: int) -> str:
+    """A tensor's type in a file of `qtype`: the type itself, or for Q4_K_M llama.cpp's mix:
+    Q4_K, with Q6_K for the LM head and for attn_v and ffn_down in the layers it gives more bits
+    (the first and last eighth, and every third between)."""
+    if qtype != "Q4_K_M":
+        return qtype
+    if name == "output.weight":
+        return "Q6_K"
+    parts = name.split(".")
+    if parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down"):
+        i = int(parts[1])
+        more_bits = i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
+        return "Q6_K" if more_bits else "Q4_K"
+    return "Q4_K"
+
+
 def _write(writer: GGUFWriter) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -158,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     rnd.add_argument("dst")
     rnd.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
     for p in (req, rnd):
-        p.add_argument("--type", default="Q8_0", help="Q8_0, Q4_0, Q4_1, BF16, F32, ...")
+        p.add_argument(
+            "--type", default="Q8_0", help="Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, BF16, ..."
+        )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     if args.command == "requantize":

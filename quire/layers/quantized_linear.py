@@ -4,16 +4,19 @@ The GGUF loader hands such a tensor over as a `QuantizedWeight` (its raw blocks,
 features) instead of dequantizing it; `LlamaForCausalLM.load_weights` keeps it beside the
 `nn.Linear` it belongs to (a fused q|k|v or gate|up linear collects one per shard), and
 `quantize_linear_layers` then replaces each such linear with a `QuantizedLinear`: the blocks
-repacked once for the int8 kernel (quire/kernels/cpu/qmatmul.c), which quantizes each row of x
-to int8 in blocks of 32 and sums every row in one order whatever the number of rows, prompt and
+repacked once for the int8 kernel (quire/kernels/cpu/qmatmul.c, qmatmul_k.c for the K-quants),
+which quantizes each row of x to int8 in blocks of 32 and sums every row in one order whatever
+the number of rows, prompt and
 generated tokens alike, so a request's bits do not depend on the batch. A decode step then
-reads 4.5-8.5 bits a weight instead of bf16's 16.
+reads 4.5-8.5 bits a weight instead of bf16's 16. A fused linear whose shards come in different
+types (Q4_K_M files give q and k in Q4_K, v in Q6_K) keeps each run of one type as a part.
 
 Under tensor parallelism each rank keeps its shard's blocks, cut as the parallel layers cut a
 float tensor (`Shard`): whole rows for column-parallel, q|k|v, gate|up and LM-head shards; whole
 blocks of each row for a row-parallel shard (o_proj, down_proj), whose partial products are then
 summed over the ranks. A row-parallel split that does not fall on a block boundary (input
-features per rank not a multiple of 32) dequantizes that matrix, with a warning.
+features per rank not a multiple of the type's block, 32 or a K-quant's 256) dequantizes that
+matrix, with a warning.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 from torch import nn
 
@@ -69,11 +72,11 @@ class QuantizedWeight:
             pad = np.zeros((shard.size - rows.shape[0], self.raw.shape[1]), np.uint8)
             raw = np.concatenate([rows, pad])
             return QuantizedWeight(raw, self.qtype, (shard.size, self.shape[1]))
-        if shard.start % qmatmul.QBLOCK or shard.size % qmatmul.QBLOCK:
+        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[self.qtype]]
+        if shard.start % block or shard.size % block:
             return None
-        block_bytes = qmatmul.GGUF_BLOCK_BYTES[self.qtype]
-        first = shard.start // qmatmul.QBLOCK * block_bytes
-        width = shard.size // qmatmul.QBLOCK * block_bytes
+        first = shard.start // block * block_bytes
+        width = shard.size // block * block_bytes
         cols = self.raw[:, first : first + width]
         pad = np.zeros((self.raw.shape[0], width - cols.shape[1]), np.uint8)
         raw = np.concatenate([cols, pad], axis=1)
@@ -110,14 +113,25 @@ class QuantizedWeight:
 
 
 class QuantizedLinear(nn.Module):
-    """y = x W^T + b with W in GGUF blocks, packed for qmatmul.c; x bf16."""
+    """y = x W^T + b with W in GGUF blocks, packed for qmatmul.c; x bf16. W is given whole, or
+    as row blocks in order (q, k, v): runs of one type are stacked, and blocks of several
+    types become the parts of one packed weight (`qtype` their types joined by "+")."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None):
+    def __init__(self, weight: QuantizedWeight | list[QuantizedWeight], bias: torch.Tensor | None):
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.qtype = weight.qtype
-        self.format = qmatmul.FORMATS[weight.qtype]
-        self.packed = qmatmul.pack(weight.raw, weight.qtype, self.in_features)
+        parts: list[QuantizedWeight] = []
+        for part in weight if isinstance(weight, list) else [weight]:
+            if parts and parts[-1].qtype == part.qtype:
+                part = QuantizedWeight.stack([parts.pop(), part])
+            parts.append(part)
+        (self.in_features,) = {p.shape[1] for p in parts}
+        self.out_features = sum(p.shape[0] for p in parts)
+        self.qtype = "+".join(p.qtype for p in parts)
+        self.format = qmatmul.format_of(self.qtype)
+        if len(parts) == 1:
+            self.packed = qmatmul.pack(parts[0].raw, self.qtype, self.in_features)
+        else:
+            self.packed = qmatmul.pack_parts([(p.raw, p.qtype) for p in parts], self.in_features)
         self.bias = None if bias is None else bias.detach().to(torch.bfloat16).contiguous()
 
     def forward(
@@ -134,8 +148,11 @@ class QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype}"
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, weight: QuantizedWeight) -> QuantizedLinear:
-        """`linear`'s replacement holding `weight` (its shard's blocks) and its bias."""
+    def from_linear(
+        cls, linear: nn.Linear, weight: QuantizedWeight | list[QuantizedWeight]
+    ) -> QuantizedLinear:
+        """`linear`'s replacement holding `weight` (its shard's blocks, whole or by shard) and
+        its bias."""
         if isinstance(linear, RowParallelLinear) and tp_size() > 1:
             return QuantizedRowParallelLinear(weight, linear.bias)
         return cls(weight, linear.bias)
@@ -145,7 +162,7 @@ class QuantizedRowParallelLinear(QuantizedLinear):
     """A RowParallelLinear's shard in blocks: the partial product summed over the ranks, then
     the bias added once (as PackedRowParallelLinear)."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None):
+    def __init__(self, weight: QuantizedWeight | list[QuantizedWeight], bias: torch.Tensor | None):
         super().__init__(weight, None)
         self.row_bias = None if bias is None else bias.detach().to(torch.bfloat16).contiguous()
 
@@ -177,21 +194,20 @@ def _shard_ids(linear: nn.Linear) -> list[str | int | None]:
 def quantize_linear_layers(model: nn.Module) -> int:
     """Replaces every linear under `model` that load_weights gave quantized shards
     (`quantized_shards`: shard id -> QuantizedWeight) with a QuantizedLinear; returns how many.
-    A linear whose shards are not all kept in one type (some GGUF files mix types within
-    q|k|v) has its kept shards dequantized into its own weight instead."""
+    A linear whose shards are not all kept (a fused q|k|v with a float v) has its kept shards
+    dequantized into its own weight instead."""
     count = 0
     for name, child in list(model.named_children()):
         shards = getattr(child, "quantized_shards", None)
         if isinstance(child, nn.Linear) and shards:
             ids = _shard_ids(child)
             types = {p.qtype for p in shards.values()}
-            if set(shards) == set(ids) and len(types) == 1:
-                weight = QuantizedWeight.stack([shards[i] for i in ids])
-                setattr(model, name, QuantizedLinear.from_linear(child, weight))
+            if set(shards) == set(ids):
+                setattr(model, name, QuantizedLinear.from_linear(child, [shards[i] for i in ids]))
                 count += 1
                 continue
             logger.warning(
-                "%s holds %s blocks beside other types: dequantized to %s",
+                "%s has %s blocks for some shards only: dequantized to %s",
                 name,
                 "/".join(sorted(types)),
                 child.weight.dtype,

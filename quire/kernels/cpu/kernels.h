@@ -29,6 +29,11 @@ int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const
 int qmatmul_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
                  const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M,
                  int N, int K, int num_threads);
+int qmatmul_k_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
+                   const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M,
+                   int N, int K, int num_threads);
+int quantize_rows_q8_bf16(const uint16_t* x, int64_t x_stride, int M, int K, int8_t* q, float* d,
+                          int32_t* s);
 int argmax_f32(const float* x, int64_t rows, int64_t cols, int64_t* out, int num_threads);
 
 // A tensor-parallel group's shared-memory file, mapped by quire/distributed/shm_all_reduce.py

@@ -31,7 +31,7 @@
 #define QBLOCK 32
 #define QGROUP 4  // rows of x per pass over a panel
 
-enum { Q8_0 = 1, Q4_0 = 2, Q4_1 = 3 };
+enum { Q8_0 = 1, Q4_0 = 2, Q4_1 = 3, Q4_K = 4 };  // Q4_K, Q5_K, Q6_K: 4..6
 
 static int codes_bytes(int format) { return format == Q8_0 ? QPANEL * QBLOCK : QPANEL * QBLOCK / 2; }
 
@@ -240,12 +240,16 @@ static void run_panel(int format, int MB, const int8_t* xq, const float* xd, con
 #endif
 
 // x [M, x_stride] bf16 (first K columns used, K a multiple of 32); packed as above, `format` one
-// of Q8_0 / Q4_0 / Q4_1; bias [N] bf16 or NULL. Output row m: y_bf16 + m * y_stride (bf16), or
+// of Q8_0 / Q4_0 / Q4_1 (Q4_K / Q5_K / Q6_K: qmatmul_k.c, K a multiple of 256); bias [N] bf16
+// or NULL. Output row m: y_bf16 + m * y_stride (bf16), or
 // when y_bf16 is NULL, y_f32 + m * y_stride (float32 holding the bf16-rounded value).
 // Returns 0, -1 for a shape or format it does not take, -3 out of memory.
 int qmatmul_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
                  const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M,
                  int N, int K, int num_threads) {
+    if (format >= Q4_K)  // the K-quants: qmatmul_k.c
+        return qmatmul_k_bf16(format, x, x_stride, packed, bias, y_bf16, y_f32, y_stride, M, N, K,
+                              num_threads);
     if (M < 1 || N < 1 || K < QBLOCK || K % QBLOCK || qmatmul_record_bytes(format) < 0) return -1;
     const int nb = K / QBLOCK, panels = (N + QPANEL - 1) / QPANEL;
     const int64_t panel_bytes = (int64_t)nb * qmatmul_record_bytes(format);

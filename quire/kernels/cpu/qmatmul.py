@@ -1,5 +1,6 @@
-"""ctypes wrapper of qmatmul.c: y = x W^T (+ b) with W in GGUF's Q8_0, Q4_0 or Q4_1 blocks, x bf16
-quantized per row to int8 blocks of 32 inside the call, for any number of rows (every row summed
+"""ctypes wrapper of qmatmul.c: y = x W^T (+ b) with W in GGUF's Q8_0, Q4_0 or Q4_1 blocks or its
+Q4_K, Q5_K or Q6_K super-blocks (qmatmul_k.c), x bf16 quantized per row to int8 blocks of 32
+inside the call, for any number of rows (every row summed
 in one order, so a row's bits do not depend on the batch). `pack` repacks a GGUF tensor's blocks
 once at load time into the kernel's panels (layout: the top of qmatmul.c).
 """
@@ -11,13 +12,14 @@ import functools
 import numpy as np
 import torch
 
-from quire.kernels.cpu import load_library
+from quire.kernels.cpu import load_library, qmatmul_k
 
 QPANEL = 32  # output columns per packed panel (QPANEL in qmatmul.c)
-QBLOCK = 32  # weights per block along K, in every format here
+QBLOCK = 32  # weights per block along K in Q8_0 / Q4_x; the K-quants' super-blocks hold 256
 
-# GGUF type name -> the kernel's format id (the enum in qmatmul.c)
-FORMATS = {"Q8_0": 1, "Q4_0": 2, "Q4_1": 3}
+# GGUF type name -> the kernel's format id (the enums in qmatmul.c and qmatmul_k.c)
+FORMATS = {"Q8_0": 1, "Q4_0": 2, "Q4_1": 3, **qmatmul_k.FORMATS}
+PARTS = 7  # a weight in row blocks of several formats (`pack_parts`; its qtype "Q4_K+Q6_K+...")
 # bytes of one GGUF block: float16 d (and float16 m for Q4_1), then the codes
 GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 
@@ -36,19 +38,28 @@ def uses_vnni() -> bool:
 
 def packed_bytes(qtype: str, out_features: int, in_features: int) -> int:
     panels = -(-out_features // QPANEL)
-    return panels * (in_features // QBLOCK) * _record_bytes(qtype)
+    return panels * (in_features // block_size(qtype)) * _record_bytes(qtype)
+
+
+def block_size(qtype: str) -> int:
+    """Weights along K per packed record: a block, or a K-quant's super-block."""
+    return qmatmul_k.SUPER_BLOCK if qtype in qmatmul_k.FORMATS else QBLOCK
 
 
 def _record_bytes(qtype: str) -> int:
+    if qtype in qmatmul_k.FORMATS:
+        return qmatmul_k.record_bytes(qtype)
     codes = QPANEL * QBLOCK if qtype == "Q8_0" else QPANEL * QBLOCK // 2
     return codes + (4 if qtype == "Q4_1" else 2) * QPANEL
 
 
 def pack(raw: np.ndarray, qtype: str, in_features: int) -> torch.Tensor:
     """A GGUF tensor's blocks [N, K / 32 * block bytes] (uint8, rows = output features) ->
-    [ceil(N / 32), K / 32, record bytes] uint8 in qmatmul.c's layout."""
+    [ceil(N / 32), K / 32, record bytes] uint8 in qmatmul.c's layout (K-quants: qmatmul_k.pack)."""
     if qtype not in FORMATS:
         raise ValueError(f"qmatmul: {qtype} is not one of {', '.join(FORMATS)}")
+    if qtype in qmatmul_k.FORMATS:
+        return qmatmul_k.pack(raw, qtype, in_features)
     if in_features % QBLOCK:
         raise ValueError(f"qmatmul: {in_features} input features is not a multiple of {QBLOCK}")
     n = raw.shape[0]
@@ -78,6 +89,28 @@ def pack(raw: np.ndarray, qtype: str, in_features: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(record))
 
 
+def pack_parts(parts: list[tuple[np.ndarray, str]], in_features: int) -> torch.Tensor:
+    """Row blocks of a fused linear in different types ([(GGUF blocks [N_i, ...], qtype)], in
+    row order) -> one uint8 buffer for format PARTS: int64 words [P, then format, rows and byte
+    offset per part], then each part as `pack` lays it out, at 64-byte aligned offsets."""
+    header_bytes = -(-(1 + 3 * len(parts)) * 8 // 64) * 64
+    packed = [pack(raw, qtype, in_features).reshape(-1) for raw, qtype in parts]
+    words, offset = [len(parts)], header_bytes
+    for (raw, qtype), data in zip(parts, packed, strict=True):
+        words += [FORMATS[qtype], raw.shape[0], offset]
+        offset += -(-data.numel() // 64) * 64
+    buffer = torch.zeros(offset, dtype=torch.uint8)
+    buffer[: 8 * len(words)] = torch.tensor(words, dtype=torch.int64).view(torch.uint8)
+    for (_, _, start), data in zip(np.reshape(words[1:], (-1, 3)), packed, strict=True):
+        buffer[start : start + data.numel()] = data
+    return buffer
+
+
+def format_of(qtype: str) -> int:
+    """The kernel's format id for a qtype, or PARTS for a joined one ("Q4_K+Q6_K")."""
+    return PARTS if "+" in qtype else FORMATS[qtype]
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's int8 activations of x [M, K] bf16: codes [M, K] int8, scales [M, K / 32]
     float32 and code sums [M, K / 32] int32 (x ~ codes * scale per block)."""
@@ -94,10 +127,20 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return codes, scales, sums
 
 
+def _check_packed(packed: torch.Tensor, qtype: str, in_features: int, out_features: int) -> None:
+    if packed.dim() != 3 or packed.shape[1] * block_size(qtype) != in_features:
+        raise ValueError(
+            f"qmatmul: x has {in_features} columns, the packed weight {tuple(packed.shape)} "
+            "was packed for another width"
+        )
+    if packed.shape[0] * QPANEL < out_features or packed.shape[2] != _record_bytes(qtype):
+        raise ValueError(f"qmatmul: the packed weight does not hold {out_features} {qtype} rows")
+
+
 def qmatmul(
     x: torch.Tensor,  # [M, K] bf16, M >= 1; rows may be strided, each contiguous
-    packed: torch.Tensor,  # from `pack`
-    qtype: str,
+    packed: torch.Tensor,  # from `pack`, or `pack_parts` for this width
+    qtype: str,  # a FORMATS name, or the parts' joined by "+"
     bias: torch.Tensor | None,  # [N] bf16
     out_features: int,
     out_dtype: torch.dtype = torch.bfloat16,  # float32: the bf16-rounded result, widened
@@ -105,19 +148,14 @@ def qmatmul(
     rows, in_features = x.shape
     if x.dtype != torch.bfloat16:
         raise ValueError(f"qmatmul: bf16 activations only, got {x.dtype}")
-    if packed.dim() != 3 or packed.shape[1] * QBLOCK != in_features:
-        raise ValueError(
-            f"qmatmul: x has {in_features} columns, the packed weight {tuple(packed.shape)} "
-            "was packed for another width"
-        )
-    if packed.shape[0] * QPANEL < out_features or packed.shape[2] != _record_bytes(qtype):
-        raise ValueError(f"qmatmul: the packed weight does not hold {out_features} {qtype} rows")
+    if "+" not in qtype:  # parts: their formats and rows are checked in C
+        _check_packed(packed, qtype, in_features, out_features)
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(rows, out_features, dtype=out_dtype)
     bf16_out = out_dtype == torch.bfloat16
     status = load_library().qmatmul_bf16(
-        FORMATS[qtype],
+        format_of(qtype),
         x.data_ptr(),
         x.stride(0),
         packed.data_ptr(),

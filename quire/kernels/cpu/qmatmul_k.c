@@ -1,0 +1,340 @@
+// Matmul on GGUF K-quant weights (Q4_K, Q5_K, Q6_K: what "Q4_K_M" files hold) for CPUs:
+// y = x W^T (+ bias), x bf16, any number of rows; qmatmul_bf16 (qmatmul.c) hands these formats
+// here. The weights stay in their super-blocks of 256, repacked once at load time; each row of x
+// is quantized to int8 in blocks of 32 exactly as for Q8_0 / Q4_x (quantize_rows_q8_bf16: dx,
+// codes qx, sums sx), so every dot product is integer, one AVX-512 VNNI vpdpbusd per 4 columns
+// of K (unsigned weight codes times signed activations):
+//   Q4_K / Q5_K: sub-blocks of 32, w = d sc q - dmin m  (q 4 / 5 bits, sc and m 6 bits)
+//     per sub-block j:  d dx (sc sum(q qx)) - dmin dx (m sx)
+//   Q6_K: sub-blocks of 16, w = d sc (q - 32)  (q 6 bits, sc int8); an activation block of 32
+//     covers two:  d dx (sc_a (sum_a(q qx) - 32 s_a) + sc_b (sum_b(q qx) - 32 s_b))
+//     with s_a, s_b the sums of the block's first and last 16 codes.
+//
+// Packed layout: panels of KPANEL = 32 output columns, each the K / 256 super-blocks in order, a
+// super-block one record: the 8 sub-blocks of 32 along K, then the scales.
+//   a sub-block: the low 4 bits of each code as qmatmul.c packs Q4_x, [4 groups][32 columns][4],
+//     low nibble code 4g + i, high nibble code 16 + 4g + i; then for Q5_K the fifth bits,
+//     [2 halves of 16 columns][64]: bit 2g + h of byte 4c + i is code h 16 + 4g + i's; for Q6_K
+//     the top two bits, [2 halves][2][64]: bits 2s, 2s + 1 of byte 4c + i of plane t are code
+//     h 16 + 4g + i's where 2g + h = 4t + s. A 64-byte load then holds 16 columns' codes.
+//   the scales: Q4_K / Q5_K  sc [8][32] uint8, m [8][32] uint8, d [32] f16, dmin [32] f16;
+//               Q6_K         sc [16][32] int8, d [32] f16.
+// Records of 4736, 5760 and 6720 bytes: 4.625, 5.625 and 6.5625 bits a weight.
+//
+// Summation order, which decides the bits: the integer products above are exact, and below
+// 2^24, so their conversion to float32 is exact; per output the sub-blocks are added in order of
+// k in float32, one FMA each (Q4_K / Q5_K a second one for the mins, with -dmin dx), then the
+// bias, then one rounding to bf16. Nothing depends on the rows, the threads or the batch.
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "kernels.h"
+
+#define KPANEL 32
+#define KSUPER 256
+#define KSUB 32
+#define KGROUP 4  // rows of x per pass over a panel
+
+enum { Q4_K = 4, Q5_K = 5, Q6_K = 6, PARTS = 7 };
+
+static int high_bytes(int format) { return format == Q4_K ? 0 : format == Q5_K ? 128 : 256; }
+static int sub_bytes(int format) { return KPANEL * KSUB / 2 + high_bytes(format); }
+static int scale_bytes(int format) {
+    return format == Q6_K ? 16 * KPANEL + 2 * KPANEL : 2 * 8 * KPANEL + 4 * KPANEL;
+}
+
+int qmatmul_k_record_bytes(int format) {
+    if (format < Q4_K || format > Q6_K) return -1;
+    return 8 * sub_bytes(format) + scale_bytes(format);
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+#define PREFETCH_BYTES 2048
+
+// Bit `from` of every byte of h moved to bit `to` (the other bits are masked off by the caller).
+static inline __attribute__((always_inline)) __m512i move_bits(__m512i h, int from, int to) {
+    return from < to ? _mm512_slli_epi16(h, to - from)
+                     : from > to ? _mm512_srli_epi16(h, from - to) : h;
+}
+
+// a | (b & c), one vpternlogd
+static inline __attribute__((always_inline)) __m512i or_masked(__m512i a, __m512i b, __m512i c) {
+    return _mm512_ternarylogic_epi32(a, b, c, 0xF8);
+}
+
+static inline __attribute__((always_inline)) __m512i bytes_to_epi32(const uint8_t* p, int sign) {
+    const __m128i v = _mm_loadu_si128((const __m128i*)p);
+    return sign ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
+}
+
+// One panel (32 output columns) against MB (1..KGROUP) rows of quantized x; out [MB][32].
+static inline __attribute__((always_inline)) void kpanel(const int FMT, const int MB,
+                                                         const int8_t* xq, const float* xd,
+                                                         const int32_t* xs, const int32_t* xlo,
+                                                         int K, const uint8_t* p, float* out) {
+    const int nsuper = K / KSUPER, nb = K / KSUB, sub = sub_bytes(FMT);
+    const int record = qmatmul_k_record_bytes(FMT), lines = (record + 63) / 64;
+    const __m512i low = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+    const __m512i bits45 = _mm512_set1_epi8(0x30);
+    __m512 acc[KGROUP][2];
+    for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int s = 0; s < nsuper; s++, p += record) {
+        const uint8_t* scales = p + 8 * sub;
+        const uint8_t* dh = scales + 16 * KPANEL;  // after sc (and m): d (and dmin)
+        const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)dh));
+        const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dh + 32)));
+        __m512 nm0 = _mm512_setzero_ps(), nm1 = _mm512_setzero_ps();
+        if (FMT != Q6_K) {  // -dmin
+            nm0 = _mm512_sub_ps(nm0, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dh + 64))));
+            nm1 = _mm512_sub_ps(nm1, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dh + 96))));
+        }
+        for (int j = 0; j < 8; j++) {
+            for (int line = j * lines / 8; line < (j + 1) * lines / 8; line++)
+                _mm_prefetch((const char*)p + PREFETCH_BYTES + 64 * line, _MM_HINT_T0);
+            const uint8_t* c = p + j * sub;
+            const int b = s * 8 + j;
+            __m512i dot[KGROUP][2], odd[KGROUP][2];
+            for (int m = 0; m < MB; m++) {
+                if (FMT == Q6_K) {
+                    const int32_t lo = xlo[m * nb + b], hi = xs[m * nb + b] - lo;
+                    dot[m][0] = dot[m][1] = _mm512_set1_epi32(-32 * lo);
+                    odd[m][0] = odd[m][1] = _mm512_set1_epi32(-32 * hi);
+                } else {
+                    dot[m][0] = dot[m][1] = odd[m][0] = odd[m][1] = _mm512_setzero_si512();
+                }
+            }
+            for (int g = 0; g < 4; g++) {
+                const __m512i v0 = _mm512_loadu_si512(c + g * 128);
+                const __m512i v1 = _mm512_loadu_si512(c + g * 128 + 64);
+                __m512i lo0 = _mm512_and_si512(v0, low), lo1 = _mm512_and_si512(v1, low);
+                __m512i hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
+                __m512i hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+                if (FMT == Q5_K) {
+                    const __m512i h0 = _mm512_loadu_si512(c + 512);
+                    const __m512i h1 = _mm512_loadu_si512(c + 576);
+                    lo0 = or_masked(lo0, move_bits(h0, 2 * g, 4), bit4);
+                    lo1 = or_masked(lo1, move_bits(h1, 2 * g, 4), bit4);
+                    hi0 = or_masked(hi0, move_bits(h0, 2 * g + 1, 4), bit4);
+                    hi1 = or_masked(hi1, move_bits(h1, 2 * g + 1, 4), bit4);
+                } else if (FMT == Q6_K) {
+                    const int t = g / 2, sl = 2 * (g % 2);
+                    const __m512i h0 = _mm512_loadu_si512(c + 512 + t * 64);
+                    const __m512i h1 = _mm512_loadu_si512(c + 512 + 128 + t * 64);
+                    lo0 = or_masked(lo0, move_bits(h0, 2 * sl, 4), bits45);
+                    lo1 = or_masked(lo1, move_bits(h1, 2 * sl, 4), bits45);
+                    hi0 = or_masked(hi0, move_bits(h0, 2 * sl + 2, 4), bits45);
+                    hi1 = or_masked(hi1, move_bits(h1, 2 * sl + 2, 4), bits45);
+                }
+                for (int m = 0; m < MB; m++) {
+                    int32_t lo4, hi4;
+                    const int8_t* xb = xq + (int64_t)m * K + b * KSUB;
+                    memcpy(&lo4, xb + 4 * g, sizeof(lo4));
+                    memcpy(&hi4, xb + 16 + 4 * g, sizeof(hi4));
+                    const __m512i xl = _mm512_set1_epi32(lo4), xh = _mm512_set1_epi32(hi4);
+                    dot[m][0] = _mm512_dpbusd_epi32(dot[m][0], lo0, xl);
+                    dot[m][1] = _mm512_dpbusd_epi32(dot[m][1], lo1, xl);
+                    odd[m][0] = _mm512_dpbusd_epi32(odd[m][0], hi0, xh);
+                    odd[m][1] = _mm512_dpbusd_epi32(odd[m][1], hi1, xh);
+                }
+            }
+            if (FMT == Q6_K) {
+                const uint8_t* sa = scales + 2 * j * KPANEL;
+                const __m512i a0 = bytes_to_epi32(sa, 1), a1 = bytes_to_epi32(sa + 16, 1);
+                const __m512i b0 = bytes_to_epi32(sa + 32, 1), b1 = bytes_to_epi32(sa + 48, 1);
+                for (int m = 0; m < MB; m++) {
+                    const __m512i t0 = _mm512_add_epi32(_mm512_mullo_epi32(dot[m][0], a0),
+                                                        _mm512_mullo_epi32(odd[m][0], b0));
+                    const __m512i t1 = _mm512_add_epi32(_mm512_mullo_epi32(dot[m][1], a1),
+                                                        _mm512_mullo_epi32(odd[m][1], b1));
+                    const __m512 dxv = _mm512_set1_ps(xd[m * nb + b]);
+                    acc[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t0), _mm512_mul_ps(d0, dxv),
+                                                acc[m][0]);
+                    acc[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t1), _mm512_mul_ps(d1, dxv),
+                                                acc[m][1]);
+                }
+            } else {
+                const uint8_t* sc = scales + j * KPANEL;
+                const uint8_t* mn = scales + 8 * KPANEL + j * KPANEL;
+                const __m512i s0 = bytes_to_epi32(sc, 0), s1 = bytes_to_epi32(sc + 16, 0);
+                const __m512i m0 = bytes_to_epi32(mn, 0), m1 = bytes_to_epi32(mn + 16, 0);
+                for (int m = 0; m < MB; m++) {
+                    const __m512i t0 =
+                        _mm512_mullo_epi32(_mm512_add_epi32(dot[m][0], odd[m][0]), s0);
+                    const __m512i t1 =
+                        _mm512_mullo_epi32(_mm512_add_epi32(dot[m][1], odd[m][1]), s1);
+                    const float dx = xd[m * nb + b];
+                    const __m512 dxv = _mm512_set1_ps(dx);
+                    const __m512i sxv = _mm512_set1_epi32(xs[m * nb + b]);
+                    acc[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t0), _mm512_mul_ps(d0, dxv),
+                                                acc[m][0]);
+                    acc[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t1), _mm512_mul_ps(d1, dxv),
+                                                acc[m][1]);
+                    acc[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(m0, sxv)),
+                                                _mm512_mul_ps(nm0, dxv), acc[m][0]);
+                    acc[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(m1, sxv)),
+                                                _mm512_mul_ps(nm1, dxv), acc[m][1]);
+                }
+            }
+        }
+    }
+    for (int m = 0; m < MB; m++) {
+        _mm512_storeu_ps(out + m * KPANEL, acc[m][0]);
+        _mm512_storeu_ps(out + m * KPANEL + 16, acc[m][1]);
+    }
+}
+
+static void run_kpanel(int format, int MB, const int8_t* xq, const float* xd, const int32_t* xs,
+                       const int32_t* xlo, int K, const uint8_t* p, float* out) {
+#define KCASE(F, N) \
+    case N: kpanel(F, N, xq, xd, xs, xlo, K, p, out); break;
+#define KFORMAT(F)                                              \
+    switch (MB) {                                               \
+        KCASE(F, 1) KCASE(F, 2) KCASE(F, 3)                     \
+        default: kpanel(F, KGROUP, xq, xd, xs, xlo, K, p, out); \
+    }
+    if (format == Q4_K) {
+        KFORMAT(Q4_K)
+    } else if (format == Q5_K) {
+        KFORMAT(Q5_K)
+    } else {
+        KFORMAT(Q6_K)
+    }
+#undef KFORMAT
+#undef KCASE
+}
+#else
+// Column c's code k (0..31) of a packed sub-block (the layout at the top).
+static int packed_code(int format, const uint8_t* c, int col, int k) {
+    const int h = k / 16, g = (k % 16) / 4, i = k % 4, idx = 2 * g + h;
+    const int half = col / 16, pos = (col % 16) * 4 + i;
+    int u = (c[g * 128 + half * 64 + pos] >> (4 * h)) & 0x0F;
+    if (format == Q5_K) u |= ((c[512 + half * 64 + pos] >> idx) & 1) << 4;
+    if (format == Q6_K) u |= ((c[512 + half * 128 + (idx / 4) * 64 + pos] >> (2 * (idx % 4))) & 3) << 4;
+    return u;
+}
+
+// Portable C: the same sums in the same order, a column at a time.
+static void run_kpanel(int format, int MB, const int8_t* xq, const float* xd, const int32_t* xs,
+                       const int32_t* xlo, int K, const uint8_t* p, float* out) {
+    const int nsuper = K / KSUPER, nb = K / KSUB, sub = sub_bytes(format);
+    const int record = qmatmul_k_record_bytes(format);
+    for (int m = 0; m < MB; m++) {
+        for (int col = 0; col < KPANEL; col++) {
+            float acc = 0.0f;
+            for (int s = 0; s < nsuper; s++) {
+                const uint8_t* r = p + (int64_t)s * record;
+                const uint8_t* scales = r + 8 * sub;
+                uint16_t h;
+                memcpy(&h, scales + 16 * KPANEL + 2 * col, sizeof(h));
+                const float d = f16_to_f32(h);
+                float dmin = 0.0f;
+                if (format != Q6_K) {
+                    memcpy(&h, scales + 16 * KPANEL + 2 * KPANEL + 2 * col, sizeof(h));
+                    dmin = f16_to_f32(h);
+                }
+                for (int j = 0; j < 8; j++) {
+                    const int b = s * 8 + j;
+                    const int8_t* xb = xq + (int64_t)m * K + b * KSUB;
+                    int32_t half_sums[2] = {0, 0};
+                    for (int k = 0; k < KSUB; k++)
+                        half_sums[k / 16] += packed_code(format, r + j * sub, col, k) * xb[k];
+                    const float dx = xd[m * nb + b];
+                    if (format == Q6_K) {
+                        const int32_t lo = xlo[m * nb + b], hi = xs[m * nb + b] - lo;
+                        const int8_t sa = (int8_t)scales[2 * j * KPANEL + col];
+                        const int8_t sb = (int8_t)scales[(2 * j + 1) * KPANEL + col];
+                        const int32_t t = sa * (half_sums[0] - 32 * lo) + sb * (half_sums[1] - 32 * hi);
+                        acc = __builtin_fmaf((float)t, d * dx, acc);
+                    } else {
+                        const int32_t sc = scales[j * KPANEL + col], mn = scales[(8 + j) * KPANEL + col];
+                        acc = __builtin_fmaf((float)(sc * (half_sums[0] + half_sums[1])), d * dx, acc);
+                        acc = __builtin_fmaf((float)(mn * xs[m * nb + b]), -dmin * dx, acc);
+                    }
+                }
+            }
+            out[m * KPANEL + col] = acc;
+        }
+    }
+}
+#endif
+
+// A fused linear whose row blocks (q | k | v) came in different types, as Q4_K_M files give
+// q and k in Q4_K and v in Q6_K: `packed` starts with int64 words [number of parts P, then per
+// part its format, its rows and the byte offset of its packed weight from `packed`], and each
+// part writes its columns of y. A row's bits are each part's, so still the batch's no concern.
+static int qmatmul_parts_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* packed,
+                              const uint16_t* bias, uint16_t* y_bf16, float* y_f32,
+                              int64_t y_stride, int M, int N, int K, int num_threads) {
+    int64_t header[1 + 3 * 8];
+    memcpy(header, packed, sizeof(int64_t));
+    const int64_t parts = header[0];
+    if (parts < 1 || parts > 8) return -1;
+    memcpy(header, packed, (size_t)(1 + 3 * parts) * sizeof(int64_t));
+    int64_t n0 = 0;
+    for (int64_t i = 0; i < parts; i++) {
+        const int64_t format = header[1 + 3 * i], rows = header[2 + 3 * i];
+        if (format < 1 || format >= PARTS || rows < 1 || n0 + rows > N) return -1;
+        const int status = qmatmul_bf16(
+            (int)format, x, x_stride, packed + header[3 + 3 * i], bias ? bias + n0 : NULL,
+            y_bf16 ? y_bf16 + n0 : NULL, y_bf16 ? NULL : y_f32 + n0, y_stride, M, (int)rows, K,
+            num_threads);
+        if (status != 0) return status;
+        n0 += rows;
+    }
+    return n0 == N ? 0 : -1;
+}
+
+// qmatmul_bf16's contract (qmatmul.c) for the K-quant formats (K a multiple of 256) and for a
+// weight in parts of several formats.
+int qmatmul_k_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
+                   const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M,
+                   int N, int K, int num_threads) {
+    if (format == PARTS)
+        return qmatmul_parts_bf16(x, x_stride, packed, bias, y_bf16, y_f32, y_stride, M, N, K,
+                                  num_threads);
+    if (M < 1 || N < 1 || K < KSUPER || K % KSUPER || qmatmul_k_record_bytes(format) < 0) return -1;
+    const int nb = K / KSUB, panels = (N + KPANEL - 1) / KPANEL;
+    const int64_t panel_bytes = (int64_t)(K / KSUPER) * qmatmul_k_record_bytes(format);
+    int8_t* xq = malloc((size_t)M * (size_t)K);
+    float* xd = malloc((size_t)M * nb * sizeof(float));
+    int32_t* xs = malloc((size_t)M * nb * sizeof(int32_t));
+    int32_t* xlo = malloc((size_t)M * nb * sizeof(int32_t));
+    if (!xq || !xd || !xs || !xlo) {
+        free(xq), free(xd), free(xs), free(xlo);
+        return -3;
+    }
+    const int threads = panels < 2 * num_threads && M < 2 * num_threads ? 1 : num_threads;
+    const int groups = (M + KGROUP - 1) / KGROUP;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#pragma omp for schedule(static)
+        for (int m = 0; m < M; m++) {
+            int8_t* q = xq + (int64_t)m * K;
+            quantize_rows_q8_bf16(x + m * x_stride, x_stride, 1, K, q, xd + (int64_t)m * nb,
+                                  xs + (int64_t)m * nb);
+            for (int b = 0; b < nb; b++) {  // Q6_K's sums of each block's first 16 codes
+                int32_t lo = 0;
+                for (int i = 0; i < KSUB / 2; i++) lo += q[b * KSUB + i];
+                xlo[(int64_t)m * nb + b] = lo;
+            }
+        }
+        float out[KGROUP * KPANEL];
+#pragma omp for schedule(static)
+        for (int pi = 0; pi < panels; pi++) {
+            const uint8_t* p = packed + pi * panel_bytes;
+            for (int g = 0; g < groups; g++) {
+                const int m0 = (int)((int64_t)M * g / groups);
+                const int MB = (int)((int64_t)M * (g + 1) / groups) - m0;
+                run_kpanel(format, MB, xq + (int64_t)m0 * K, xd + (int64_t)m0 * nb,
+                           xs + (int64_t)m0 * nb, xlo + (int64_t)m0 * nb, K, p, out);
+                store_panel(out, KPANEL, MB, m0, pi * KPANEL, N, bias, y_bf16, y_f32, y_stride);
+            }
+        }
+    }
+    free(xq), free(xd), free(xs), free(xlo);
+    return 0;
+}
