@@ -99,20 +99,54 @@ def test_greedy_with_an_unrelated_draft_under_preemption(tiny_models):
     assert_no_leak(llm)
 
 
-def test_the_target_as_its_own_draft_has_every_proposal_accepted(tiny_llama):
-    # 1 + 5 (k + 1): every step after the first token verifies a full draft of k.
+@pytest.fixture(scope="module")
+def own_draft_run(tiny_llama):
+    """Greedy requests with the target as its own draft, batched: (outputs, plain outputs, the
+    engine, the engine's steps, the rows of each draft forward). 1 + 5 (k + 1) tokens each: every
+    step after the first token verifies a full draft of k."""
     params = SamplingParams(temperature=0.0, max_tokens=1 + 5 * (K + 1), ignore_eos=True)
     kwargs = dict(dtype="bfloat16", max_num_batched_tokens=512, **POOL)
     reference = generate(LLM(tiny_llama, **kwargs), params)
     llm = LLM(tiny_llama, speculative_config=draft_config(tiny_llama), **kwargs)
+    drafter = llm.engine.core.executor.worker.runner.drafter
+    rows = []
+
+    def counted(run):
+        def counting(input_ids, *args):
+            rows.append(input_ids.shape[0])
+            return run(input_ids, *args)
+
+        return counting
+
+    drafter.forward = counted(drafter.forward)
+    if drafter.cpu_step is not None:  # greedy proposals take the C argmax step
+        drafter.cpu_step.argmax_tokens = counted(drafter.cpu_step.argmax_tokens)
     steps_before = llm.engine.num_steps
-    assert generate(llm, params) == reference
+    outputs = generate(llm, params)
+    return outputs, reference, llm, llm.engine.num_steps - steps_before, rows
+
+
+def test_the_target_as_its_own_draft_has_every_proposal_accepted(own_draft_run):
+    outputs, reference, llm, num_steps, _ = own_draft_run
+    assert outputs == reference
     stats = llm.engine.spec_decoding_stats
     assert stats.num_drafts == 5 * len(PROMPTS)
     assert stats.acceptance_rate == 1.0
     assert stats.mean_acceptance_length == K + 1
     assert stats.num_accepted_tokens_per_pos == [5 * len(PROMPTS)] * K
-    assert llm.engine.num_steps - steps_before == 1 + 5  # the prompts' step, then 5 of k + 1
+    assert num_steps == 1 + 5  # the prompts' step, then 5 of k + 1
+
+
+def test_the_draft_runs_k_forwards_a_step_and_skips_the_positions_it_wrote(own_draft_run):
+    """After the prompts' step (the draft over the prompts, then k proposing forwards), each
+    step's k + 1 accepted positions need the draft's K/V of the last proposal only: the others
+    its proposing wrote. That one rides along in the first of the step's k forwards."""
+    *_, rows = own_draft_run
+    n = len(PROMPTS)
+    prompt_tokens = sum(map(len, PROMPTS)) - 32  # the last prompt's first 32 tokens are hits
+    prompts_step = [prompt_tokens] + [n] * K
+    verifying_step = [n + n] + [n] * (K - 1)
+    assert rows == prompts_step + verifying_step * 5
 
 
 def test_the_target_as_its_own_draft_accepts_every_sampled_proposal(tiny_llama):

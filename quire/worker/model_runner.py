@@ -343,17 +343,43 @@ class ModelRunner:
                 )
         if self.drafter is not None:
             with torch.inference_mode():
-                self.drafter.catch_up(input_ids, positions, metadata, self.backend)
-                result.draft_token_ids = self._propose(output, result)
+                result.draft_token_ids = self._propose(
+                    output, result, step, input_ids, positions, metadata, first_rows
+                )
         return result
 
-    def _propose(self, output: SchedulerOutput, result: ModelRunnerOutput) -> dict[str, list[int]]:
-        """The draft's proposals for every request that sampled this step, after its new tokens;
-        none for a fork or its parent this step (they share a partial block the proposals would
-        write into)."""
+    def _propose(
+        self,
+        output: SchedulerOutput,
+        result: ModelRunnerOutput,
+        step: Step,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        first_rows: list[int],
+    ) -> dict[str, list[int]]:
+        """The draft catches up on the step's final tokens, then proposes for every request that
+        sampled this step, after its new tokens (spec_decode/draft_model.py); none for a fork
+        or its parent this step (they share a partial block the proposals would write into)."""
+        drafter, batch = self.drafter, self.input_batch
+        pending = []
+        if metadata.num_decodes == metadata.num_seqs:  # decodes only: the rows not yet written
+            ids = input_ids.tolist()
+            entries = []
+            spec = output.scheduled_spec_decode_tokens
+            for (s, n), first in zip(step, first_rows):
+                sampled = result.sampled_token_ids.get(s.req_id)
+                num_final = n  # less the rejected proposals, past the accepted ones
+                if sampled is not None:
+                    num_final -= len(spec.get(s.req_id, ())) + 1 - len(sampled)
+                entries.append(
+                    (s.req_id, s.row, s.num_computed_tokens, ids[first : first + num_final])
+                )
+            pending = drafter.rows_to_catch_up(entries, batch.block_table)
+        else:
+            drafter.catch_up(input_ids, positions, metadata, self.backend)
         forking = {f.req_id for f in output.forked_reqs}
         forking |= {f.parent_req_id for f in output.forked_reqs}
-        batch, drafter = self.input_batch, self.drafter
         proposing = []
         for req_id, token_ids in result.sampled_token_ids.items():
             if req_id in forking:
@@ -371,7 +397,7 @@ class ModelRunner:
                     s.index,
                 )
             )
-        return drafter.propose(proposing, batch.block_table, self.backend)
+        return drafter.propose(proposing, pending, batch.block_table, self.backend)
 
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
