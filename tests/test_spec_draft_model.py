@@ -271,3 +271,72 @@ def test_the_cli_takes_a_draft_model_and_prints_the_plain_greedy_text(tiny_llama
     spec = json.dumps(draft_config(drafts["llama"]))
     assert main([*argv, "--speculative-config", spec]) == 0
     assert capsys.readouterr().out == plain
+
+
+# ---- "auto": adaptive k with a draft model -----------------------------------------------
+AUTO_PARAMS = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+
+
+def test_auto_with_a_draft_keeps_the_greedy_tokens_and_proposes_with_a_good_draft(tiny_llama):
+    """The target as its own draft: every verified proposal accepted, so "auto" verifies some."""
+    kwargs = dict(dtype="bfloat16", max_num_batched_tokens=512, **POOL)
+    reference = generate(LLM(tiny_llama, **kwargs), AUTO_PARAMS, PROMPTS[:1])
+    spec = {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": "auto"}
+    llm = LLM(tiny_llama, speculative_config=spec, **kwargs)
+    assert generate(llm, AUTO_PARAMS, PROMPTS[:1]) == reference
+    stats = llm.engine.spec_decoding_stats
+    assert stats.num_draft_tokens > 0
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+    assert_no_leak(llm)
+
+
+def test_auto_with_a_useless_draft_backs_off_to_no_draft(tiny_models):
+    """A draft of another architecture: its first verified proposal is rejected, and the
+    draft then runs only for the rare probe (one token every 32 steps)."""
+    kwargs = dict(dtype="bfloat16", max_num_batched_tokens=512, **POOL)
+    reference = generate(LLM(tiny_models["llama"], **kwargs), AUTO_PARAMS, PROMPTS[:1])
+    spec = {
+        "method": "draft_model",
+        "model": tiny_models["qwen3"],
+        "num_speculative_tokens": "auto",
+    }
+    llm = LLM(tiny_models["llama"], speculative_config=spec, **kwargs)
+    drafter = llm.engine.core.executor.worker.runner.drafter
+    proposed = []
+    propose = drafter.propose
+    drafter.propose = lambda *args: proposed.append(propose(*args)) or proposed[-1]
+    assert generate(llm, AUTO_PARAMS, PROMPTS[:1]) == reference
+    stats = llm.engine.spec_decoding_stats
+    assert stats.num_accepted_tokens == 0
+    assert 1 <= stats.num_drafts <= 4
+    drafted_steps = [p for p in proposed if any(p.values())]
+    assert 1 <= len(drafted_steps) <= 4  # of ~80 steps
+    assert_no_leak(llm)
+
+
+def test_smollm2_bf16_greedy_bits_equal_with_ngram_and_with_itself_as_draft(default_model):
+    """The default model in bfloat16 (its GGUF dequantized): greedy tokens and logprobs bit for
+    bit with n-gram proposals and with the model as its own draft, in one batch with a chunked
+    prompt beside the decodes; as its own draft every proposal is accepted."""
+    prompts = [
+        "Repeat this exactly: the cat sat on the mat, the cat sat on the mat, the cat sat.",
+        "Count: one two three four five six seven eight nine ten one two three four five",
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
+    kwargs = dict(dtype="bfloat16", quantization="none", max_num_batched_tokens=32, **POOL)
+
+    def run(**spec) -> list:
+        llm = LLM(default_model, **kwargs, **spec)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert_no_leak(llm)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs], llm
+
+    reference, _ = run()
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    outputs, llm = run(speculative_config=ngram)
+    assert outputs == reference
+    assert llm.engine.spec_decoding_stats.num_accepted_tokens > 0
+    outputs, llm = run(speculative_config=draft_config(default_model))
+    assert outputs == reference
+    stats = llm.engine.spec_decoding_stats
+    assert stats.num_draft_tokens > 0 and stats.acceptance_rate == 1.0

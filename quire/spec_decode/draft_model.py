@@ -110,6 +110,7 @@ class DraftModelProposer:
         self.cpu_step: CpuStepRunner | None = None
         self.drafts: dict[str, Draft] = {}
         self._written: dict[str, _Written] = {}  # by the last step's proposing
+        self._valid: dict[str, int] = {}  # per request: positions whose draft K/V is final
 
     def allocate(self, num_blocks: int, dtype: torch.dtype, huge_pages: bool) -> None:
         """The draft's KV cache, as many blocks as the target's (the same block ids)."""
@@ -130,6 +131,7 @@ class DraftModelProposer:
         for req_id in req_ids:
             self.drafts.pop(req_id, None)
             self._written.pop(req_id, None)
+            self._valid.pop(req_id, None)
 
     def forward(
         self,
@@ -145,36 +147,51 @@ class DraftModelProposer:
 
     def catch_up(
         self,
+        entries: list[tuple[str, int, int, list[int], list[int]]],
+        block_table: np.ndarray,  # [rows, width] int32, the InputBatch's
+        keep_up: set[str] | None,
+        computed: bool,
+    ) -> list[tuple[int, int, int]]:
+        """The step's rows whose draft K/V is still to compute, as (row, position, token id).
+
+        `entries`: per request (req_id, row, first position, its known tokens, the step's final
+        tokens). `keep_up`: the requests whose draft K/V must be final after this step (those
+        that propose next); None: all. `computed`: the draft already ran over all the step's
+        inputs (`forward_step`). A request's K/V is final up to `_valid`; a position the
+        proposing wrote last step, with the same token into the same slot, is final too; a
+        request not kept up is skipped, and catches up from `_valid` when it proposes again."""
+        written, self._written = self._written, {}
+        pending = []
+        for req_id, row, start, known, final in entries:
+            end = start + len(final)
+            valid = self._valid.get(req_id, start)
+            if valid == start and computed:
+                valid = end
+            elif keep_up is not None and req_id not in keep_up:
+                continue
+            w = written.get(req_id)
+            if valid == start and w is not None and w.start == start:
+                slots = self._slots(block_table[row], start, len(w.slots))
+                for token_id, w_token, slot, w_slot in zip(final, w.token_ids, slots, w.slots):
+                    if token_id != w_token or slot != w_slot:
+                        break
+                    valid += 1
+            pending.extend(
+                (row, p, known[p] if p < start else final[p - start]) for p in range(valid, end)
+            )
+            self._valid[req_id] = end
+        return pending
+
+    def forward_step(
+        self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         metadata: AttentionMetadata,
         backend: AttentionBackend,
     ) -> None:
-        """The draft's K/V of all the step's tokens, in the target's slots (see the module doc)."""
-        self._written = {}
+        """The draft over all the step's inputs, in the target's slots (a step with prompt
+        chunks; see the module doc)."""
         self.forward(input_ids, positions, metadata, backend)
-
-    def rows_to_catch_up(
-        self,
-        entries: list[tuple[str, int, int, list[int]]],  # (req_id, row, first position, tokens)
-        block_table: np.ndarray,  # [rows, width] int32, the InputBatch's
-    ) -> list[tuple[int, int, int]]:
-        """Of a decode-only step's final tokens, those whose draft K/V is still to compute, as
-        (row, position, token id): each request's tokens past those its proposing wrote last
-        step, with the same token into the same slot (see the module doc)."""
-        written, self._written = self._written, {}
-        pending = []
-        for req_id, row, start, token_ids in entries:
-            done = 0
-            w = written.get(req_id)
-            if w is not None and w.start == start:
-                slots = self._slots(block_table[row], start, len(w.slots))
-                for token_id, w_token, slot, w_slot in zip(token_ids, w.token_ids, slots, w.slots):
-                    if token_id != w_token or slot != w_slot:
-                        break
-                    done += 1
-            pending.extend((row, start + i, token_ids[i]) for i in range(done, len(token_ids)))
-        return pending
 
     def _slots(self, table: np.ndarray, start: int, num: int) -> list[int]:
         """The cache slots of positions start..start+num-1 under this block table row."""
@@ -294,9 +311,10 @@ class DraftModelProposer:
         token_ids: list[int],
         params: SamplingParams,
         index: int,
+        num_draft: int,
     ) -> _Proposing:
-        """A request to propose for after its tokens `token_ids` (prompt, outputs, this step's
-        new ones), with `num_blocks` blocks allocated."""
+        """A request to propose up to `num_draft` tokens for after its tokens `token_ids`
+        (prompt, outputs, this step's new ones), with `num_blocks` blocks allocated."""
         last = len(token_ids) - 1
         room = min(num_blocks * self.block_size - last, self.max_model_len - 1 - last)
         return _Proposing(
@@ -306,7 +324,7 @@ class DraftModelProposer:
             token_ids=list(token_ids),
             params=params,
             index=index,
-            num_slots=max(min(room, self.k), 0),
+            num_slots=max(min(room, num_draft), 0),
             probs=[],
         )
 
