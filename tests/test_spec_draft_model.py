@@ -277,8 +277,9 @@ def test_the_cli_takes_a_draft_model_and_prints_the_plain_greedy_text(tiny_llama
 AUTO_PARAMS = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
 
 
-def test_auto_with_a_draft_keeps_the_greedy_tokens_and_proposes_with_a_good_draft(tiny_llama):
-    """The target as its own draft: every verified proposal accepted, so "auto" verifies some."""
+def test_auto_with_the_target_as_its_own_draft_keeps_the_greedy_tokens(tiny_llama):
+    """Every verified proposal is accepted; how many are verified is the cost model's call (a
+    draft as costly as the target hardly pays: tests/test_spec_decode_units.py has the choice)."""
     kwargs = dict(dtype="bfloat16", max_num_batched_tokens=512, **POOL)
     reference = generate(LLM(tiny_llama, **kwargs), AUTO_PARAMS, PROMPTS[:1])
     spec = {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": "auto"}

@@ -200,6 +200,7 @@ class AdaptiveSpeculation:
             state.steps_since_measured += 1
             if lengths[i] == 0 and state.steps_since_measured >= _DRAFT_PROBE:
                 lengths[i] = 1
+            if lengths[i]:
                 state.steps_since_measured = 0
         return lengths
 
