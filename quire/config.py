@@ -60,8 +60,9 @@ class SpeculativeConfig:
     AUTO_MAX_SPECULATIVE_TOKENS, and the number verified is chosen each step from measured
     acceptance and step cost (quire/spec_decode/adaptive.py). A draft model (`model`, any
     checkpoint quire loads with the target's vocabulary; quire/spec_decode/draft_model.py)
-    proposes exactly `num_speculative_tokens`: "auto" is refused for it, as the adaptive model
-    measures neither the draft's k forwards per step nor the acceptance of sampled proposals."""
+    proposes `num_speculative_tokens` each step, or with "auto" up to
+    AUTO_MAX_SPECULATIVE_TOKENS, as many as the adaptive model chooses per request (0: the draft
+    does not run for it)."""
 
     method: str
     num_speculative_tokens: int
@@ -98,12 +99,6 @@ class SpeculativeConfig:
                 raise ValueError(
                     "speculative_config method 'draft_model' needs 'model': the path of a draft "
                     f"model (Hugging Face folder or .gguf file) that exists; got {model!r}."
-                )
-            if spec.get("num_speculative_tokens") == "auto":
-                raise ValueError(
-                    "speculative_config 'num_speculative_tokens': 'auto' is not supported with "
-                    "method 'draft_model' (adaptive speculation measures deterministic n-gram "
-                    "proposals only); give an integer >= 1."
                 )
         elif model is not None:
             raise ValueError(

@@ -129,6 +129,9 @@ class SchedulerOutput:
     forked_reqs: list[ForkedRequestData] = field(default_factory=list)
     # Proposed tokens per request, verified after its last known token (speculative decoding).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # A draft model under adaptive speculation: how many tokens to propose after this step per
+    # request (0: the draft does not run for it). None: every request that samples proposes k.
+    num_draft_tokens: dict[str, int] | None = None
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), CoW
     # Requests the worker must drop before this step: finished since the last step, or
     # preempted (a preempted request comes back later as NewRequestData).

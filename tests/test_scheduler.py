@@ -709,3 +709,34 @@ def test_lookahead_slots_are_reserved_past_a_decode_and_never_hashed():
     assert len(kv.get_block_ids("a")) == 3  # slots 0..11
     hashed = [b.block_hash is not None for b in (kv.blocks[i] for i in kv.get_block_ids("a"))]
     assert hashed == [True, True, False]
+
+
+def test_a_verified_step_keeps_the_lookahead_slots_past_its_new_last_token():
+    """A draft model wrote its next proposals' K/V into them: they stay the request's blocks, so
+    the draft can reuse that K/V when the proposals are accepted."""
+    kv = KVCacheManager(64, BS, enable_prefix_caching=True)
+    scheduler = Scheduler(kv, 8, 64, 64, num_lookahead_tokens=3)
+    a = make_request("a", prompt(100, 7))
+    scheduler.add_request(a)
+    decoding(scheduler, a)  # 8 known tokens, 7 computed
+    a.spec_token_ids = [11, 12, 13]
+    output = scheduler.schedule()  # slots 7..10 verified, 11..13 lookahead: 4 blocks
+    assert len(kv.get_block_ids("a")) == 4
+    scheduler.update(output, ModelRunnerOutput({"a": [9]}))  # every proposal rejected
+    assert a.num_computed_tokens == 8  # the new last token at 8, lookahead 8..10: 3 blocks
+    assert len(kv.get_block_ids("a")) == 3
+    kv.check_invariants()
+    assert kv.num_free_blocks == kv.num_blocks - 3
+
+
+def test_a_request_that_forks_reserves_no_lookahead():
+    """Forks share the blocks up to the partial one, which copy-on-write replaces next step."""
+    kv = KVCacheManager(64, BS, enable_prefix_caching=True)
+    scheduler = Scheduler(kv, 8, 64, 64, num_lookahead_tokens=3)
+    scheduler.add_request(make_request("g", prompt(100, 6), n=2))
+    step(scheduler)  # 6 prompt tokens: blocks 0 and 1, block 1 partial
+    assert kv.get_block_ids("g#0") == kv.get_block_ids("g#1") == [0, 1]
+    output = step(scheduler)  # each writes its token into its own copy of block 1
+    parent, child = kv.get_block_ids("g#0"), kv.get_block_ids("g#1")
+    assert parent[0] == child[0] == 0 and len({parent[1], child[1], 1}) == 2
+    assert [src for src, _ in output.block_copies] == [1]

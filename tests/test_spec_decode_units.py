@@ -156,10 +156,6 @@ def test_speculative_config_defaults_follow_vllm():
         ({"method": "eagle", "model": "x"}, "not yet supported"),
         ({"method": "draft_model", "model": "/no/such/model"}, "needs 'model'"),
         ({"method": "draft_model", "num_speculative_tokens": 3}, "needs 'model'"),
-        (
-            {"method": "draft_model", "model": ".", "num_speculative_tokens": "auto"},
-            "'auto' is not supported with method 'draft_model'",
-        ),
         ({"method": "ngram", "model": "."}, "applies to method 'draft_model' only"),
         ({"method": "lookahead"}, "needs 'method'"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "integer >= 1 or 'auto'"),
@@ -190,3 +186,35 @@ def test_adaptive_takes_a_plain_step_every_32_choices_to_remeasure_the_baseline(
         adaptive.record_step(5, 0.0015)
     choices = [adaptive.choose(["r"]) for _ in range(64)]
     assert [i for i, k in enumerate(choices) if k == [0]] == [31, 63]
+
+
+# ---- adaptive k with a draft model: acceptance from verifications ---------------------------
+def test_a_draft_verification_counts_only_the_positions_it_reached():
+    adaptive = AdaptiveSpeculation(4, drafted=True)
+    adaptive.record_verified("r", accepted_len=2, num_verified=2)  # positions 3-4 not reached
+    assert adaptive.acceptance("r").tolist() == [1.0, 1.0, 1.0, 1.0]
+    other = AdaptiveSpeculation(4, drafted=True)
+    other.record_verified("r", accepted_len=1, num_verified=3)  # rejected at position 2
+    assert other.acceptance("r").tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_adaptive_drafts_the_full_length_when_accepted_and_verifying_is_cheap():
+    adaptive = AdaptiveSpeculation(4, drafted=True)
+    adaptive.record_verified("r", accepted_len=1, num_verified=1)
+    for _ in range(2):  # a draft 5% of the target's cost a token
+        adaptive.record_step(1, 0.0010)
+        adaptive.record_step(4, 0.00115)
+    lengths = [adaptive.draft_lengths(["r"])[0] for _ in range(34)]
+    # Choices 32 and 33 (and the first) are plain: they re-measure the plain step.
+    assert lengths == [0] + [4] * 30 + [0, 0, 4]
+
+
+def test_adaptive_runs_no_draft_when_nothing_is_accepted_but_one_token_every_32_steps():
+    adaptive = AdaptiveSpeculation(4, drafted=True)
+    adaptive.record_verified("r", accepted_len=0, num_verified=3)
+    for _ in range(2):  # verifying would be free: only acceptance keeps k at 0
+        adaptive.record_step(1, 0.001)
+        adaptive.record_step(5, 0.001)
+    lengths = [adaptive.draft_lengths(["r"])[0] for _ in range(64)]
+    assert [i for i, k in enumerate(lengths) if k] == [31, 63]
+    assert max(lengths) == 1

@@ -99,20 +99,54 @@ def test_greedy_with_an_unrelated_draft_under_preemption(tiny_models):
     assert_no_leak(llm)
 
 
-def test_the_target_as_its_own_draft_has_every_proposal_accepted(tiny_llama):
-    # 1 + 5 (k + 1): every step after the first token verifies a full draft of k.
+@pytest.fixture(scope="module")
+def own_draft_run(tiny_llama):
+    """Greedy requests with the target as its own draft, batched: (outputs, plain outputs, the
+    engine, the engine's steps, the rows of each draft forward). 1 + 5 (k + 1) tokens each: every
+    step after the first token verifies a full draft of k."""
     params = SamplingParams(temperature=0.0, max_tokens=1 + 5 * (K + 1), ignore_eos=True)
     kwargs = dict(dtype="bfloat16", max_num_batched_tokens=512, **POOL)
     reference = generate(LLM(tiny_llama, **kwargs), params)
     llm = LLM(tiny_llama, speculative_config=draft_config(tiny_llama), **kwargs)
+    drafter = llm.engine.core.executor.worker.runner.drafter
+    rows = []
+
+    def counted(run):
+        def counting(input_ids, *args):
+            rows.append(input_ids.shape[0])
+            return run(input_ids, *args)
+
+        return counting
+
+    drafter.forward = counted(drafter.forward)
+    if drafter.cpu_step is not None:  # greedy proposals take the C argmax step
+        drafter.cpu_step.argmax_tokens = counted(drafter.cpu_step.argmax_tokens)
     steps_before = llm.engine.num_steps
-    assert generate(llm, params) == reference
+    outputs = generate(llm, params)
+    return outputs, reference, llm, llm.engine.num_steps - steps_before, rows
+
+
+def test_the_target_as_its_own_draft_has_every_proposal_accepted(own_draft_run):
+    outputs, reference, llm, num_steps, _ = own_draft_run
+    assert outputs == reference
     stats = llm.engine.spec_decoding_stats
     assert stats.num_drafts == 5 * len(PROMPTS)
     assert stats.acceptance_rate == 1.0
     assert stats.mean_acceptance_length == K + 1
     assert stats.num_accepted_tokens_per_pos == [5 * len(PROMPTS)] * K
-    assert llm.engine.num_steps - steps_before == 1 + 5  # the prompts' step, then 5 of k + 1
+    assert num_steps == 1 + 5  # the prompts' step, then 5 of k + 1
+
+
+def test_the_draft_runs_k_forwards_a_step_and_skips_the_positions_it_wrote(own_draft_run):
+    """After the prompts' step (the draft over the prompts, then k proposing forwards), each
+    step's k + 1 accepted positions need the draft's K/V of the last proposal only: the others
+    its proposing wrote. That one rides along in the first of the step's k forwards."""
+    *_, rows = own_draft_run
+    n = len(PROMPTS)
+    prompt_tokens = sum(map(len, PROMPTS)) - 32  # the last prompt's first 32 tokens are hits
+    prompts_step = [prompt_tokens] + [n] * K
+    verifying_step = [n + n] + [n] * (K - 1)
+    assert rows == prompts_step + verifying_step * 5
 
 
 def test_the_target_as_its_own_draft_accepts_every_sampled_proposal(tiny_llama):
@@ -237,3 +271,73 @@ def test_the_cli_takes_a_draft_model_and_prints_the_plain_greedy_text(tiny_llama
     spec = json.dumps(draft_config(drafts["llama"]))
     assert main([*argv, "--speculative-config", spec]) == 0
     assert capsys.readouterr().out == plain
+
+
+# ---- "auto": adaptive k with a draft model -----------------------------------------------
+AUTO_PARAMS = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+
+
+def test_auto_with_the_target_as_its_own_draft_keeps_the_greedy_tokens(tiny_llama):
+    """Every verified proposal is accepted; how many are verified is the cost model's call (a
+    draft as costly as the target hardly pays: tests/test_spec_decode_units.py has the choice)."""
+    kwargs = dict(dtype="bfloat16", max_num_batched_tokens=512, **POOL)
+    reference = generate(LLM(tiny_llama, **kwargs), AUTO_PARAMS, PROMPTS[:1])
+    spec = {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": "auto"}
+    llm = LLM(tiny_llama, speculative_config=spec, **kwargs)
+    assert generate(llm, AUTO_PARAMS, PROMPTS[:1]) == reference
+    stats = llm.engine.spec_decoding_stats
+    assert stats.num_draft_tokens > 0
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+    assert_no_leak(llm)
+
+
+def test_auto_with_a_useless_draft_backs_off_to_no_draft(tiny_models):
+    """A draft of another architecture: its first verified proposal is rejected, and the
+    draft then runs only for the rare probe (one token every 32 steps)."""
+    kwargs = dict(dtype="bfloat16", max_num_batched_tokens=512, **POOL)
+    reference = generate(LLM(tiny_models["llama"], **kwargs), AUTO_PARAMS, PROMPTS[:1])
+    spec = {
+        "method": "draft_model",
+        "model": tiny_models["qwen3"],
+        "num_speculative_tokens": "auto",
+    }
+    llm = LLM(tiny_models["llama"], speculative_config=spec, **kwargs)
+    drafter = llm.engine.core.executor.worker.runner.drafter
+    proposed = []
+    propose = drafter.propose
+    drafter.propose = lambda *args: proposed.append(propose(*args)) or proposed[-1]
+    assert generate(llm, AUTO_PARAMS, PROMPTS[:1]) == reference
+    stats = llm.engine.spec_decoding_stats
+    assert stats.num_accepted_tokens == 0
+    assert 1 <= stats.num_drafts <= 4
+    drafted_steps = [p for p in proposed if any(p.values())]
+    assert 1 <= len(drafted_steps) <= 4  # of ~80 steps
+    assert_no_leak(llm)
+
+
+def test_smollm2_bf16_greedy_bits_equal_with_ngram_and_with_itself_as_draft(default_model):
+    """The default model in bfloat16 (its GGUF dequantized): greedy tokens and logprobs bit for
+    bit with n-gram proposals and with the model as its own draft, in one batch with a chunked
+    prompt beside the decodes; as its own draft every proposal is accepted."""
+    prompts = [
+        "Repeat this exactly: the cat sat on the mat, the cat sat on the mat, the cat sat.",
+        "Count: one two three four five six seven eight nine ten one two three four five",
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
+    kwargs = dict(dtype="bfloat16", quantization="none", max_num_batched_tokens=32, **POOL)
+
+    def run(**spec) -> list:
+        llm = LLM(default_model, **kwargs, **spec)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert_no_leak(llm)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs], llm
+
+    reference, _ = run()
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    outputs, llm = run(speculative_config=ngram)
+    assert outputs == reference
+    assert llm.engine.spec_decoding_stats.num_accepted_tokens > 0
+    outputs, llm = run(speculative_config=draft_config(default_model))
+    assert outputs == reference
+    stats = llm.engine.spec_decoding_stats
+    assert stats.num_draft_tokens > 0 and stats.acceptance_rate == 1.0

@@ -173,6 +173,8 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty and not (kv_work or self.scheduler.has_kv_work):
             return []
+        if self.speculator is not None:
+            scheduler_output.num_draft_tokens = self.speculator.draft_lengths
         self.structured_output.fill_bitmask(scheduler_output, self.scheduler.requests)
         runner_output = self.executor.execute_model(scheduler_output)
         if not scheduler_output.is_empty:

@@ -208,8 +208,11 @@ class Scheduler:
     def _lookahead(self, request: Request, num_computed_after: int) -> int:
         """Slots to reserve past the step's tokens: for a request that samples this step (its
         tokens all computed after it), room for the speculative tokens proposed next (a draft
-        model writes their K/V there), never past max_model_len (so a lone request still fits)."""
-        if num_computed_after < request.num_tokens:
+        model writes their K/V there), never past max_model_len (so a lone request still fits).
+        None for a request that forks this step: nothing proposes for it or its children until
+        the next step, and forks must share no block past the partial one, which copy-on-write
+        replaces as the table's last (kv_manager.py)."""
+        if num_computed_after < request.num_tokens or request.num_forks_pending:
             return 0
         return max(min(self.num_lookahead_tokens, self.max_model_len - num_computed_after), 0)
 
@@ -489,7 +492,12 @@ class Scheduler:
             if status is not None:
                 self.finish_requests([request_id], status)
             elif num_spec:
-                self.kv_manager.truncate(request, request.num_computed_tokens)
+                # The lookahead slots past the new last token stay: a draft model wrote its
+                # proposals' K/V there, reused next step if accepted (spec_decode/draft_model.py).
+                num_kept = request.num_computed_tokens + self._lookahead(
+                    request, request.num_tokens
+                )
+                self.kv_manager.truncate(request, num_kept)
         return updated
 
     def _append_tokens(

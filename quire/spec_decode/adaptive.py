@@ -14,6 +14,15 @@ token sampled at its position), so a proposal made but not verified measures acc
 as a verified one. A request keeps one such measurement open at a time; one that verifies nothing
 opens one every `max_k` steps only, which keeps the proposer's cost off the steps that gain nothing.
 
+With a draft model the proposals are drawn, not looked up, and a proposal is accepted by
+rejection sampling with a probability no later token shows, so acceptance is counted from the
+verifications themselves (`record_verified`): a verification of v positions that accepted a
+tells the outcome at positions 1..min(a + 1, v), and nothing past them. What is counted per
+position is the acceptance given the positions before it were accepted, and a_r(i) is the
+product of those up to i; a position not measured yet takes the one before it (the first: 1, so
+that a new engine tries). A request at k = 0 runs no draft at all; every `_DRAFT_PROBE`-th of its
+steps it proposes one token to measure again.
+
 Cost. T(N): the time of a decode-only step computing N tokens. A verified position is computed
 exactly as one more decode (its own row through the weights and its own context read; see
 worker/model_runner.py), so the batch size B enters only through N = B + sum_r k_r: steps of B
@@ -24,6 +33,12 @@ past the largest bin it is extrapolated from the last two, or, while only one bi
 taken as that bin's time (optimistic, so that a larger N gets tried and measured). Nothing past
 twice the largest measured N is chosen, so the table grows outward a step at a time. At large
 batch a step is compute-bound, T grows with N as fast as the tokens do, and the choice is k = 0.
+
+With a draft model the step's time also holds the draft's forwards that propose the next
+step's tokens (one per proposed position, in the worker after verification), and k_r is the
+number of tokens the draft proposes for the next step, which that step verifies: in a steady
+state a step of N = B + sum_r k_r measures the target's verification and the draft's k_r
+forwards together, so T carries the draft's cost per proposed token.
 
 Choice. Verifying k_r positions of each request r, a step is expected to generate
 B + sum_r sum_{i <= k_r} a_r(i) tokens in T(B + sum_r k_r). Positions are added in order of
@@ -53,6 +68,7 @@ _BASELINE_REFRESH = 32  # every this many choices, a plain step re-measures T(B)
 # Below this acceptance at the first position for every request, nothing is worth verifying: the
 # choice is k = 0 without the cost model (a position gains at most this many tokens a step).
 _MIN_ACCEPTANCE = 1e-3
+_DRAFT_PROBE = 32  # a draft-model request at k = 0 proposes one token this often (steps)
 
 
 @dataclass
@@ -69,11 +85,26 @@ class _Acceptance:
 
 
 @dataclass
+class _Verified:
+    """Decayed counts, per position, of verifications that reached it and that accepted it."""
+
+    hits: np.ndarray  # [max_k]
+    attempts: np.ndarray  # [max_k]
+
+    def add(self, accepted_len: int, num_verified: int, decay: float) -> None:
+        self.hits *= decay
+        self.attempts *= decay
+        self.attempts[: min(accepted_len + 1, num_verified)] += 1.0
+        self.hits[:accepted_len] += 1.0
+
+
+@dataclass
 class _RequestState:
     acceptance: _Acceptance
     pending: list[int] = field(default_factory=list)  # the open measurement's proposal
     pending_start: int = 0  # the token position its first token proposes
     steps_since_measured: int = 0
+    verified: _Verified | None = None  # a draft model's requests
 
 
 class StepCostModel:
@@ -114,10 +145,13 @@ class StepCostModel:
 
 
 class AdaptiveSpeculation:
-    def __init__(self, max_k: int):
+    def __init__(self, max_k: int, drafted: bool = False):
+        """`drafted`: proposals come from a draft model (acceptance from `record_verified`)."""
         self.max_k = max_k
+        self.drafted = drafted
         self.cost = StepCostModel()
         self._engine = _Acceptance(np.zeros(max_k))
+        self._engine_verified = _Verified(np.zeros(max_k), np.zeros(max_k))
         self._requests: dict[str, _RequestState] = {}
         self._num_choices = 0
 
@@ -148,16 +182,53 @@ class AdaptiveSpeculation:
         else:
             self._measured(state, 0)  # nothing proposed: rejected at every position
 
+    def record_verified(self, req_id: str, accepted_len: int, num_verified: int) -> None:
+        """A draft model's proposal of which the first `num_verified` tokens were verified and
+        `accepted_len` accepted."""
+        state = self._state(req_id)
+        state.steps_since_measured = 0
+        state.verified.add(accepted_len, num_verified, _REQUEST_DECAY)
+        self._engine_verified.add(accepted_len, num_verified, _ENGINE_DECAY)
+
+    def draft_lengths(self, req_ids: list[str]) -> list[int]:
+        """How many tokens the draft model proposes after this step for each of these requests
+        (the next step verifies them): the choice, or one to measure again a request that has
+        been at 0 for `_DRAFT_PROBE` steps."""
+        lengths = self.choose(req_ids)
+        for i, req_id in enumerate(req_ids):
+            state = self._state(req_id)
+            state.steps_since_measured += 1
+            if lengths[i] == 0 and state.steps_since_measured >= _DRAFT_PROBE:
+                lengths[i] = 1
+            if lengths[i]:
+                state.steps_since_measured = 0
+        return lengths
+
     def acceptance(self, req_id: str) -> np.ndarray:
         """a_r(i) for i = 1..max_k: this request's acceptance rate by position."""
+        if self.drafted:
+            return self._verified_acceptance(req_id)
         engine = self._engine
         prior = engine.hits / engine.attempts if engine.attempts else np.zeros(self.max_k)
         own = self._state(req_id).acceptance
         return (own.hits + _PRIOR_WEIGHT * prior) / (own.attempts + _PRIOR_WEIGHT)
 
+    def _verified_acceptance(self, req_id: str) -> np.ndarray:
+        """`acceptance` from verifications: the product of the conditional rates (module doc)."""
+        engine, own = self._engine_verified, self._state(req_id).verified
+        m = int(np.count_nonzero(engine.attempts))  # positions measured: a prefix of them
+        rates = np.ones(self.max_k)
+        prior = engine.hits[:m] / engine.attempts[:m]
+        rates[:m] = (own.hits[:m] + _PRIOR_WEIGHT * prior) / (own.attempts[:m] + _PRIOR_WEIGHT)
+        if m:
+            rates[m:] = rates[m - 1]
+        return np.cumprod(rates)
+
     def _first_acceptance(self, req_id: str) -> float:
         """a_r(1), the largest of the request's rates (they do not grow with the position):
         `acceptance` for the first position alone, in plain floats."""
+        if self.drafted:
+            return float(self._verified_acceptance(req_id)[0])
         engine, own = self._engine, self._state(req_id).acceptance
         prior = engine.hits[0] / engine.attempts if engine.attempts else 0.0
         return (own.hits[0] + _PRIOR_WEIGHT * prior) / (own.attempts + _PRIOR_WEIGHT)
@@ -171,6 +242,8 @@ class AdaptiveSpeculation:
         state = self._requests.get(req_id)
         if state is None:
             state = self._requests[req_id] = _RequestState(_Acceptance(np.zeros(self.max_k)))
+            if self.drafted:
+                state.verified = _Verified(np.zeros(self.max_k), np.zeros(self.max_k))
         return state
 
     def drop(self, req_ids: set[str]) -> None:
@@ -182,7 +255,9 @@ class AdaptiveSpeculation:
         """How many proposed tokens each of these decodes (the step's) should verify."""
         num_decodes = len(req_ids)
         self._num_choices += 1
-        if not num_decodes or self._num_choices % _BASELINE_REFRESH == 0:
+        # A draft's length is verified a step later: two plain choices make one plain step.
+        refresh = self._num_choices % _BASELINE_REFRESH < (2 if self.drafted else 1)
+        if not num_decodes or refresh:
             return [0] * num_decodes
         if max(self._first_acceptance(r) for r in req_ids) < _MIN_ACCEPTANCE:
             return [0] * num_decodes  # nothing is accepted: skip the numpy below (~0.1 ms)

@@ -8,16 +8,26 @@ the same positions in both caches, so the scheduler's block tables, slot mapping
 hits, copy-on-write and the rollback of rejected slots serve both, with no allocator of its own.
 Each step:
 
-1. `catch_up` runs the draft over the step's own inputs (prompt chunks, decodes, the verified
-   positions), writing its K/V where the target writes its own. The draft's KV of a position is
-   therefore final exactly when the target's is; what it wrote past that (rejected proposals,
-   step 2's scratch) is overwritten before anything reads it, as the target's is.
+1. Catch-up: the draft's K/V of the step's tokens that are now final (prompt chunks, decodes,
+   the accepted positions), in the target's slots. The draft's KV of a position is therefore
+   final exactly when the target's is; what it wrote past that (rejected proposals, step 2's
+   scratch) is overwritten before anything reads it, as the target's is. In a step of decodes
+   only, a position the draft's own proposing wrote last step, with the same token into the same
+   slot, is already final and is skipped (`rows_to_catch_up`): with every proposal accepted
+   that leaves one position a request (the last proposal), with a rejection none. The rest ride
+   along in the first forward of step 2, so a step costs the draft k forwards, not k + 1. A step
+   with prompt chunks runs the draft over all the step's inputs first (`catch_up`).
 2. `propose`, for each request that sampled, decodes k tokens one position at a time from its
    last token, into the lookahead slots the scheduler reserves past a sampling request's tokens
    (never past its allocated blocks or max_model_len). Each proposal is drawn from q with the
    request's sampling parameters (penalties see the proposals before it, min_tokens bans stop
    tokens) and noise keyed (seed, index, position, STREAM_DRAFT): a seeded request gets the same
    proposals in any batch. A greedy request proposes the draft's argmax and keeps no q.
+
+A slot the proposals wrote is trusted only in the very next step, and only if the request's
+block table still maps that position to the same block: a lookahead block the scheduler gave
+back and handed out again (to this request or another) fails the check, and its positions are
+computed again.
 """
 
 from __future__ import annotations
@@ -63,6 +73,16 @@ class Draft:
 
 
 @dataclasses.dataclass
+class _Written:
+    """What one request's proposing wrote into the draft's cache: a token at each position from
+    `start` on, each into its slot."""
+
+    start: int
+    token_ids: list[int]
+    slots: list[int]
+
+
+@dataclasses.dataclass
 class _Proposing:
     """A request being proposed for: its tokens so far (known, then proposals)."""
 
@@ -89,6 +109,8 @@ class DraftModelProposer:
         self.kv_cache: kv_cache.KVCache | None = None
         self.cpu_step: CpuStepRunner | None = None
         self.drafts: dict[str, Draft] = {}
+        self._written: dict[str, _Written] = {}  # by the last step's proposing
+        self._valid: dict[str, int] = {}  # per request: positions whose draft K/V is final
 
     def allocate(self, num_blocks: int, kv_dtype: torch.dtype, huge_pages: bool) -> None:
         """The draft's KV cache, as many blocks as the target's (the same block ids), in the
@@ -109,6 +131,8 @@ class DraftModelProposer:
     def drop(self, req_ids: list[str]) -> None:
         for req_id in req_ids:
             self.drafts.pop(req_id, None)
+            self._written.pop(req_id, None)
+            self._valid.pop(req_id, None)
 
     def forward(
         self,
@@ -124,32 +148,86 @@ class DraftModelProposer:
 
     def catch_up(
         self,
+        entries: list[tuple[str, int, int, list[int], list[int]]],
+        block_table: np.ndarray,  # [rows, width] int32, the InputBatch's
+        keep_up: set[str] | None,
+        computed: bool,
+    ) -> list[tuple[int, int, int]]:
+        """The step's rows whose draft K/V is still to compute, as (row, position, token id).
+
+        `entries`: per request (req_id, row, first position, its known tokens, the step's final
+        tokens). `keep_up`: the requests whose draft K/V must be final after this step (those
+        that propose next); None: all. `computed`: the draft already ran over all the step's
+        inputs (`forward_step`). A request's K/V is final up to `_valid`; a position the
+        proposing wrote last step, with the same token into the same slot, is final too; a
+        request not kept up is skipped, and catches up from `_valid` when it proposes again."""
+        written, self._written = self._written, {}
+        pending = []
+        for req_id, row, start, known, final in entries:
+            end = start + len(final)
+            valid = self._valid.get(req_id, start)
+            if valid == start and computed:
+                valid = end
+            elif keep_up is not None and req_id not in keep_up:
+                continue
+            w = written.get(req_id)
+            if valid == start and w is not None and w.start == start:
+                slots = self._slots(block_table[row], start, len(w.slots))
+                for token_id, w_token, slot, w_slot in zip(final, w.token_ids, slots, w.slots):
+                    if token_id != w_token or slot != w_slot:
+                        break
+                    valid += 1
+            pending.extend(
+                (row, p, known[p] if p < start else final[p - start]) for p in range(valid, end)
+            )
+            self._valid[req_id] = end
+        return pending
+
+    def forward_step(
+        self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         metadata: AttentionMetadata,
         backend: AttentionBackend,
     ) -> None:
-        """The draft's K/V of the step's tokens, in the target's slots (see the module doc)."""
+        """The draft over all the step's inputs, in the target's slots (a step with prompt
+        chunks; see the module doc)."""
         self.forward(input_ids, positions, metadata, backend)
+
+    def _slots(self, table: np.ndarray, start: int, num: int) -> list[int]:
+        """The cache slots of positions start..start+num-1 under this block table row."""
+        positions = np.arange(start, start + num)
+        blocks = table[positions // self.block_size].astype(np.int64)
+        return (blocks * self.block_size + positions % self.block_size).tolist()
 
     def propose(
         self,
         requests: list[_Proposing],
+        pending: list[tuple[int, int, int]],  # (row, position, token id), `rows_to_catch_up`
         block_table: np.ndarray,  # [rows, width] int32, the InputBatch's
         backend: AttentionBackend,
     ) -> dict[str, list[int]]:
-        """Up to k proposals for each request (fewer where its slots run out); keeps q."""
+        """Up to k proposals for each request (fewer where its slots run out); keeps q. The
+        pending catch-up rows go through the first forward with the first proposals."""
         for j in range(self.k):
             active = [r for r in requests if r.num_slots > j]
-            if not active:
+            if not (active or pending):
                 break
-            positions = np.array([len(r.token_ids) - 1 for r in active], np.int64)
-            rows = np.array([r.row for r in active], np.int64)
+            rows = [row for row, _, _ in pending] + [r.row for r in active]
+            positions = np.array(
+                [pos for _, pos, _ in pending] + [len(r.token_ids) - 1 for r in active], np.int64
+            )
             metadata = self._decode_metadata(block_table[rows], positions)
-            ids = torch.tensor([r.token_ids[-1] for r in active], device=self.device)
+            ids = [token_id for _, _, token_id in pending] + [r.token_ids[-1] for r in active]
+            ids = torch.tensor(ids, device=self.device)
             pos = torch.from_numpy(positions).to(self.device)
-            for r, token_id in zip(active, self._sample(active, ids, pos, metadata, backend)):
+            if not active:
+                self.forward(ids, pos, metadata, backend)
+                break
+            sampled = self._sample(active, ids, pos, metadata, backend, len(pending))
+            for r, token_id in zip(active, sampled):
                 r.token_ids.append(token_id)
+            pending = []
         proposals = {}
         for r in requests:
             num = min(r.num_slots, self.k)
@@ -157,6 +235,12 @@ class DraftModelProposer:
             probs = torch.stack(r.probs) if r.probs else None
             self.drafts[r.req_id] = Draft(proposal, probs)
             proposals[r.req_id] = proposal
+            if num:  # the tokens fed: the last known one and every proposal but the last
+                start = len(r.token_ids) - num - 1
+                fed = r.token_ids[start:-1]
+                self._written[r.req_id] = _Written(
+                    start, fed, self._slots(block_table[r.row], start, num)
+                )
         return proposals
 
     def _sample(
@@ -166,14 +250,17 @@ class DraftModelProposer:
         positions: torch.Tensor,
         metadata: AttentionMetadata,
         backend: AttentionBackend,
+        skip: int,
     ) -> list[int]:
-        """Each request's next proposal from the draft's processed distribution."""
+        """Each request's next proposal from the draft's processed distribution; the first
+        `skip` rows (catch-up) are computed and not sampled."""
         banned = [banned_token_ids(r.params, len(r.token_ids) - r.prompt_len) for r in active]
         argmax_only = all(r.params.argmax_only for r in active) and not any(banned)
         if argmax_only and self.cpu_step is not None:
-            if self.cpu_step.takes_argmax(metadata, len(active)):
-                return self.cpu_step.argmax_tokens(ids, positions, metadata)
-        logits = self.model.compute_logits(self.forward(ids, positions, metadata, backend))
+            if self.cpu_step.takes_argmax(metadata, ids.shape[0]):
+                return self.cpu_step.argmax_tokens(ids, positions, metadata)[skip:]
+        hidden = self.forward(ids, positions, metadata, backend)[skip:]
+        logits = self.model.compute_logits(hidden)
         if argmax_only:
             return greedy(logits).tolist()
         batch = SamplingBatch.from_params(
@@ -225,9 +312,10 @@ class DraftModelProposer:
         token_ids: list[int],
         params: SamplingParams,
         index: int,
+        num_draft: int,
     ) -> _Proposing:
-        """A request to propose for after its tokens `token_ids` (prompt, outputs, this step's
-        new ones), with `num_blocks` blocks allocated."""
+        """A request to propose up to `num_draft` tokens for after its tokens `token_ids`
+        (prompt, outputs, this step's new ones), with `num_blocks` blocks allocated."""
         last = len(token_ids) - 1
         room = min(num_blocks * self.block_size - last, self.max_model_len - 1 - last)
         return _Proposing(
@@ -237,7 +325,7 @@ class DraftModelProposer:
             token_ids=list(token_ids),
             params=params,
             index=index,
-            num_slots=max(min(room, self.k), 0),
+            num_slots=max(min(room, num_draft), 0),
             probs=[],
         )
 

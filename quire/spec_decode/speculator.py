@@ -2,7 +2,10 @@
 running decode its proposed tokens (`Request.spec_token_ids`, which the scheduler trims to the
 budget and sends): the n-gram proposer's, or those a draft model made in the worker during the
 last step (`ModelRunnerOutput.draft_token_ids`). After the step it counts what the worker
-accepted and, with adaptive speculation, feeds the step's time to the cost model.
+accepted and, with adaptive speculation, feeds the step's time to the cost model. With a draft
+model and adaptive speculation it also says how many tokens the draft proposes after the step
+for each request (`draft_lengths`, sent as `SchedulerOutput.num_draft_tokens`): 0 runs no draft
+for it.
 
 A request is a decode ready for proposals when all its known tokens but the last are computed:
 a request still in its prompt, or replaying its tokens after a preemption, gets none.
@@ -56,10 +59,14 @@ class Speculator:
         )
         self._draft_token_ids: dict[str, list[int]] = {}
         self.adaptive = (
-            AdaptiveSpeculation(config.num_speculative_tokens) if config.adaptive else None
+            AdaptiveSpeculation(config.num_speculative_tokens, drafted=self.proposer is None)
+            if config.adaptive
+            else None
         )
+        self.draft_lengths: dict[str, int] | None = None  # this step's, with a draft and "auto"
         self.stats = SpecDecodingStats(config.num_speculative_tokens)
         self._ready: set[str] = set()  # this step's decodes ready for proposals
+        self._running: set[str] = set()  # last step's running requests (draft and "auto")
 
     def propose(self, running: list[Request]) -> None:
         """Sets the proposals of every running decode ready for them."""
@@ -71,6 +78,11 @@ class Speculator:
             drafts = self._draft_token_ids
             for r in ready:
                 r.spec_token_ids = list(drafts.get(r.request_id, ()))
+            if self.adaptive is not None:
+                ids = [r.request_id for r in running]
+                self.adaptive.drop(self._running - set(ids))
+                self._running = set(ids)
+                self.draft_lengths = dict(zip(ids, self.adaptive.draft_lengths(ids)))
             return
         gone = self.proposer.req_ids - {r.request_id for r in running}
         self.proposer.drop(gone)
@@ -105,13 +117,20 @@ class Speculator:
             if sampled is None:
                 continue
             num_accepted = len(sampled) - 1
+            if self.adaptive is not None and self.proposer is None:
+                self.adaptive.record_verified(req_id, num_accepted, len(proposal))
             stats.num_drafts += 1
             stats.num_draft_tokens += len(proposal)
             stats.num_accepted_tokens += num_accepted
             for i in range(num_accepted):
                 stats.num_accepted_tokens_per_pos[i] += 1
+        # With a draft, a step measures T(N) when each request's draft proposed after it as
+        # many tokens as it verified (adaptive.py): the draft's cost for N is in its time.
+        lengths = output.num_draft_tokens
         if self.adaptive is not None and all(
-            req_id in self._ready and n == 1 + len(spec.get(req_id, ()))
+            req_id in self._ready
+            and n == 1 + len(spec.get(req_id, ()))
+            and (lengths is None or lengths.get(req_id, 0) == n - 1)
             for req_id, n in output.num_scheduled_tokens.items()
         ):
             self.adaptive.record_step(output.total_num_scheduled_tokens, seconds)

@@ -349,21 +349,47 @@ class ModelRunner:
                 )
         if self.drafter is not None:
             with torch.inference_mode():
-                self.drafter.catch_up(input_ids, positions, metadata, self.backend)
-                result.draft_token_ids = self._propose(output, result)
+                result.draft_token_ids = self._propose(
+                    output, result, step, input_ids, positions, metadata, first_rows
+                )
         return result
 
-    def _propose(self, output: SchedulerOutput, result: ModelRunnerOutput) -> dict[str, list[int]]:
-        """The draft's proposals for every request that sampled this step, after its new tokens;
-        none for a fork or its parent this step (they share a partial block the proposals would
-        write into)."""
+    def _propose(
+        self,
+        output: SchedulerOutput,
+        result: ModelRunnerOutput,
+        step: Step,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        first_rows: list[int],
+    ) -> dict[str, list[int]]:
+        """The draft catches up on the step's final tokens, then proposes for every request that
+        sampled this step, after its new tokens (spec_decode/draft_model.py); none for a fork
+        or its parent this step (they share a partial block the proposals would write into)."""
+        drafter, batch = self.drafter, self.input_batch
+        num_draft = output.num_draft_tokens  # None: k for every request
+        computed = metadata.num_decodes != metadata.num_seqs  # prompt chunks: all rows at once
+        if computed:
+            drafter.forward_step(input_ids, positions, metadata, self.backend)
+        ids = input_ids.tolist()
+        spec = output.scheduled_spec_decode_tokens
+        entries = []
+        for (s, n), first in zip(step, first_rows):
+            sampled = result.sampled_token_ids.get(s.req_id)
+            num_final = n  # less the rejected proposals, past the accepted ones
+            if sampled is not None:
+                num_final -= len(spec.get(s.req_id, ())) + 1 - len(sampled)
+            final = ids[first : first + num_final]
+            entries.append((s.req_id, s.row, s.num_computed_tokens, s.token_ids, final))
+        keep_up = None if num_draft is None else {r for r, k in num_draft.items() if k}
+        pending = drafter.catch_up(entries, batch.block_table, keep_up, computed)
         forking = {f.req_id for f in output.forked_reqs}
         forking |= {f.parent_req_id for f in output.forked_reqs}
-        batch, drafter = self.input_batch, self.drafter
         proposing = []
         for req_id, token_ids in result.sampled_token_ids.items():
             if req_id in forking:
-                drafter.drop([req_id])
+                drafter.drafts.pop(req_id, None)
                 continue
             s = batch.requests[req_id]
             proposing.append(
@@ -375,9 +401,10 @@ class ModelRunner:
                     s.token_ids + token_ids,
                     s.sampling_params,
                     s.index,
+                    drafter.k if num_draft is None else num_draft.get(req_id, 0),
                 )
             )
-        return drafter.propose(proposing, batch.block_table, self.backend)
+        return drafter.propose(proposing, pending, batch.block_table, self.backend)
 
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
