@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -182,6 +183,21 @@ class DraftModelProposer:
             )
             self._valid[req_id] = end
         return pending
+
+    def propose_nothing(self, req_ids: Iterable[str], forking: set[str]) -> dict[str, list[int]]:
+        """What `catch_up` and `propose` leave when no request proposes this step and none is
+        kept up (every k 0, decodes only), without building their rows: an empty proposal for
+        each request that sampled (none for a fork or its parent), and no position trusted as
+        written by last step's proposals."""
+        self._written = {}
+        proposals = {}
+        for req_id in req_ids:
+            if req_id in forking:
+                self.drafts.pop(req_id, None)
+                continue
+            self.drafts[req_id] = Draft([], None)
+            proposals[req_id] = []
+        return proposals
 
     def forward_step(
         self,

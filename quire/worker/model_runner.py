@@ -370,6 +370,11 @@ class ModelRunner:
         drafter, batch = self.drafter, self.input_batch
         num_draft = output.num_draft_tokens  # None: k for every request
         computed = metadata.num_decodes != metadata.num_seqs  # prompt chunks: all rows at once
+        forking = {f.req_id for f in output.forked_reqs}
+        forking |= {f.parent_req_id for f in output.forked_reqs}
+        if not computed and num_draft is not None and not any(num_draft.values()):
+            # "auto" chose k = 0 for every request: no draft row to compute or keep up.
+            return drafter.propose_nothing(result.sampled_token_ids, forking)
         if computed:
             drafter.forward_step(input_ids, positions, metadata, self.backend)
         ids = input_ids.tolist()
@@ -384,8 +389,6 @@ class ModelRunner:
             entries.append((s.req_id, s.row, s.num_computed_tokens, s.token_ids, final))
         keep_up = None if num_draft is None else {r for r, k in num_draft.items() if k}
         pending = drafter.catch_up(entries, batch.block_table, keep_up, computed)
-        forking = {f.req_id for f in output.forked_reqs}
-        forking |= {f.parent_req_id for f in output.forked_reqs}
         proposing = []
         for req_id, token_ids in result.sampled_token_ids.items():
             if req_id in forking:
