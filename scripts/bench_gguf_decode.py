@@ -6,6 +6,10 @@ host drifts within minutes.
 
     python scripts/bench_gguf_decode.py FILE --rounds 5 --prompt-len 128 --steps 64 \
         [--llama-site-packages DIR]   # where llama-cpp-python is installed (default: skip it)
+        [--llama-also FILE ...]       # llama.cpp on other files of the same model, same rounds
+
+`--llama-also` answers "quire on its file against llama.cpp's best file": llama.cpp runs each
+listed file (say the model's Q8_0 and Q4_K_M) as a side of its own, `llama.cpp:<name>`.
 
 quire: one request, greedy, `ignore_eos`, through the engine's steps: the first step is the
 prompt's (prefill), each later one decodes a token, timed one by one. llama.cpp: its forward
@@ -83,7 +87,12 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--llama-site-packages", help="folder holding llama_cpp (default: skip)")
+    parser.add_argument(
+        "--llama-also", nargs="*", default=[], help="more files for llama.cpp (same model)"
+    )
     args = parser.parse_args()
+    if args.llama_also and not args.llama_site_packages:
+        parser.error("--llama-also needs --llama-site-packages")
     sides = {
         "quire": quire_side(args.file, "auto", args.prompt_len, args.steps),
         "quire-bf16": quire_side(args.file, "none", args.prompt_len, args.steps),
@@ -91,6 +100,9 @@ def main() -> int:
     if args.llama_site_packages:
         sys.path.append(args.llama_site_packages)
         sides["llama.cpp"] = llama_side(args.file, args.prompt_len, args.steps)
+        for path in args.llama_also:
+            name = f"llama.cpp:{os.path.basename(path)}"
+            sides[name] = llama_side(path, args.prompt_len, args.steps)
     for run in sides.values():
         run(-1)  # warm-up
     # per side and round: (median decode step, fastest decode step, prompt seconds)

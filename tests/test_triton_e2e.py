@@ -62,3 +62,32 @@ def test_triton_backend_gives_the_torch_backend_greedy_tokens(results):
 def test_triton_backend_serves_a_prompt_from_the_prefix_cache(results):
     _, cached = results["triton"]
     assert cached == [2 * BLOCK_SIZE, 0]  # SHARED's two full blocks; the other prompt is new
+
+
+def test_triton_backend_verifies_k_plus_one_tokens_a_request(tiny_llama):
+    """Speculative decoding on the Triton backend, the target as its own draft model: every
+    proposal is accepted, so every decode step's attention runs over k + 1 query tokens a
+    request (verified in one forward), and greedy output stays the torch backend's without
+    speculation, in a batch with a prompt chunked alongside."""
+    prompts = [random_prompt(torch.Generator().manual_seed(s), n) for s, n in ((1, 5), (2, 45))]
+    params = SamplingParams(temperature=0.0, max_tokens=7, min_tokens=7)
+    spec = {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 3}
+    outputs = {}
+    for backend, config in (("torch", None), ("triton", spec)):
+        llm = LLM(
+            model=tiny_llama,
+            dtype="float32",
+            attention_backend=backend,
+            device="cuda" if torch.cuda.is_available() else "cpu",
+            block_size=BLOCK_SIZE,
+            max_num_batched_tokens=32,
+            num_kv_blocks=64,
+            speculative_config=config,
+        )
+        outputs[backend] = [
+            o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
+        ]
+    stats = llm.engine.spec_decoding_stats
+    assert outputs["triton"] == outputs["torch"]
+    assert stats.num_draft_tokens > 0
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
