@@ -175,6 +175,31 @@ def test_prefill_reads_its_context_dequantized_to_bf16():
         np.testing.assert_allclose(out[i].double().numpy(), expected, rtol=2**-8, atol=2e-3)
 
 
+@pytest.mark.parametrize("name", list(QUANTIZED))
+def test_prefill_kernel_reads_codes_as_their_bf16_rounded_values(name):
+    """The prefill kernel on a quantized cache gives, bit for bit, what it gives on the same
+    cache dequantized to bf16 by torch (code * scale in float32, rounded to nearest even),
+    for two requests whose chunks follow cached prefixes, over blocks out of order."""
+    if not cpu_kernels.supports_prefill_attention(torch.bfloat16, HEADS, KV_HEADS, HEAD_DIM):
+        pytest.skip("no AVX-512 BF16 prefill kernel on this CPU")
+    k, v = random_kv(8 * BLOCK, 9)
+    cache = stored(name, k, v, list(range(8 * BLOCK)))
+    k_cache, v_cache = cache.layers[0]
+    tables = torch.tensor([[2, 0, 5, 1], [7, 3, 4, 6]], dtype=torch.int32)
+    query_start_loc = torch.tensor([0, 21, 30], dtype=torch.int32)
+    seq_lens = torch.tensor([50, 64], dtype=torch.int32)
+    q = torch.randn(30, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(10)).bfloat16()
+    outs = []
+    for caches in (
+        (k_cache, v_cache),
+        [kv_format.dequantize(c).bfloat16() for c in cache.layers[0]],
+    ):
+        out = torch.empty_like(q)
+        cpu_kernels.prefill_attention(q, *caches, tables, query_start_loc, seq_lens, 0.125, out)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("name", ["int8", "fp8_e5m2"])
 def test_blocks_move_and_copy_with_their_scales(name):
     gen = torch.Generator().manual_seed(7)

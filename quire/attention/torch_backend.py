@@ -8,9 +8,9 @@ Prefill chunks likewise run in a C kernel when it can be built for the dtype (bf
 AVX-512 BF16: all chunks of a step in one call, K/V read through the block table).
 
 A quantized cache (attention/kv_format.py) is written by the C quantizer, each token's row on its
-own, and read by the C decode kernel; prefill chunks read their blocks dequantized to bf16 by the
-prefill kernel (a token's bits still depend only on its context's codes), or run as decodes
-where that kernel does not run. There is no PyTorch fallback for it (checked at start). Where it
+own, and read in its codes by the C decode kernel and by the C prefill kernel (which dequantizes
+each row to bf16 as it packs the context: a token's bits still depend only on its context's
+codes), or prefill chunks run as decodes where that kernel does not run. There is no PyTorch fallback for it (checked at start). Where it
 cannot and the dtype is bf16 (an AVX2-only CPU), each prompt token runs as a decode over its
 context in the decode kernel, so that its bits do not depend on chunking or batching; otherwise
 (float32, or no C kernels) one request at a time with `scaled_dot_product_attention` over the
@@ -113,8 +113,6 @@ class TorchAttentionBackend(AttentionBackend):
             # above) from the cache through the block tables.
             n = metadata.num_decode_tokens
             block_tables, query_start_loc, seq_lens = metadata.prefill_tables()
-            if kv_format.is_quantized(k_cache.dtype):
-                k_cache, v_cache, block_tables = dequantized_blocks(k_cache, v_cache, block_tables)
             cpu_kernels.prefill_attention(
                 query[n:],
                 k_cache,
@@ -136,21 +134,6 @@ class TorchAttentionBackend(AttentionBackend):
             decoded_prefill(query, k_cache, v_cache, metadata, scale, output)
             return
         gathered_prefill(query, k_cache, v_cache, metadata, scale, output)
-
-
-def dequantized_blocks(
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim + 4] quantized
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The blocks these tables name, dequantized to bf16 (`[num_used, block_size, num_kv_heads,
-    head_dim]` each), and the tables renumbered into them: what the bf16 prefill kernel reads."""
-    used = torch.unique(block_tables)  # sorted
-    tables = torch.searchsorted(used, block_tables).to(torch.int32)
-    index = used.long()
-    keys = kv_format.dequantize(k_cache[index]).to(torch.bfloat16)
-    values = kv_format.dequantize(v_cache[index]).to(torch.bfloat16)
-    return keys, values, tables
 
 
 def decoded_prefill(

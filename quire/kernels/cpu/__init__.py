@@ -53,7 +53,7 @@ _SIGNATURES = {
     "store_kv_quant": [_I32, _P, _P, _I64, _I64, _P, _P, _P] + [_I32] * 4,
     # q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out; q and out token strides;
     # num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks; scale, num_threads.
-    "prefill_attention_bf16": [_P] * 7 + [_I64] * 2 + [_I32] * 6 + [_F32, _I32],
+    "prefill_attention_bf16": [_P] * 7 + [_I64] * 2 + [_I32] * 6 + [_F32, _I32, _I32],
     "prefill_attention_bf16_available": [],
     # x, x row stride, residual, weight, out; rows, dim, eps, num_threads.
     "add_rms_norm_bf16": [_P, _I64, _P, _P, _P, _I32, _I32, _F32, _I32],
@@ -319,8 +319,8 @@ def supports_prefill_attention(
 
 def prefill_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim] bf16; heads and dims contiguous
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] bf16, contiguous
-    v_cache: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] bf16, contiguous,
+    v_cache: torch.Tensor,  # or quantized (attention/kv_format.py): rows of head_dim + 4
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, offsets into query's tokens
     seq_lens: torch.Tensor,  # [num_seqs] int32: cached prefix + chunk
@@ -329,7 +329,8 @@ def prefill_attention(
 ) -> None:
     """Causal attention of every request's chunk over its whole context, read from the paged
     cache (the chunks' own K/V must already be stored there); writes into `out`. Chunk token j
-    of request i sits at position seq_lens[i] - query_len + j."""
+    of request i sits at position seq_lens[i] - query_len + j. A quantized cache is read in its
+    codes, each row dequantized to bf16 as `kv_format.dequantize(rows).bfloat16()` gives it."""
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     for x in (query, out):
@@ -337,8 +338,14 @@ def prefill_attention(
             raise ValueError("prefill_attention: heads and dims of query / out must be contiguous")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("prefill_attention: the KV cache must be contiguous")
-    if {query.dtype, out.dtype, k_cache.dtype, v_cache.dtype} != {torch.bfloat16}:
-        raise ValueError("prefill_attention: bf16 only")
+    if {query.dtype, out.dtype} != {torch.bfloat16} or not (
+        k_cache.dtype == v_cache.dtype
+        and (k_cache.dtype == torch.bfloat16 or kv_format.is_quantized(k_cache.dtype))
+    ):
+        raise ValueError("prefill_attention: bf16 queries, and a bf16 or quantized KV cache")
+    if kv_format.head_dim_of(k_cache) != head_dim:
+        raise ValueError("prefill_attention: the KV cache's rows are for another head_dim")
+    kind = kv_format.kind(k_cache.dtype) if kv_format.is_quantized(k_cache.dtype) else 0
     # Held in locals: the C code reads them through raw pointers.
     block_tables = block_tables.to(torch.int32).contiguous()
     query_start_loc = query_start_loc.to(torch.int32).contiguous()
@@ -360,6 +367,7 @@ def prefill_attention(
         block_size,
         block_tables.shape[1],
         scale,
+        kind,
         torch.get_num_threads(),
     )
     if status != 0:

@@ -5,7 +5,8 @@
 // Layouts (row-major, bf16 stored as uint16_t):
 //   q            [num_tokens, num_heads, head_dim], token stride q_stride (elements)
 //   out          [num_tokens, num_heads, head_dim], token stride out_stride (elements)
-//   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim]
+//   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim] bf16, or with kv_kind != 0 a
+//                quantized cache (kv_quant.h): rows of head_dim one-byte codes and a float32 scale
 //   block_tables [num_seqs, max_blocks] int32
 //   query_start_loc [num_seqs + 1] int32: request s owns tokens [qsl[s], qsl[s + 1]) of q / out
 //   seq_lens     [num_seqs] int32: context length including the chunk. Chunk token j of request s
@@ -17,7 +18,9 @@
 //
 // The call runs in two parallel phases:
 //  1. Pack: the context of every (request, KV head) is copied out of the paged cache once into
-//     contiguous scratch, padded with zeros to a multiple of KEY_TILE keys:
+//     contiguous scratch, padded with zeros to a multiple of KEY_TILE keys. A quantized row is
+//     dequantized there (code * scale in float32, rounded to bf16 to nearest even, subnormals
+//     kept: torch's `(codes.float() * scale).bfloat16()`), so the cache is read once, in codes:
 //       K: [key][head_dim], plain rows (the QK^T kernel broadcasts (k[2i], k[2i + 1]) pairs).
 //       V: key pairs interleaved, [key / 2][head_dim][2] (the PV kernel broadcasts (v[key][d],
 //          v[key + 1][d]) pairs).
@@ -42,6 +45,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kv_quant.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #include <omp.h>
@@ -57,7 +62,9 @@ typedef struct {
 } Task;
 
 typedef struct {
-    const uint16_t *q, *k_cache, *v_cache;
+    const uint16_t* q;
+    const char *k_cache, *v_cache;
+    int kv_kind;  // 0: bf16 rows; else the quantized format of kv_quant.h
     const int32_t *block_tables, *query_start_loc, *seq_lens;
     uint16_t* out;
     int64_t q_stride, out_stride;
@@ -264,11 +271,39 @@ static inline __attribute__((always_inline)) void attend(const Problem* pb, cons
     }
 }
 
+// A quantized row (kv_quant.h: D codes, then the float32 scale) as bf16: code * scale rounded
+// to nearest even in integers (vcvtneps2bf16 would flush subnormals). D a multiple of 16.
+static inline void dequantize_row(int kind, const char* row, int D, uint16_t* dst) {
+    float scale;
+    memcpy(&scale, row + D, sizeof(scale));
+    const __m512 s = _mm512_set1_ps(scale);
+    const int e4m3 = kind == KV_FP8_E4M3;
+    const __m512i mask = _mm512_set1_epi32(e4m3 ? (int)0x87F00000u : (int)0x8FE00000u);
+    const __m512 rebias = _mm512_set1_ps(e4m3 ? 0x1p120f : 0x1p112f);
+    const __m128i shift = _mm_cvtsi32_si128(e4m3 ? 20 : 21);
+    const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+    for (int d = 0; d < D; d += 16) {
+        const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(row + d)));
+        const __m512 code =
+            kind == KV_INT8
+                ? _mm512_cvtepi32_ps(w)
+                : _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_sll_epi32(w, shift),
+                                                                     mask)),
+                                rebias);
+        const __m512i u = _mm512_castps_si512(_mm512_mul_ps(code, s));
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+        const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(half, odd));
+        _mm256_storeu_si256((__m256i*)(dst + d),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+    }
+}
+
 // Packs keys [k0, k0 + KEY_TILE) of one (request, KV head) into the layouts described above;
 // positions at or past seq_len are zeros.
 static void pack_tile(const Problem* pb, int s, int kv_head, int k0) {
     const int D = pb->head_dim, len = pb->seq_lens[s];
-    const int64_t token_stride = (int64_t)pb->num_kv_heads * D;
+    const int64_t row_bytes = pb->kv_kind ? D + KV_SCALE_BYTES : 2 * D;
+    const int64_t token_stride = (int64_t)pb->num_kv_heads * row_bytes;
     const int32_t* table = pb->block_tables + (int64_t)s * pb->max_blocks;
     const int64_t pack = pb->pack_offset[s] + (int64_t)kv_head * pb->padded_len[s] * D;
     uint16_t* kp = pb->k_pack + pack + (int64_t)k0 * D;
@@ -278,6 +313,7 @@ static void pack_tile(const Problem* pb, int s, int kv_head, int k0) {
                                          40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
                                          32, 0);
     const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+    uint16_t v_dequantized[2][256] __attribute__((aligned(64)));  // head_dim <= 256
     for (int j = 0; j < KEY_TILE; j += 2) {  // a pair of keys
         const uint16_t* v_rows[2] = {NULL, NULL};
         for (int e = 0; e < 2; e++) {
@@ -288,9 +324,15 @@ static void pack_tile(const Problem* pb, int s, int kv_head, int k0) {
             }
             const int64_t at =
                 (int64_t)table[key / pb->block_size] * pb->block_size * token_stride +
-                (int64_t)(key % pb->block_size) * token_stride + (int64_t)kv_head * D;
-            memcpy(kp + (j + e) * D, pb->k_cache + at, D * 2);
-            v_rows[e] = pb->v_cache + at;
+                (int64_t)(key % pb->block_size) * token_stride + (int64_t)kv_head * row_bytes;
+            if (pb->kv_kind) {
+                dequantize_row(pb->kv_kind, pb->k_cache + at, D, kp + (j + e) * D);
+                dequantize_row(pb->kv_kind, pb->v_cache + at, D, v_dequantized[e]);
+                v_rows[e] = v_dequantized[e];
+            } else {
+                memcpy(kp + (j + e) * D, pb->k_cache + at, D * 2);
+                v_rows[e] = (const uint16_t*)(pb->v_cache + at);
+            }
         }
         const __m512i zero = _mm512_setzero_si512();
         for (int d = 0; d < D; d += 32) {
@@ -327,15 +369,17 @@ int prefill_attention_bf16_available(void) {
 #endif
 }
 
-// Returns 0; -1 for an unsupported shape or inconsistent lengths; -2 when built without AVX-512
-// BF16; -3 when out of memory.
-int prefill_attention_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+// kv_kind: 0 for a bf16 cache, else its quantized format (kv_quant.h). Returns 0; -1 for an
+// unsupported shape, format or inconsistent lengths; -2 when built without AVX-512 BF16; -3
+// when out of memory.
+int prefill_attention_bf16(const uint16_t* q, const void* k_cache, const void* v_cache,
                            const int32_t* block_tables, const int32_t* query_start_loc,
                            const int32_t* seq_lens, uint16_t* out, int64_t q_stride,
                            int64_t out_stride, int num_seqs, int num_heads, int num_kv_heads,
                            int head_dim, int block_size, int max_blocks, float scale,
-                           int num_threads) {
+                           int kv_kind, int num_threads) {
 #if defined(__AVX512BF16__)
+    if (kv_kind < 0 || kv_kind > KV_FP8_E5M2) return -1;
     // At least 8 tokens of the GQA group per task.
     if (num_heads % num_kv_heads != 0 || num_heads / num_kv_heads * 8 > MAX_ROWS ||
         (head_dim != 32 && head_dim != 64 && head_dim != 128 && head_dim != 256))
@@ -382,7 +426,7 @@ int prefill_attention_bf16(const uint16_t* q, const uint16_t* k_cache, const uin
         }
     }
     qsort(tasks, num_tasks, sizeof *tasks, by_work_descending);
-    Problem pb = {q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, q_stride,
+    Problem pb = {q, k_cache, v_cache, kv_kind, block_tables, query_start_loc, seq_lens, out, q_stride,
                   out_stride, num_heads, num_kv_heads, head_dim, block_size, max_blocks,
                   scale * 1.4426950408889634f, alloc64(pack_elems * 2), alloc64(pack_elems * 2),
                   pack_offset, padded_len};
@@ -420,7 +464,7 @@ int prefill_attention_bf16(const uint16_t* q, const uint16_t* k_cache, const uin
     (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)query_start_loc;
     (void)seq_lens, (void)out, (void)q_stride, (void)out_stride, (void)num_seqs, (void)num_heads;
     (void)num_kv_heads, (void)head_dim, (void)block_size, (void)max_blocks, (void)scale;
-    (void)num_threads;
+    (void)kv_kind, (void)num_threads;
     return -2;
 #endif
 }
