@@ -8,6 +8,7 @@ import pytest
 import torch
 from gguf import GGUFWriter
 
+from quire.model import gguf_loader
 from quire.model.gguf_loader import iter_gguf_weights, load_gguf_config
 
 # transformers is only the reference here, imported inside fixtures: it must never reach the Hub
@@ -254,3 +255,9 @@ def test_a_rewritten_file_is_parsed_again(tmp_path, monkeypatch):
         config = load_gguf_config(_write_gguf(path, architecture, _attention_tensors()))
         assert config["model_type"] == architecture
     assert len(parsed) == 2
+
+
+def test_matrix_types_are_the_block_types_of_the_files_matrices():
+    """The default file: Q4_1 matrices, its embedding table in Q8_0; the F32 norms are not
+    matrices (what `quire bench latency` names as the blocks it keeps)."""
+    assert gguf_loader.matrix_types(MODEL_PATH) == {"Q4_1", "Q8_0"}

@@ -314,6 +314,8 @@ def main(args: argparse.Namespace) -> int:
     ]
 
     kept = loader.kept_quantized_types(engine.config, dtype)
+    if kept:
+        kept &= gguf_loader.matrix_types(engine.config.model)
     weights = f"{weight_bytes / 1e9:.2f} GB read per step, {str(dtype).removeprefix('torch.')}"
     if kept:
         weights += f" with {'/'.join(sorted(kept))} blocks kept"

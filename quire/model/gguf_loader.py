@@ -87,6 +87,11 @@ def iter_gguf_weights(
 _FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
 
 
+def matrix_types(path: str) -> frozenset[str]:
+    """The block types of this file's matrices (its norms' F32 left out)."""
+    return frozenset(t.tensor_type.name for t in _open(path).tensors if t.data.ndim == 2)
+
+
 def decode_weight_bytes(path: str, keep_quantized: frozenset[str], itemsize: int) -> int:
     """The weight bytes a decode step reads from this file's matmuls and LM head (the embedding
     when tied): a matrix of a type in `keep_quantized` in its blocks, any other at `itemsize`
