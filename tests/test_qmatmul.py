@@ -172,13 +172,22 @@ def test_shapes_the_kernel_does_not_take_raise() -> None:
         qmatmul.pack(raw, "Q8_0", 48)
 
 
-@pytest.mark.parametrize("qtype", QTYPES + K_QTYPES)
-def test_the_portable_loop_matches_the_reference_too(qtype, monkeypatch) -> None:
-    """A build for x86-64-v3 (AVX2, no AVX-512: what an older CPU gets) runs the plain C loop:
-    the same sums in the same order, so the same bits."""
-    monkeypatch.setattr(envs, "QUIRE_CPU_MARCH", "x86-64-v3")
+# A build for another target: x86-64-v3 (AVX2, no AVX-512: Zen 2/3, Haswell to Skylake) runs
+# the AVX2 loop for Q8_0 / Q4_x and plain C for the K-quants; x86-64-v2 plain C throughout.
+PORTABLE = {"x86-64-v3": 1, "x86-64-v2": 0}  # march: its qmatmul_path()
+
+
+@pytest.mark.parametrize(
+    ("qtype", "march"),
+    [(q, "x86-64-v3") for q in QTYPES + K_QTYPES] + [(q, "x86-64-v2") for q in QTYPES],
+)
+def test_the_portable_loops_match_the_reference_too(qtype, march, monkeypatch) -> None:
+    """The AVX2 and plain C loops: the same sums in the same order as AVX-512 VNNI's, so the
+    same bits."""
+    monkeypatch.setattr(envs, "QUIRE_CPU_MARCH", march)
     portable = cpu_kernels.build_library.__wrapped__(cpu_kernels._SOURCE_DIR)
     assert portable is not None and portable.qmatmul_vnni() == 0
+    assert portable.qmatmul_path() == PORTABLE[march]
     x, raw, dequantized = make_case(qtype, 5, 33, 512)
     packed = qmatmul.pack(raw, qtype, 512)
     native = qmatmul.qmatmul(x, packed, qtype, None, 33, torch.float32)

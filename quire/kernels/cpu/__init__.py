@@ -72,6 +72,7 @@ _SIGNATURES = {
     "quantize_rows_q8_bf16": [_P, _I64, _I32, _I32, _P, _P, _P],
     "qmatmul_record_bytes": [_I32],
     "qmatmul_vnni": [],
+    "qmatmul_path": [],
     "gemv_bf16_uses_fma": [],
     # -1 (probe), 0 (vdpbf16ps) or 1 (FMA): the inner loop from the next call on.
     "gemv_bf16_set_fma": [_I32],

@@ -6,7 +6,8 @@
 // signed codes + 128, Q4's nibbles 0..15), sum(u qx) is one AVX-512 VNNI vpdpbusd per 4 columns
 // of K (unsigned weights times signed activations), and
 //   Q8_0: d dx (sum(u qx) - 128 sx)   Q4_0: d dx (sum(u qx) - 8 sx)   Q4_1: d dx sum(u qx) + m dx sx
-// A decode step reads 4.25-8.5 bits a weight instead of bf16's 16.
+// A decode step reads 4.25-8.5 bits a weight instead of bf16's 16. Without VNNI, an AVX2 loop
+// gets the same integer sums from vpmaddubsw / vpmaddwd (below), and without AVX2 plain C does.
 //
 // Packed layout: panels of QPANEL = 32 output columns, each the K / 32 blocks in order, a block
 // one record: the codes, then d as 32 float16, then (Q4_1) m as 32 float16:
@@ -46,6 +47,17 @@ int qmatmul_record_bytes(int format) {
 
 int qmatmul_vnni(void) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// Which loop this build runs for Q8_0 / Q4_0 / Q4_1: 2 AVX-512 VNNI, 1 AVX2, 0 plain C.
+int qmatmul_path(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return 2;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     return 1;
 #else
     return 0;
@@ -200,6 +212,115 @@ static void run_panel(int format, int MB, const int8_t* xq, const float* xd, con
     }
 #undef QFORMAT
 #undef QCASE
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+#define PREFETCH_BYTES 2048
+#define AVX2_GROUP 2  // rows of x per pass here: 16 ymm registers hold 2 rows' sums
+
+// AVX2 without VNNI (Zen 2/3, Haswell to Skylake): the same exact integer sums from vpmaddubsw
+// (unsigned times signed byte pairs, added to int16 with saturation) and vpmaddwd (int16 pairs
+// to int32), with the codes kept small enough that nothing saturates: Q4's nibbles (0..15)
+// times qx (|qx| <= 127), a pair at most 3810 and a low plus a high pair 7620; Q8_0's signed
+// code q = u - 128 as |q| (<= 128) times qx carrying q's sign, a pair at most 32512, which sums
+// q qx directly (the VNNI path's sum(u qx) - 128 sx). A ymm holds 8 columns: 4 per panel.
+static inline __attribute__((always_inline)) void qpanel(const int FMT, const int MB,
+                                                         const int8_t* xq, const float* xd,
+                                                         const int32_t* xs, int K,
+                                                         const uint8_t* p, float* out) {
+    const int nb = K / QBLOCK, record = qmatmul_record_bytes(FMT), cb = codes_bytes(FMT);
+    const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[AVX2_GROUP][4];
+    for (int m = 0; m < MB; m++)
+        for (int c = 0; c < 4; c++) acc[m][c] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, p += record) {
+        for (int line = 0; line < record; line += 64)
+            _mm_prefetch((const char*)p + PREFETCH_BYTES + line, _MM_HINT_T0);
+        __m256i dot[AVX2_GROUP][4];
+        for (int m = 0; m < MB; m++)
+            for (int c = 0; c < 4; c++)
+                dot[m][c] = _mm256_set1_epi32(FMT == Q4_0 ? -8 * xs[m * nb + b] : 0);
+        if (FMT == Q8_0) {
+            for (int g = 0; g < 8; g++) {
+                __m256i magnitude[4], code[4];
+                for (int c = 0; c < 4; c++) {
+                    code[c] = _mm256_xor_si256(
+                        _mm256_loadu_si256((const __m256i*)(p + g * 128 + 32 * c)), flip);
+                    magnitude[c] = _mm256_abs_epi8(code[c]);
+                }
+                for (int m = 0; m < MB; m++) {
+                    int32_t four;
+                    memcpy(&four, xq + (int64_t)m * K + b * QBLOCK + 4 * g, sizeof(four));
+                    const __m256i xv = _mm256_set1_epi32(four);
+                    for (int c = 0; c < 4; c++) {
+                        const __m256i pairs =
+                            _mm256_maddubs_epi16(magnitude[c], _mm256_sign_epi8(xv, code[c]));
+                        dot[m][c] = _mm256_add_epi32(dot[m][c], _mm256_madd_epi16(pairs, ones));
+                    }
+                }
+            }
+        } else {
+            for (int g = 0; g < 4; g++) {
+                __m256i lo[4], hi[4];
+                for (int c = 0; c < 4; c++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i*)(p + g * 128 + 32 * c));
+                    lo[c] = _mm256_and_si256(v, low);
+                    hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                }
+                for (int m = 0; m < MB; m++) {
+                    int32_t lo4, hi4;
+                    const int8_t* xb = xq + (int64_t)m * K + b * QBLOCK;
+                    memcpy(&lo4, xb + 4 * g, sizeof(lo4));
+                    memcpy(&hi4, xb + 16 + 4 * g, sizeof(hi4));
+                    const __m256i xl = _mm256_set1_epi32(lo4), xh = _mm256_set1_epi32(hi4);
+                    for (int c = 0; c < 4; c++) {
+                        const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo[c], xl),
+                                                               _mm256_maddubs_epi16(hi[c], xh));
+                        dot[m][c] = _mm256_add_epi32(dot[m][c], _mm256_madd_epi16(pairs, ones));
+                    }
+                }
+            }
+        }
+        const uint8_t* sc = p + cb;
+        for (int c = 0; c < 4; c++) {
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + 16 * c)));
+            for (int m = 0; m < MB; m++)
+                acc[m][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m][c]),
+                                            _mm256_mul_ps(d, _mm256_set1_ps(xd[m * nb + b])),
+                                            acc[m][c]);
+        }
+        if (FMT == Q4_1) {
+            for (int c = 0; c < 4; c++) {
+                const __m256 mins =
+                    _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + 64 + 16 * c)));
+                for (int m = 0; m < MB; m++)
+                    acc[m][c] = _mm256_fmadd_ps(
+                        mins, _mm256_set1_ps(xd[m * nb + b] * (float)xs[m * nb + b]), acc[m][c]);
+            }
+        }
+    }
+    for (int m = 0; m < MB; m++)
+        for (int c = 0; c < 4; c++) _mm256_storeu_ps(out + m * QPANEL + 8 * c, acc[m][c]);
+}
+
+static void run_panel(int format, int MB, const int8_t* xq, const float* xd, const int32_t* xs,
+                      int K, const uint8_t* p, float* out) {
+    const int nb = K / QBLOCK;
+    for (int m0 = 0; m0 < MB; m0 += AVX2_GROUP) {  // the later passes find the panel in cache
+        const int two = MB - m0 >= 2;
+        const int8_t* q = xq + (int64_t)m0 * K;
+        const float* d = xd + m0 * nb;
+        const int32_t* sums = xs + m0 * nb;
+        float* o = out + m0 * QPANEL;
+        if (format == Q8_0)
+            two ? qpanel(Q8_0, 2, q, d, sums, K, p, o) : qpanel(Q8_0, 1, q, d, sums, K, p, o);
+        else if (format == Q4_0)
+            two ? qpanel(Q4_0, 2, q, d, sums, K, p, o) : qpanel(Q4_0, 1, q, d, sums, K, p, o);
+        else
+            two ? qpanel(Q4_1, 2, q, d, sums, K, p, o) : qpanel(Q4_1, 1, q, d, sums, K, p, o);
+    }
 }
 #else
 // Portable C: the same sums in the same order, a column at a time.
