@@ -293,17 +293,37 @@ class EngineConfig(EngineArgs):
     def is_gguf(self) -> bool:
         return self.model.endswith(".gguf")
 
+    def _blocks_run_simd(self) -> bool:
+        """Whether this is a GGUF file whose blocks would be kept, all of types that a SIMD loop
+        of the int8 kernel runs on this CPU."""
+        if not self.is_gguf or self.quantization != "auto":
+            return False
+        from quire.kernels.cpu import qmatmul
+        from quire.model import gguf_loader
+
+        types = gguf_loader.matrix_types(self.model)
+        return bool(types) and types <= qmatmul.simd_types()
+
     def resolve_dtype(self, config_dtype: str | None) -> torch.dtype:
         """`auto` takes the checkpoint's dtype; float32 checkpoints stay float32, and float16 on
         CPU becomes bfloat16 (fast on AVX-512 BF16 and AMX, same range as float32). On a CPU
         where oneDNN cannot run bf16 (AVX2 only) a 16-bit checkpoint runs in float32 instead:
-        a prefill in torch's fallback bf16 GEMM ran at about half the float32 speed there."""
+        a prefill in torch's fallback bf16 GEMM ran at about half the float32 speed there; but a
+        GGUF file whose blocks the int8 kernel keeps runs bf16 (its matmuls are quire's)."""
         if self.dtype != "auto":
             return _DTYPES[self.dtype]
         dtype = _DTYPES.get(str(config_dtype).removeprefix("torch."), torch.bfloat16)
         if self.device != "cpu" or dtype == torch.float32:
             return dtype
         if not onednn_runs_bf16():
+            if self._blocks_run_simd():
+                logger.info(
+                    "dtype auto: bfloat16, as this GGUF file's blocks run in quire's AVX2 int8 "
+                    "kernel (oneDNN has no bf16 matmul on this CPU, but the blocks kept read "
+                    "4.5-8.5 bits a weight where float32 reads 32); pass --dtype float32 or "
+                    "--quantization none to dequantize them"
+                )
+                return torch.bfloat16
             logger.info(
                 "dtype auto: float32, as this CPU has no bf16 matmul in oneDNN (no AVX-512); "
                 "pass --dtype bfloat16 to run bf16 anyway"

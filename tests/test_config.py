@@ -7,6 +7,7 @@ import torch
 
 from quire import config as config_module
 from quire.config import EngineConfig
+from quire.kernels.cpu import qmatmul
 
 
 @pytest.fixture
@@ -34,6 +35,25 @@ def test_auto_on_a_bf16_cpu_takes_the_checkpoint_dtype_with_float16_as_bf16(
 def test_auto_on_an_avx2_only_cpu_runs_float32(cpu_config, monkeypatch, checkpoint):
     monkeypatch.setattr(config_module, "onednn_runs_bf16", lambda: False)
     assert cpu_config.resolve_dtype(checkpoint) == torch.float32
+
+
+@pytest.mark.parametrize(
+    "simd_types, quantization, expected",
+    [
+        ({"Q8_0", "Q4_0", "Q4_1"}, "auto", torch.bfloat16),  # the AVX2 loop runs its blocks
+        ({"Q8_0", "Q4_0", "Q4_1"}, "none", torch.float32),  # dequantized: as any checkpoint
+        ({"Q4_0", "Q4_1"}, "auto", torch.float32),  # its Q8_0 table would take plain C
+        (set(), "auto", torch.float32),  # a plain C build
+    ],
+)
+def test_auto_on_an_avx2_only_cpu_runs_a_gguf_file_bf16_when_simd_runs_its_blocks(
+    monkeypatch, simd_types, quantization, expected
+):
+    """The default file holds Q4_1 matrices and a Q8_0 embedding table."""
+    monkeypatch.setattr(config_module, "onednn_runs_bf16", lambda: False)
+    monkeypatch.setattr(qmatmul, "simd_types", lambda: frozenset(simd_types))
+    config = EngineConfig(device="cpu", quantization=quantization)
+    assert config.resolve_dtype("bfloat16") == expected
 
 
 def test_an_explicit_dtype_is_kept_whatever_the_cpu(cpu_config, monkeypatch):
