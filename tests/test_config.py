@@ -40,7 +40,7 @@ def test_auto_on_an_avx2_only_cpu_runs_float32(cpu_config, monkeypatch, checkpoi
 @pytest.mark.parametrize(
     "simd_types, quantization, expected",
     [
-        ({"Q8_0", "Q4_0", "Q4_1"}, "auto", torch.bfloat16),  # the AVX2 loop runs its blocks
+        ({"Q8_0", "Q4_0", "Q4_1"}, "auto", torch.bfloat16),  # the AVX2 loops run its blocks
         ({"Q8_0", "Q4_0", "Q4_1"}, "none", torch.float32),  # dequantized: as any checkpoint
         ({"Q4_0", "Q4_1"}, "auto", torch.float32),  # its Q8_0 table would take plain C
         (set(), "auto", torch.float32),  # a plain C build

@@ -53,7 +53,7 @@ int qmatmul_vnni(void) {
 #endif
 }
 
-// Which loop this build runs for Q8_0 / Q4_0 / Q4_1: 2 AVX-512 VNNI, 1 AVX2, 0 plain C.
+// Which loops this build runs (here and in qmatmul_k.c): 2 AVX-512 VNNI, 1 AVX2, 0 plain C.
 int qmatmul_path(void) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     return 2;

@@ -36,15 +36,12 @@ def uses_vnni() -> bool:
     return lib is not None and lib.qmatmul_vnni() == 1
 
 
-SIMD_TYPES = {2: frozenset(FORMATS), 1: frozenset({"Q8_0", "Q4_0", "Q4_1"})}
-
-
 @functools.cache
 def simd_types() -> frozenset[str]:
-    """The block types a SIMD loop runs here: all of FORMATS with AVX-512 VNNI, Q8_0 and Q4_x
-    with AVX2 (the K-quants take plain C there), none in a plain C build."""
+    """The block types a SIMD loop runs here (AVX-512 VNNI or AVX2): all of FORMATS, or none in
+    a plain C build."""
     lib = load_library()
-    return SIMD_TYPES.get(lib.qmatmul_path(), frozenset()) if lib is not None else frozenset()
+    return frozenset(FORMATS) if lib is not None and lib.qmatmul_path() >= 1 else frozenset()
 
 
 def packed_bytes(qtype: str, out_features: int, in_features: int) -> int:

@@ -3,7 +3,8 @@
 // here. The weights stay in their super-blocks of 256, repacked once at load time; each row of x
 // is quantized to int8 in blocks of 32 exactly as for Q8_0 / Q4_x (quantize_rows_q8_bf16: dx,
 // codes qx, sums sx), so every dot product is integer, one AVX-512 VNNI vpdpbusd per 4 columns
-// of K (unsigned weight codes times signed activations):
+// of K (unsigned weight codes times signed activations; without VNNI an AVX2 loop, then plain C,
+// with the same sums):
 //   Q4_K / Q5_K: sub-blocks of 32, w = d sc q - dmin m  (q 4 / 5 bits, sc and m 6 bits)
 //     per sub-block j:  d dx (sc sum(q qx)) - dmin dx (m sx)
 //   Q6_K: sub-blocks of 16, w = d sc (q - 32)  (q 6 bits, sc int8); an activation block of 32
@@ -205,6 +206,125 @@ static void run_kpanel(int format, int MB, const int8_t* xq, const float* xd, co
     }
 #undef KFORMAT
 #undef KCASE
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+#define PREFETCH_BYTES 2048
+
+// AVX2 without VNNI: qmatmul.c's AVX2 loop for the K-quants, one row of x per pass (16 ymm
+// registers hold one row's sums), a ymm 8 columns (4 per panel). vpmaddubsw never saturates:
+// codes below 64 times |qx| <= 127 make a pair at most 16002; Q4_K / Q5_K (codes below 32)
+// add a sub-block's low and high pairs in int16 (at most 15748) as they are summed anyway.
+static inline __attribute__((always_inline)) __m256i move_bits256(__m256i h, int from, int to) {
+    return from < to ? _mm256_slli_epi16(h, to - from)
+                     : from > to ? _mm256_srli_epi16(h, from - to) : h;
+}
+
+static inline __attribute__((always_inline)) __m256i bytes8_to_epi32(const uint8_t* p, int sign) {
+    const __m128i v = _mm_loadl_epi64((const __m128i*)p);
+    return sign ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
+}
+
+static inline __attribute__((always_inline)) void kpanel(const int FMT, const int8_t* xq,
+                                                         const float* xd, const int32_t* xs,
+                                                         const int32_t* xlo, int K,
+                                                         const uint8_t* p, float* out) {
+    const int nsuper = K / KSUPER, sub = sub_bytes(FMT);
+    const int record = qmatmul_k_record_bytes(FMT), lines = (record + 63) / 64;
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i high = _mm256_set1_epi8(FMT == Q6_K ? 0x30 : 0x10);
+    __m256 acc[4];
+    for (int q = 0; q < 4; q++) acc[q] = _mm256_setzero_ps();
+    for (int s = 0; s < nsuper; s++, p += record) {
+        const uint8_t* scales = p + 8 * sub;
+        const uint8_t* dh = scales + 16 * KPANEL;  // after sc (and m): d (and dmin)
+        for (int j = 0; j < 8; j++) {
+            for (int line = j * lines / 8; line < (j + 1) * lines / 8; line++)
+                _mm_prefetch((const char*)p + PREFETCH_BYTES + 64 * line, _MM_HINT_T0);
+            const uint8_t* c = p + j * sub;
+            const int b = s * 8 + j;
+            __m256i dot[4], odd[4];
+            for (int q = 0; q < 4; q++) {
+                dot[q] = _mm256_set1_epi32(FMT == Q6_K ? -32 * xlo[b] : 0);
+                odd[q] = _mm256_set1_epi32(FMT == Q6_K ? -32 * (xs[b] - xlo[b]) : 0);
+            }
+            for (int g = 0; g < 4; g++) {
+                int32_t lo4, hi4;
+                memcpy(&lo4, xq + b * KSUB + 4 * g, sizeof(lo4));
+                memcpy(&hi4, xq + b * KSUB + 16 + 4 * g, sizeof(hi4));
+                const __m256i xl = _mm256_set1_epi32(lo4), xh = _mm256_set1_epi32(hi4);
+                for (int q = 0; q < 4; q++) {  // columns 8q..8q+7
+                    const __m256i v = _mm256_loadu_si256((const __m256i*)(c + g * 128 + 32 * q));
+                    __m256i lo = _mm256_and_si256(v, low);
+                    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    const int half = q / 2, part = 32 * (q % 2);
+                    if (FMT == Q5_K) {
+                        const __m256i h =
+                            _mm256_loadu_si256((const __m256i*)(c + 512 + half * 64 + part));
+                        lo = _mm256_or_si256(lo, _mm256_and_si256(move_bits256(h, 2 * g, 4), high));
+                        hi = _mm256_or_si256(hi,
+                                             _mm256_and_si256(move_bits256(h, 2 * g + 1, 4), high));
+                    } else if (FMT == Q6_K) {
+                        const int t = g / 2, sl = 2 * (g % 2);
+                        const __m256i h = _mm256_loadu_si256(
+                            (const __m256i*)(c + 512 + half * 128 + t * 64 + part));
+                        lo = _mm256_or_si256(lo, _mm256_and_si256(move_bits256(h, 2 * sl, 4), high));
+                        hi = _mm256_or_si256(hi,
+                                             _mm256_and_si256(move_bits256(h, 2 * sl + 2, 4), high));
+                    }
+                    const __m256i pl = _mm256_maddubs_epi16(lo, xl);
+                    const __m256i ph = _mm256_maddubs_epi16(hi, xh);
+                    if (FMT == Q6_K) {
+                        dot[q] = _mm256_add_epi32(dot[q], _mm256_madd_epi16(pl, ones));
+                        odd[q] = _mm256_add_epi32(odd[q], _mm256_madd_epi16(ph, ones));
+                    } else {
+                        dot[q] = _mm256_add_epi32(dot[q],
+                                                  _mm256_madd_epi16(_mm256_add_epi16(pl, ph), ones));
+                    }
+                }
+            }
+            const __m256 dxv = _mm256_set1_ps(xd[b]);
+            for (int q = 0; q < 4; q++) {
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dh + 16 * q)));
+                __m256i t;
+                if (FMT == Q6_K) {
+                    const uint8_t* sa = scales + 2 * j * KPANEL + 8 * q;
+                    t = _mm256_add_epi32(_mm256_mullo_epi32(dot[q], bytes8_to_epi32(sa, 1)),
+                                         _mm256_mullo_epi32(odd[q], bytes8_to_epi32(sa + 32, 1)));
+                } else {
+                    t = _mm256_mullo_epi32(dot[q], bytes8_to_epi32(scales + j * KPANEL + 8 * q, 0));
+                }
+                acc[q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d, dxv), acc[q]);
+                if (FMT != Q6_K) {
+                    const __m256 nm = _mm256_sub_ps(
+                        _mm256_setzero_ps(),
+                        _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dh + 64 + 16 * q))));
+                    const __m256i mins = _mm256_mullo_epi32(
+                        bytes8_to_epi32(scales + 8 * KPANEL + j * KPANEL + 8 * q, 0),
+                        _mm256_set1_epi32(xs[b]));
+                    acc[q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(nm, dxv),
+                                             acc[q]);
+                }
+            }
+        }
+    }
+    for (int q = 0; q < 4; q++) _mm256_storeu_ps(out + 8 * q, acc[q]);
+}
+
+static void run_kpanel(int format, int MB, const int8_t* xq, const float* xd, const int32_t* xs,
+                       const int32_t* xlo, int K, const uint8_t* p, float* out) {
+    const int nb = K / KSUB;
+    for (int m = 0; m < MB; m++) {  // the later passes find the panel in cache
+        const int8_t* q = xq + (int64_t)m * K;
+        const int64_t at = (int64_t)m * nb;
+        if (format == Q4_K)
+            kpanel(Q4_K, q, xd + at, xs + at, xlo + at, K, p, out + m * KPANEL);
+        else if (format == Q5_K)
+            kpanel(Q5_K, q, xd + at, xs + at, xlo + at, K, p, out + m * KPANEL);
+        else
+            kpanel(Q6_K, q, xd + at, xs + at, xlo + at, K, p, out + m * KPANEL);
+    }
 }
 #else
 // Column c's code k (0..31) of a packed sub-block (the layout at the top).
