@@ -13,6 +13,7 @@ import torch
 
 from quire.bench import roofline
 from quire.bench.models import QWEN3_0_6B_SHAPE
+from quire.bench.perplexity import PROSE
 from quire.bench.serve import (
     RequestResult,
     compute_metrics,
@@ -22,6 +23,7 @@ from quire.bench.serve import (
 from quire.bench.throughput import make_requests
 from quire.entrypoints.cli import main
 from quire.model.model_config import ModelConfig, RopeConfig
+from quire.model.tokenizer import load_tokenizer
 
 TINY_RUN = ["--kv-cache-memory", str(8 << 20), "--seed", "0"]
 
@@ -181,6 +183,10 @@ def test_latency_writes_prefill_and_decode_with_roofline(tiny_llama, tmp_path):
     for entry in [report["prefill"], *report["decode"]]:
         assert entry["roofline_fraction"] > 0
     assert report["hardware"]["read_gbps"] > 0 and report["hardware"]["matmul_tflops"] > 0
+    # next to the speeds, the model's perplexity over the fixed text (a random model: ~vocab)
+    tokens = len(load_tokenizer(tiny_llama)(PROSE)["input_ids"])
+    assert report["perplexity"]["tokens"] == tokens > 100
+    assert 1 < report["perplexity"]["value"] < 10 * load_tokenizer(tiny_llama).vocab_size
 
 
 @pytest.mark.parametrize("workload", ["copy", "random"])

@@ -7,7 +7,6 @@ its chunking or prefix hits; other types are dequantized."""
 from __future__ import annotations
 
 import logging
-import math
 import os
 
 import pytest
@@ -17,6 +16,7 @@ from test_cpu_decode import check_each_fused_step, greedy, model_of
 from quire import LLM, SamplingParams
 from quire.bench import gguf_files
 from quire.bench.models import CACHE_DIR
+from quire.bench.perplexity import PROSE, perplexity
 from quire.kernels.cpu import qmatmul
 from quire.layers.linear import packed_linear_supported
 from quire.layers.quantized_linear import QuantizedLinear
@@ -29,20 +29,6 @@ pytestmark = pytest.mark.skipif(
 # Files written once per machine, next to the benchmark models.
 FILES_DIR = os.path.join(CACHE_DIR, "test-gguf")
 
-PROSE = (
-    "The town sits where two rivers meet, and for most of its history it lived from the water. "
-    "Boats carried grain and timber down to the coast, and the merchants who owned them built "
-    "tall houses along the quay, with storerooms on the ground floor and living rooms above. "
-    "When the railway arrived in the middle of the nineteenth century, the river trade declined "
-    "within a few decades. The warehouses were turned into workshops, then into flats, and the "
-    "quay became a promenade where families walk on Sunday afternoons. Today the town is known "
-    "mostly for its market, which is held every Saturday in the square in front of the old "
-    "church. Farmers from the surrounding villages sell vegetables, cheese, honey and bread, and "
-    "in the autumn the stalls are full of apples and pears. Visitors often come for a day and "
-    "stay for a week, because the countryside around the town is quiet and green, and the paths "
-    "along the rivers lead to small villages with good inns."
-)
-
 
 def smollm2_file(default_model: str, qtype: str) -> str:
     if qtype == "Q4_1":
@@ -51,13 +37,6 @@ def smollm2_file(default_model: str, qtype: str) -> str:
     return gguf_files.requantize(
         default_model, os.path.join(FILES_DIR, f"smollm2-{qtype}.gguf"), qtype
     )
-
-
-def perplexity(llm: LLM, token_ids: list[int]) -> float:
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    out = llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False)[0]
-    logprobs = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], token_ids[1:], strict=True)]
-    return math.exp(-sum(logprobs) / len(logprobs))
 
 
 def linear_types(llm: LLM) -> set[str]:
@@ -84,13 +63,13 @@ def test_perplexity_is_within_one_percent_of_the_dequantized_file(
     token_ids = quantized.get_tokenizer()(PROSE)["input_ids"]
     assert linear_types(quantized) == types
     assert model_of(quantized).cpu_step is not None
-    ppl = perplexity(quantized, token_ids)
+    ppl = perplexity(quantized.engine, token_ids)
     del quantized
     reference = LLM(
         path, tokenizer=tokenizer_dir, num_kv_blocks=32, quantization="none", dtype="float32"
     )
     assert linear_types(reference) == set()
-    expected = perplexity(reference, token_ids)
+    expected = perplexity(reference.engine, token_ids)
     assert abs(ppl / expected - 1) < 0.01, (ppl, expected)
 
 

@@ -31,6 +31,7 @@ import torch
 from quire.attention import kv_format
 from quire.bench import roofline
 from quire.bench.models import add_model_dir_arg, resolve_model
+from quire.bench.perplexity import prose_perplexity
 from quire.bench.speculative import describe_spec_decoding, spec_decoding_report
 from quire.kernels.cpu import qmatmul
 from quire.model import gguf_loader, loader
@@ -273,6 +274,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=0,
         help="rounds of decode without / with a JSON-schema grammar (0: skip)",
     )
+    p.add_argument(
+        "--perplexity",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also the model's perplexity over a fixed English text (quire/bench/perplexity.py)",
+    )
     p.add_argument("--output-json", default="quire-bench-latency.json")
     add_model_dir_arg(p)
     EngineArgs.add_cli_args(p)
@@ -313,6 +320,7 @@ def main(args: argparse.Namespace) -> int:
         for b in (batch_sizes if args.grammar_rounds else [])
     ]
 
+    accuracy = prose_perplexity(engine) if args.perplexity else None
     kept = loader.kept_quantized_types(engine.config, dtype)
     if kept:
         kept &= gguf_loader.matrix_types(engine.config.model)
@@ -325,7 +333,12 @@ def main(args: argparse.Namespace) -> int:
         f"model: {engine.config.model} ({roofline.num_params(mc) / 1e6:.0f}M params, "
         f"{weights}), KV cache {engine.config.kv_cache_dtype}, {device}, "
         f"{torch.get_num_threads()} threads\n"
-        f"machine at the start: read {hardware.read_gbps:.1f} GB/s, copy "
+        + (
+            f"perplexity {accuracy[0]:.3f} over {accuracy[1]} tokens of a fixed English text\n"
+            if accuracy
+            else ""
+        )
+        + f"machine at the start: read {hardware.read_gbps:.1f} GB/s, copy "
         f"{hardware.copy_gbps:.1f} GB/s, matmul {hardware.matmul_tflops:.3f} TFLOP/s\n"
         f"prefill {prefill.prompt_len} tokens: {prefill.seconds * 1e3:.1f} ms (median), "
         f"{prefill.flops / 1e12:.3f} TFLOP; matmul {prefill.matmul_tflops:.3f} TFLOP/s "
@@ -368,6 +381,8 @@ def main(args: argparse.Namespace) -> int:
         "decode": [asdict(d) | {"tokens_per_s": d.tokens_per_s} for d in decodes],
         "grammar": [asdict(g) for g in grammar],
     }
+    if accuracy:
+        report["perplexity"] = {"value": accuracy[0], "tokens": accuracy[1]}
     spec = spec_decoding_report(engine)
     if spec is not None:
         report["spec_decoding"] = spec
