@@ -4,11 +4,17 @@ over fixed texts, and greedy agreement with the bf16 cache, for each `--kv-cache
 
     python scripts/bench_kv_cache_dtype.py [--model PATH] [--dtypes auto int8 fp8 fp8_e5m2]
     python scripts/bench_kv_cache_dtype.py --speed [--prompt-len 4096] [--rounds 40]
+    python scripts/bench_kv_cache_dtype.py --kernel [--shape smollm2|qwen3] [--layers 30]
 
 `--speed`: one engine per dtype in one process, each prefilled with the same random prompt, then
 rounds of one decode step on each engine in turn (order reversed every round, ABBA), so every
 engine's steps share the host's moments; per dtype the median step, and per quantized dtype the
 median over rounds of its step time over the bf16 (auto) engine's.
+
+`--kernel`: the decode attention kernel alone, batch 1 at --prompt-len, on caches of the same
+random K/V (SmolLM2's or Qwen3-0.6B's heads) for bf16 and each quantized dtype, --layers of them
+called in turn (30: the KV does not stay in cache, as in a step; 1-4: hot), rounds interleaved
+as above; per dtype the median time a layer and the median ratio to bf16's.
 
 Texts: tests/test_quantized_gguf.py's prose (~200 tokens) and the first 2,048 tokens of
 docs/ARCHITECTURE.md (a long context, where every token's keys are read by every later one).
@@ -90,17 +96,73 @@ def decode_speed(args: argparse.Namespace) -> None:
         )
 
 
+KERNEL_SHAPES = {"smollm2": (9, 3, 64), "qwen3": (16, 8, 128)}  # heads, KV heads, head_dim
+
+
+def kernel_speed(args: argparse.Namespace) -> None:
+    import statistics
+    import time
+
+    import torch
+
+    from quire.attention import kv_format
+    from quire.kernels import cpu as cpu_kernels
+    from quire.worker.kv_cache import KVCache
+
+    heads, kv_heads, head_dim = KERNEL_SHAPES[args.shape]
+    block, length = 16, args.prompt_len
+    num_blocks = (length + block - 1) // block
+    gen = torch.Generator().manual_seed(0)
+    tables = torch.randperm(num_blocks, generator=gen).view(1, num_blocks).int()
+    slots = (tables[0, :, None] * block + torch.arange(block)).flatten()[:length]
+    k, v = (torch.randn(length, kv_heads, head_dim, generator=gen).bfloat16() for _ in "kv")
+    q = torch.randn(1, heads, head_dim, generator=gen).bfloat16()
+    lens = torch.tensor([length], dtype=torch.int32)
+    caches = {}
+    for name in ["auto", *(n for n in args.dtypes if n != "auto")]:
+        dtype = kv_format.cache_dtype(kv_format.check_kv_cache_dtype(name), torch.bfloat16, True)
+        cache = KVCache.allocate(args.layers, num_blocks, block, kv_heads, head_dim, dtype, "cpu")
+        for k_cache, v_cache in cache.layers:
+            if kv_format.is_quantized(dtype):
+                cpu_kernels.store_kv_quant(k, v, k_cache, v_cache, slots)
+            else:
+                k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots] = k, v
+        caches[name] = cache
+    times = {name: [] for name in caches}
+    for r in range(args.rounds):
+        for name in list(caches) if r % 2 == 0 else list(caches)[::-1]:
+            start = time.perf_counter()
+            for k_cache, v_cache in caches[name].layers:
+                cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
+            times[name].append((time.perf_counter() - start) / args.layers)
+    for name, t in times.items():
+        ratios = [a / b for a, b in zip(t, times["auto"])]
+        print(
+            f"{name:9s} {args.shape} kernel at context {length}, {args.layers} layers, "
+            f"{torch.get_num_threads()} threads: median {statistics.median(t) * 1e6:.1f} us a "
+            f"layer; / bf16: median of rounds {statistics.median(ratios):.3f}x (quartiles "
+            f"{statistics.quantiles(ratios, n=4)[0]:.3f}-{statistics.quantiles(ratios, n=4)[2]:.3f})",
+            flush=True,
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="default: quire's default model")
     parser.add_argument("--dtypes", nargs="+", default=["auto", "int8", "fp8", "fp8_e5m2"])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--speed", action="store_true", help="decode step time instead")
+    parser.add_argument("--kernel", action="store_true", help="the decode kernel's time instead")
+    parser.add_argument("--shape", choices=list(KERNEL_SHAPES), default="smollm2")
+    parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--prompt-len", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=40)
     args = parser.parse_args()
     if args.speed:
         decode_speed(args)
+        return 0
+    if args.kernel:
+        kernel_speed(args)
         return 0
     from test_quantized_gguf import PROSE
 

@@ -142,6 +142,59 @@ def test_decode_kernel_is_attention_over_the_dequantized_rows(name):
         np.testing.assert_allclose(out[s].double().numpy(), expected, rtol=2**-8, atol=2e-3)
 
 
+def code_values(name: str) -> np.ndarray:
+    """The value of each of the 256 codes, float64, as kv_quant.h defines it: int8 as a signed
+    byte; fp8 as sign, exponent and mantissa bits with no special values (codes past the
+    format's max, never written, are ordinary numbers: e4m3 0x7F is 480, e5m2 0x7F 114688)."""
+    codes = np.arange(256)
+    if name == "int8":
+        return codes.astype(np.uint8).view(np.int8).astype(np.float64)
+    mant, bias = {"fp8_e4m3": (3, 7), "fp8_e5m2": (2, 15)}[name]
+    e = (codes & 0x7F) >> mant
+    m = (codes & ((1 << mant) - 1)) / 2.0**mant
+    magnitude = np.where(e == 0, m * 2.0 ** (1 - bias), (1 + m) * 2.0 ** (e - bias))
+    return np.where(codes & 0x80, -magnitude, magnitude)
+
+
+@pytest.mark.parametrize("row_scale", [1.0, 2.0**20])
+@pytest.mark.parametrize("name", list(QUANTIZED))
+def test_decode_converts_every_code_exactly(name, row_scale):
+    """256 requests of 2 tokens, every row's scale a power of two: request r's second key is
+    code r at dim r % 64 (zeros elsewhere; the first key all zeros), scored against a query
+    that puts that score in [1, 2); its first value is 1 at dim 0, its second holds codes at
+    dims 1..63. The decode kernel's output is bit for bit its output over a bf16 cache holding
+    the rows' values (each exact in bf16): every code reaches QK and PV as its exact value. A
+    scale of 2^20 is past where fp8 moves its exponent rebias into the softmax weights."""
+    values = code_values(name)
+    one = int(np.flatnonzero(values == 1.0)[0])
+    r = torch.arange(256)
+    k_codes = torch.zeros(256, 2, KV_HEADS, HEAD_DIM, dtype=torch.long)
+    k_codes[r, 1, :, r % HEAD_DIM] = r[:, None]
+    v_codes = torch.zeros(256, 2, KV_HEADS, HEAD_DIM, dtype=torch.long)
+    v_codes[:, 0, :, 0] = one
+    v_codes[:, 1, :, 1:] = ((r[:, None] * (HEAD_DIM - 1) + torch.arange(HEAD_DIM - 1)) % 256)[
+        :, None
+    ]
+    quantized = KVCache.allocate(1, 256, BLOCK, KV_HEADS, HEAD_DIM, QUANTIZED[name], "cpu")
+    plain = KVCache.allocate(1, 256, BLOCK, KV_HEADS, HEAD_DIM, torch.bfloat16, "cpu")
+    for qc, pc, codes in zip(quantized.layers[0], plain.layers[0], (k_codes, v_codes)):
+        qc.view(torch.uint8)[:, :2, :, :HEAD_DIM] = codes.to(torch.uint8)
+        qc.view(torch.uint8)[:, :2, :, HEAD_DIM:] = torch.tensor([row_scale]).view(torch.uint8)
+        exact = torch.from_numpy(values)[codes] * row_scale
+        pc[:, :2] = exact.bfloat16()
+        assert torch.equal(pc[:, :2].double(), exact)
+    magnitude = np.abs(values)
+    q_scale = 2.0 ** -np.floor(np.log2(np.where(magnitude > 0, magnitude, 1.0)))
+    q = torch.zeros(256, HEADS, HEAD_DIM)
+    q[r, :, r % HEAD_DIM] = torch.from_numpy(q_scale / (0.125 * row_scale)).float()[:, None]
+    q = q.bfloat16()
+    tables = torch.arange(256, dtype=torch.int32)[:, None]
+    lens = torch.full((256,), 2, dtype=torch.int32)
+    out = cpu_kernels.paged_decode(q, *quantized.layers[0], tables, lens, 0.125)
+    expected = cpu_kernels.paged_decode(q, *plain.layers[0], tables, lens, 0.125)
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+
+
 def test_prefill_reads_its_context_dequantized_to_bf16():
     """A prompt chunk of 20 after a cached prefix of 30 tokens, through the backend: each token
     attends causally over the dequantized rows (rounded to bf16, as the prefill kernel reads

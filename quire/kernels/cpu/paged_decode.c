@@ -198,10 +198,17 @@ static inline __attribute__((always_inline)) void prefetch_rows(const char* pk, 
         }
 }
 
-// A 32-dim slice of a quantized row (32 one-byte codes at p, kv_quant.h) as float32 code values
-// in the bf16 path's order: *even the 16 even dims, *odd the 16 odd ones. Each code is
-// sign-extended to 16 bits, so a 32-bit lane holds codes (2i, 2i+1); int8 converts, fp8 places
-// its sign, exponent and mantissa bits where float32's are and rescales the bias (exact).
+// How pv_tile reads value rows: bf16 (0), int8 codes (KV_INT8), or fp8 codes as float32 bit
+// patterns that are the code's value times 2^-120 (e4m3) or 2^-112 (e5m2), exactly (a subnormal
+// code gives a float32 denormal), the factor 2^120 / 2^112 being in the weights p instead (*_RAW,
+// when the row scales allow it, see pv_weights) or multiplied in per code.
+#define PV_E4M3_RAW (KV_FP8_E5M2 + 1)
+#define PV_E5M2_RAW (KV_FP8_E5M2 + 2)
+
+// A 32-dim slice of a quantized row (32 one-byte codes at p, kv_quant.h) as float32 in the bf16
+// path's order: *even the 16 even dims, *odd the 16 odd ones (see PV_E4M3_RAW for fp8). Each code
+// is sign-extended to 16 bits, so a 32-bit lane holds codes (2i, 2i+1); int8 converts, fp8
+// places its sign, exponent and mantissa bits where float32's are.
 static inline __attribute__((always_inline)) void widen_codes(const int KIND, const char* p,
                                                               __m512* even, __m512* odd) {
     const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p));
@@ -210,13 +217,17 @@ static inline __attribute__((always_inline)) void widen_codes(const int KIND, co
         *odd = _mm512_cvtepi32_ps(_mm512_srai_epi32(w, 16));
         return;
     }
-    const int e4m3 = KIND == KV_FP8_E4M3;
+    const int e4m3 = KIND == KV_FP8_E4M3 || KIND == PV_E4M3_RAW;
     const __m512i mask = _mm512_set1_epi32(e4m3 ? (int)0x87F00000u : (int)0x8FE00000u);
-    const __m512 bias = _mm512_set1_ps(e4m3 ? 0x1p120f : 0x1p112f);
     const __m512i e = e4m3 ? _mm512_slli_epi32(w, 20) : _mm512_slli_epi32(w, 21);
     const __m512i o = e4m3 ? _mm512_slli_epi32(w, 4) : _mm512_slli_epi32(w, 5);
-    *even = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(e, mask)), bias);
-    *odd = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(o, mask)), bias);
+    *even = _mm512_castsi512_ps(_mm512_and_si512(e, mask));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(o, mask));
+    if (KIND == KV_FP8_E4M3 || KIND == KV_FP8_E5M2) {
+        const __m512 bias = _mm512_set1_ps(e4m3 ? 0x1p120f : 0x1p112f);
+        *even = _mm512_mul_ps(*even, bias);
+        *odd = _mm512_mul_ps(*odd, bias);
+    }
 }
 
 // The scales of the 16 rows at byte offsets off[0..16) from base (a quantized row's scale is
@@ -266,43 +277,73 @@ static __attribute__((noinline)) __m512 qk_scores(int nd, const uint16_t* q_row,
 #undef QK_CASE
 }
 
+// 32 fp8 codes at p as 32 bf16 numbers, exactly, in 16-bit lanes (no float arithmetic): a normal
+// code's exponent and mantissa bits moved to bf16's and its exponent rebased (+120 for e4m3, +112
+// for e5m2); a code with exponent 0 (zero or subnormal) looked up by its mantissa in `sub`; then
+// the sign. Codes past the format's max (never written) decode as kv_quant.h's reference does.
+static inline __attribute__((always_inline)) __m512i fp8_to_bf16(const int KIND, const char* p,
+                                                                 __m512i sub) {
+    const int e4m3 = KIND == KV_FP8_E4M3;
+    const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p));  // signed
+    const __m512i shifted = e4m3 ? _mm512_slli_epi16(w, 4) : _mm512_slli_epi16(w, 5);
+    const __m512i normal = _mm512_add_epi16(
+        _mm512_and_si512(shifted, _mm512_set1_epi16(e4m3 ? 0x07F0 : 0x0FE0)),
+        _mm512_set1_epi16(e4m3 ? 120 << 7 : 112 << 7));
+    // Exponent 0: the low 5 bits of w are the mantissa (its upper ones are exponent bits, 0).
+    const __mmask32 small = _mm512_testn_epi16_mask(w, _mm512_set1_epi16(e4m3 ? 0x78 : 0x7C));
+    const __m512i magnitude = _mm512_mask_permutexvar_epi16(normal, small, w, sub);
+    return _mm512_ternarylogic_epi32(magnitude, w, _mm512_set1_epi16((short)0x8000),
+                                     0xF8);  // magnitude | (w & sign bit)
+}
+
+// bf16 bits of the fp8 values with exponent 0, by mantissa: e4m3 m * 2^-9, e5m2 m * 2^-16.
+static const uint16_t E4M3_SUBNORMAL_BF16[32] = {0, 0x3B00, 0x3B80, 0x3BC0,
+                                                 0x3C00, 0x3C20, 0x3C40, 0x3C60};
+static const uint16_t E5M2_SUBNORMAL_BF16[32] = {0, 0x3780, 0x3800, 0x3840};
+
 // A chunk's 16 quantized key rows (byte offsets off[t] from k) as bf16 rows of head_dim in
 // kb, exactly (an int8 or fp8 code is a bf16 number; the scales stay aside), so that QK runs
 // as for a bf16 cache, once per query head of the group, over a 16 x head_dim tile in L1.
-static void keys_to_bf16(int kind, const char* k, const int64_t* off, int head_dim,
-                         uint16_t* kb) {
-    const int e4m3 = kind == KV_FP8_E4M3;
-    const int shift = e4m3 ? 20 : 21;
-    const __m512i mask = _mm512_set1_epi32(e4m3 ? (int)0x87F00000u : (int)0x8FE00000u);
-    const __m512 bias = _mm512_set1_ps(e4m3 ? 0x1p120f : 0x1p112f);
+static inline __attribute__((always_inline)) void keys_tile(const int KIND, const char* k,
+                                                            const int64_t* off, int head_dim,
+                                                            uint16_t* kb) {
+    const __m512i sub = _mm512_loadu_si512(KIND == KV_FP8_E4M3 ? E4M3_SUBNORMAL_BF16
+                                                               : E5M2_SUBNORMAL_BF16);
     for (int t = 0; t < CHUNK; t++)
         for (int d = 0; d < head_dim; d += 32) {
-            __m512 f[2];
-            for (int half = 0; half < 2; half++) {
-                const __m512i w = _mm512_cvtepi8_epi32(
-                    _mm_loadu_si128((const __m128i*)(k + off[t] + d + 16 * half)));
-                f[half] = kind == KV_INT8
-                              ? _mm512_cvtepi32_ps(w)
-                              : _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(
-                                                  _mm512_sll_epi32(w, _mm_cvtsi32_si128(shift)),
-                                                  mask)),
-                                              bias);
+            const char* p = k + off[t] + d;
+            __m512i b;
+            if (KIND == KV_INT8) {
+                const __m512 lo = _mm512_cvtepi32_ps(
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+                const __m512 hi = _mm512_cvtepi32_ps(
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
+                b = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+            } else {
+                b = fp8_to_bf16(KIND, p, sub);
             }
-            _mm512_storeu_si512(kb + t * head_dim + d, (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]));
+            _mm512_storeu_si512(kb + t * head_dim + d, b);
         }
+}
+
+static void keys_to_bf16(int kind, const char* k, const int64_t* off, int head_dim,
+                         uint16_t* kb) {
+    switch (kind) {
+        case KV_INT8: keys_tile(KV_INT8, k, off, head_dim, kb); break;
+        case KV_FP8_E4M3: keys_tile(KV_FP8_E4M3, k, off, head_dim, kb); break;
+        default: keys_tile(KV_FP8_E5M2, k, off, head_dim, kb); break;
+    }
 }
 
 // One PV register tile: NH query heads x NS 32-dim slices starting at dim d0. The accumulator
 // rows (one per head, acc_stride floats apart) are rescaled by corr[j], then accumulate
 // p[j][t] * v_t (p rows CHUNK floats apart) over the value rows at byte offsets off[0..n)
-// from v: bf16 rows (KIND 0), or quantized ones whose codes count p[j][t] * vs[t] (the row's
-// scale) each.
+// from v, read as KIND says (quantized: p holds pv_weights).
 static inline __attribute__((always_inline)) void pv_tile(const int KIND, const int NS,
                                                           const int NH, float* acc,
                                                           int acc_stride, const float* p,
-                                                          const float* vs, const float* corr,
-                                                          const char* v, const int64_t* off, int n,
-                                                          int d0) {
+                                                          const float* corr, const char* v,
+                                                          const int64_t* off, int n, int d0) {
     __m512 a[PV_TILE_HEADS][2 * PV_TILE_SLICES];
     for (int j = 0; j < NH; j++) {
         const __m512 c = _mm512_set1_ps(corr[j]);
@@ -313,7 +354,7 @@ static inline __attribute__((always_inline)) void pv_tile(const int KIND, const 
     for (int t = 0; t < n; t++) {
         __m512 pt[PV_TILE_HEADS];
         for (int j = 0; j < NH; j++)
-            pt[j] = _mm512_set1_ps(KIND == 0 ? p[j * CHUNK + t] : p[j * CHUNK + t] * vs[t]);
+            pt[j] = _mm512_set1_ps(p[j * CHUNK + t]);
         for (int s = 0; s < NS; s++) {
             __m512 even, odd;
             if (KIND == 0) {
@@ -334,17 +375,37 @@ static inline __attribute__((always_inline)) void pv_tile(const int KIND, const 
             _mm512_store_ps(acc + j * acc_stride + d0 + 16 * i, a[j][i]);
 }
 
+// The PV weights of a chunk over quantized value rows with scales vs (16 lanes): p[h][t] *=
+// vs[t] for the nh heads' rows of p (CHUNK floats apart), and for fp8 then times 2^120 (e4m3) or
+// 2^112 (e5m2), exactly (vscalefps: no rounding, and no reassociation by the compiler), when that
+// cannot overflow (p <= 1: every vs < 2^8 or 2^16, values up to 114688 or ~3.8e9). Returns how
+// pv_tile reads the rows.
+static inline int pv_weights(int kind, float* p, int nh, __m512 vs) {
+    int pv_kind = kind;
+    float rebias = 0.0f;
+    if (kind == KV_FP8_E4M3 && _mm512_reduce_max_ps(vs) < 0x1p8f)
+        pv_kind = PV_E4M3_RAW, rebias = 120.0f;
+    if (kind == KV_FP8_E5M2 && _mm512_reduce_max_ps(vs) < 0x1p16f)
+        pv_kind = PV_E5M2_RAW, rebias = 112.0f;
+    for (int h = 0; h < nh; h++) {
+        const __m512 w = _mm512_mul_ps(_mm512_load_ps(p + h * CHUNK), vs);
+        _mm512_store_ps(p + h * CHUNK,
+                        rebias ? _mm512_scalef_ps(w, _mm512_set1_ps(rebias)) : w);
+    }
+    return pv_kind;
+}
+
 static void pv_update(int kind, int ns, int nh, float* acc, int acc_stride, const float* p,
-                      const float* vs, const float* corr, const char* v, const int64_t* off,
-                      int n, int d0) {
+                      const float* corr, const char* v, const int64_t* off, int n, int d0) {
 #define PV_CASE(KIND, NS, NH) \
     case (KIND * 2 + NS - 1) * 8 + NH: \
-        pv_tile(KIND, NS, NH, acc, acc_stride, p, vs, corr, v, off, n, d0); break;
+        pv_tile(KIND, NS, NH, acc, acc_stride, p, corr, v, off, n, d0); break;
 #define PV_KIND(KIND) \
     PV_CASE(KIND, 1, 1) PV_CASE(KIND, 1, 2) PV_CASE(KIND, 1, 3) PV_CASE(KIND, 1, 4) \
     PV_CASE(KIND, 2, 1) PV_CASE(KIND, 2, 2) PV_CASE(KIND, 2, 3) PV_CASE(KIND, 2, 4)
     switch ((kind * 2 + ns - 1) * 8 + nh) {
         PV_KIND(0) PV_KIND(KV_INT8) PV_KIND(KV_FP8_E4M3) PV_KIND(KV_FP8_E5M2)
+        PV_KIND(PV_E4M3_RAW) PV_KIND(PV_E5M2_RAW)
     }
 #undef PV_KIND
 #undef PV_CASE
@@ -597,15 +658,15 @@ static int paged_decode_avx512(int kind, const uint16_t* q, const void* k_cache,
                         sum[h] = _mm512_add_ps(sum[h], e);
                         _mm512_store_ps(p + h * CHUNK, e);
                     }
-                    float vs[CHUNK] __attribute__((aligned(64)));  // quantized: V rows' scales
-                    if (kind) _mm512_store_ps(vs, row_scales(v, off, head_dim));
+                    const int pv_kind = kind ? pv_weights(kind, p + hb * CHUNK, group,
+                                                          row_scales(v, off, head_dim))
+                                             : 0;
                     for (int j = 0; j < group; j += PV_TILE_HEADS) {
                         const int th = min_int(group - j, PV_TILE_HEADS);
                         for (int sl = 0; sl < nd; sl += PV_TILE_SLICES) {
                             const int ts = min_int(nd - sl, PV_TILE_SLICES);
-                            pv_update(kind, ts, th, acc + (hb + j) * head_dim, head_dim,
-                                      p + (hb + j) * CHUNK, vs, corr + hb + j, v, off, n,
-                                      32 * sl);
+                            pv_update(pv_kind, ts, th, acc + (hb + j) * head_dim, head_dim,
+                                      p + (hb + j) * CHUNK, corr + hb + j, v, off, n, 32 * sl);
                         }
                     }
                 }
