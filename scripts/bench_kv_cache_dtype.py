@@ -16,7 +16,7 @@ random K/V (SmolLM2's or Qwen3-0.6B's heads) for bf16 and each quantized dtype, 
 called in turn (30: the KV does not stay in cache, as in a step; 1-4: hot), rounds interleaved
 as above; per dtype the median time a layer and the median ratio to bf16's.
 
-Texts: tests/test_quantized_gguf.py's prose (~200 tokens) and the first 2,048 tokens of
+Texts: quire/bench/perplexity.py's prose (~200 tokens) and the first 2,048 tokens of
 docs/ARCHITECTURE.md (a long context, where every token's keys are read by every later one).
 Greedy agreement: 8 prompts x 64 generated tokens; reported as the share of positions generated
 before a request's first token that differs from the bf16 cache's, and how many requests agree
@@ -26,14 +26,12 @@ to the end. Also the KV pool's tokens for a 256 MiB budget.
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import sys
 
 from quire import LLM, SamplingParams
+from quire.bench.perplexity import PROSE, perplexity
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 PROMPTS = [
     "The capital of France is",
@@ -45,13 +43,6 @@ PROMPTS = [
     "Translate to French: The weather is nice today.",
     "What is the difference between a list and a tuple in Python?",
 ]
-
-
-def perplexity(llm: LLM, token_ids: list[int]) -> float:
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    out = llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False)[0]
-    logprobs = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], token_ids[1:], strict=True)]
-    return math.exp(-sum(logprobs) / len(logprobs))
 
 
 def decode_speed(args: argparse.Namespace) -> None:
@@ -164,7 +155,6 @@ def main() -> int:
     if args.kernel:
         kernel_speed(args)
         return 0
-    from test_quantized_gguf import PROSE
 
     with open(os.path.join(ROOT, "docs", "ARCHITECTURE.md")) as f:
         architecture = f.read()
@@ -177,7 +167,7 @@ def main() -> int:
             "prose": tokenizer.encode(PROSE),
             "architecture-2048": tokenizer.encode(architecture)[:2048],
         }
-        ppl = {key: perplexity(llm, ids) for key, ids in texts.items()}
+        ppl = {key: perplexity(llm.engine, ids) for key, ids in texts.items()}
         outputs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
         if reference is None:
             reference = outputs
