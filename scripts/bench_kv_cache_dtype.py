@@ -5,6 +5,7 @@ over fixed texts, and greedy agreement with the bf16 cache, for each `--kv-cache
     python scripts/bench_kv_cache_dtype.py [--model PATH] [--dtypes auto int8 fp8 fp8_e5m2]
     python scripts/bench_kv_cache_dtype.py --speed [--prompt-len 4096] [--rounds 40]
     python scripts/bench_kv_cache_dtype.py --kernel [--shape smollm2|qwen3] [--layers 30]
+    python scripts/bench_kv_cache_dtype.py --prefill [--prompt-len 4096] [--chunk 256]
 
 `--speed`: one engine per dtype in one process, each prefilled with the same random prompt, then
 rounds of one decode step on each engine in turn (order reversed every round, ABBA), so every
@@ -15,6 +16,11 @@ median over rounds of its step time over the bf16 (auto) engine's.
 random K/V (SmolLM2's or Qwen3-0.6B's heads) for bf16 and each quantized dtype, --layers of them
 called in turn (30: the KV does not stay in cache, as in a step; 1-4: hot), rounds interleaved
 as above; per dtype the median time a layer and the median ratio to bf16's.
+
+`--prefill`: a prompt chunk after a cached prefix: per dtype an engine with prefix caching
+caches a --prompt-len prompt, then each round every engine in turn (ABBA) runs that prompt plus
+--chunk new tokens (one token generated) and times it: the chunk's prefill reads the whole
+context from the cache (in codes, for a quantized one), as a follow-up turn of a long chat does.
 
 Texts: quire/bench/perplexity.py's prose (~200 tokens) and the first 2,048 tokens of
 docs/ARCHITECTURE.md (a long context, where every token's keys are read by every later one).
@@ -87,6 +93,53 @@ def decode_speed(args: argparse.Namespace) -> None:
         )
 
 
+def prefill_speed(args: argparse.Namespace) -> None:
+    import random
+    import statistics
+    import time
+
+    engines = {}
+    for name in args.dtypes:
+        engines[name] = LLM(
+            args.model,
+            kv_cache_dtype=name,
+            kv_cache_memory=256 << 20,
+            max_model_len=args.prompt_len + args.chunk + 16,
+            max_num_batched_tokens=max(2048, args.chunk),
+            enable_prefix_caching=True,
+        ).engine
+    vocab = next(iter(engines.values())).model_config.vocab_size
+    rng = random.Random(0)
+    prefix = [rng.randrange(10, vocab) for _ in range(args.prompt_len)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def run(engine, request_id: str, prompt: list[int]) -> float:
+        start = time.perf_counter()
+        engine.add_request(request_id, prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        return time.perf_counter() - start
+
+    for engine in engines.values():
+        run(engine, "prefix", prefix)
+    times = {name: [] for name in engines}
+    for r in range(args.rounds):
+        chunk = [rng.randrange(10, vocab) for _ in range(args.chunk)]
+        order = list(engines) if r % 2 == 0 else list(engines)[::-1]
+        for name in order:
+            times[name].append(run(engines[name], f"r{r}", prefix + chunk))
+    base = times[args.dtypes[0]]
+    for name, t in times.items():
+        ratios = [a / b for a, b in zip(t, base)]
+        print(
+            f"{name:9s} {args.chunk}-token chunk after a cached {args.prompt_len}: median "
+            f"{statistics.median(t) * 1e3:.1f} ms; / {args.dtypes[0]}: median of rounds "
+            f"{statistics.median(ratios):.3f}x (quartiles "
+            f"{statistics.quantiles(ratios, n=4)[0]:.3f}-{statistics.quantiles(ratios, n=4)[2]:.3f})",
+            flush=True,
+        )
+
+
 KERNEL_SHAPES = {"smollm2": (9, 3, 64), "qwen3": (16, 8, 128)}  # heads, KV heads, head_dim
 
 
@@ -144,6 +197,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--speed", action="store_true", help="decode step time instead")
     parser.add_argument("--kernel", action="store_true", help="the decode kernel's time instead")
+    parser.add_argument("--prefill", action="store_true", help="a chunk's prefill time instead")
+    parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--shape", choices=list(KERNEL_SHAPES), default="smollm2")
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--prompt-len", type=int, default=4096)
@@ -154,6 +209,9 @@ def main() -> int:
         return 0
     if args.kernel:
         kernel_speed(args)
+        return 0
+    if args.prefill:
+        prefill_speed(args)
         return 0
 
     with open(os.path.join(ROOT, "docs", "ARCHITECTURE.md")) as f:
