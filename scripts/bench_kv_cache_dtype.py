@@ -51,19 +51,20 @@ PROMPTS = [
 ]
 
 
+def engines_by_dtype(args: argparse.Namespace, **settings) -> dict:
+    """An engine per --dtypes entry (its KV cache dtype), 256 MiB of KV cache each."""
+    return {
+        name: LLM(args.model, kv_cache_dtype=name, kv_cache_memory=256 << 20, **settings).engine
+        for name in args.dtypes
+    }
+
+
 def decode_speed(args: argparse.Namespace) -> None:
     import random
     import statistics
     import time
 
-    engines = {}
-    for name in args.dtypes:
-        engines[name] = LLM(
-            args.model,
-            kv_cache_dtype=name,
-            kv_cache_memory=256 << 20,
-            max_model_len=args.prompt_len + args.rounds + 64,
-        ).engine
+    engines = engines_by_dtype(args, max_model_len=args.prompt_len + args.rounds + 64)
     vocab = next(iter(engines.values())).model_config.vocab_size
     rng = random.Random(0)
     prompt = [rng.randrange(10, vocab) for _ in range(args.prompt_len)]
@@ -98,16 +99,12 @@ def prefill_speed(args: argparse.Namespace) -> None:
     import statistics
     import time
 
-    engines = {}
-    for name in args.dtypes:
-        engines[name] = LLM(
-            args.model,
-            kv_cache_dtype=name,
-            kv_cache_memory=256 << 20,
-            max_model_len=args.prompt_len + args.chunk + 16,
-            max_num_batched_tokens=max(2048, args.chunk),
-            enable_prefix_caching=True,
-        ).engine
+    engines = engines_by_dtype(
+        args,
+        max_model_len=args.prompt_len + args.chunk + 16,
+        max_num_batched_tokens=max(2048, args.chunk),
+        enable_prefix_caching=True,
+    )
     vocab = next(iter(engines.values())).model_config.vocab_size
     rng = random.Random(0)
     prefix = [rng.randrange(10, vocab) for _ in range(args.prompt_len)]

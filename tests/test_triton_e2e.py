@@ -29,9 +29,9 @@ FIRST_CALL = [random_prompt(_generator, n) for n in (3, 17, 70, 33)] + [SHARED]
 SECOND_CALL = [SHARED + [5, 6, 7], random_prompt(_generator, 9)]
 
 
-def run(model: str, backend: str) -> tuple[list[list[int]], list[int]]:
-    """Greedy tokens of both calls' prompts, and the second call's cached prompt tokens."""
-    llm = LLM(
+def engine(model: str, backend: str, speculative_config: dict | None = None) -> LLM:
+    """float32, on CUDA where there is one, chunks of at most 32 tokens."""
+    return LLM(
         model=model,
         dtype="float32",
         attention_backend=backend,
@@ -39,7 +39,13 @@ def run(model: str, backend: str) -> tuple[list[list[int]], list[int]]:
         block_size=BLOCK_SIZE,
         max_num_batched_tokens=32,
         num_kv_blocks=64,
+        speculative_config=speculative_config,
     )
+
+
+def run(model: str, backend: str) -> tuple[list[list[int]], list[int]]:
+    """Greedy tokens of both calls' prompts, and the second call's cached prompt tokens."""
+    llm = engine(model, backend)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS)
     first = llm.generate(FIRST_CALL, params, use_tqdm=False)
     second = llm.generate(SECOND_CALL, params, use_tqdm=False)
@@ -74,16 +80,7 @@ def test_triton_backend_verifies_k_plus_one_tokens_a_request(tiny_llama):
     spec = {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 3}
     outputs = {}
     for backend, config in (("torch", None), ("triton", spec)):
-        llm = LLM(
-            model=tiny_llama,
-            dtype="float32",
-            attention_backend=backend,
-            device="cuda" if torch.cuda.is_available() else "cpu",
-            block_size=BLOCK_SIZE,
-            max_num_batched_tokens=32,
-            num_kv_blocks=64,
-            speculative_config=config,
-        )
+        llm = engine(tiny_llama, backend, config)
         outputs[backend] = [
             o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
         ]
