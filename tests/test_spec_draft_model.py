@@ -293,7 +293,7 @@ def test_auto_with_the_target_as_its_own_draft_keeps_the_greedy_tokens(tiny_llam
 
 def test_auto_with_a_useless_draft_backs_off_to_no_draft(tiny_models):
     """A draft of another architecture: its first verified proposal is rejected, and the
-    draft then runs only for the rare probe (one token every 32 steps)."""
+    draft then runs only for the rare probe (one token after 32 steps at k = 0, then 64)."""
     kwargs = dict(dtype="bfloat16", max_num_batched_tokens=512, **POOL)
     reference = generate(LLM(tiny_models["llama"], **kwargs), AUTO_PARAMS, PROMPTS[:1])
     spec = {
