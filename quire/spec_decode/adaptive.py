@@ -210,30 +210,32 @@ class AdaptiveSpeculation:
         speculation pay at this batch size (`_could_pay`). Each probe doubles the interval (up
         to `_DRAFT_PROBE_MAX`), and new requests start from the longest interval reached; a
         choice of k > 0 puts both back to `_DRAFT_PROBE`."""
-        lengths = self.choose(req_ids)
-        probe = None  # whether a probe could pay: computed once, when a request is due one
+        could_pay = self._could_pay(len(req_ids))
+        if could_pay:
+            lengths = self.choose(req_ids)
+        else:  # no acceptance pays: k = 0 for every request, without weighing each one's rates
+            self._num_choices += 1
+            lengths = [0] * len(req_ids)
         for i, req_id in enumerate(req_ids):
             state = self._state(req_id)
             state.steps_since_measured += 1
             if lengths[i]:
                 state.steps_since_measured = 0
                 state.probe_interval = self._probe_start = _DRAFT_PROBE
-            elif state.steps_since_measured >= state.probe_interval:
-                if probe is None:
-                    probe = self._could_pay(len(req_ids))
-                if probe:
-                    lengths[i] = 1
-                    state.steps_since_measured = 0
-                    state.probe_interval = min(2 * state.probe_interval, _DRAFT_PROBE_MAX)
-                    self._probe_start = max(self._probe_start, state.probe_interval)
+            elif could_pay and state.steps_since_measured >= state.probe_interval:
+                lengths[i] = 1
+                state.steps_since_measured = 0
+                state.probe_interval = min(2 * state.probe_interval, _DRAFT_PROBE_MAX)
+                self._probe_start = max(self._probe_start, state.probe_interval)
         return lengths
 
     def _could_pay(self, num_decodes: int) -> bool:
-        """Whether one request verifying k proposals, all accepted, would generate more tokens
-        per second than a plain step, for some k; True while T(B) is not known yet. When no
-        acceptance pays (a draft about as costly as the target), a probe cannot change the
-        choice and only costs the draft's catch-up over the positions it skipped."""
-        counts = np.arange(self.max_k + 1)
+        """Whether a step verifying some number of proposals (up to max_k a request), all of
+        them accepted, would generate more tokens per second than a plain step; True while T(B)
+        is not known yet. When no acceptance pays (a draft about as costly as the target), the
+        choice is k = 0 whatever is measured, and a probe only costs the draft's catch-up over
+        the positions it skipped."""
+        counts = np.arange(num_decodes * self.max_k + 1)
         seconds = self.cost.predict(num_decodes + counts)
         if not np.isfinite(seconds[0]):
             return True
