@@ -26,6 +26,7 @@ PROMPTS = [
     [300 + i % 11 for i in range(40)] + [7, 8, 9],
     [300 + i % 11 for i in range(40)] + [1, 2],
 ]
+POOL = dict(num_kv_blocks=128)  # 2048 tokens: a default-sized pool takes seconds to allocate
 
 
 def token_ids(llm: LLM, params: SamplingParams, prompts=PROMPTS):
@@ -42,7 +43,7 @@ def assert_no_leak(llm: LLM) -> None:
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_greedy_float32_tokens_equal_without_speculation(tiny_models, arch):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    kwargs = dict(dtype="float32", max_num_batched_tokens=32)  # chunked prefill beside decodes
+    kwargs = dict(dtype="float32", max_num_batched_tokens=32, **POOL)  # chunked prefill
     reference = token_ids(LLM(tiny_models[arch], **kwargs), params)
     llm = LLM(tiny_models[arch], speculative_config=NGRAM, **kwargs)
     assert token_ids(llm, params) == reference
@@ -53,29 +54,33 @@ def test_greedy_float32_tokens_equal_without_speculation(tiny_models, arch):
 
 
 @pytest.fixture(scope="module")
-def bf16_reference(tiny_llama):
-    llm = LLM(tiny_llama, dtype="bfloat16", max_num_batched_tokens=32)
+def plain_llm(tiny_llama) -> LLM:
+    """tiny_llama in bf16 without speculation (its tokens do not depend on the batch)."""
+    return LLM(tiny_llama, dtype="bfloat16", max_num_batched_tokens=32, **POOL)
+
+
+@pytest.fixture(scope="module")
+def bf16_reference(plain_llm):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    outputs = plain_llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     return params, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
 
 
-@pytest.mark.parametrize(
-    "engine_kwargs",
-    [
-        dict(max_num_batched_tokens=32),  # chunked prefill, prefix hits on the shared prompt
-        dict(max_num_batched_tokens=64, num_kv_blocks=9, block_size=8),  # preemptions
-    ],
-    ids=["chunked-prefix", "preemption"],
-)
-def test_greedy_bf16_bits_equal_without_speculation(tiny_llama, bf16_reference, engine_kwargs):
+ENGINES = {
+    "chunked-prefix": dict(max_num_batched_tokens=32, **POOL),  # prefix hits: a shared prompt
+    "preemption": dict(max_num_batched_tokens=64, num_kv_blocks=9, block_size=8),
+}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_greedy_bf16_bits_equal_without_speculation(tiny_llama, bf16_reference, engine):
     params, reference = bf16_reference
-    llm = LLM(tiny_llama, dtype="bfloat16", speculative_config=NGRAM, **engine_kwargs)
+    llm = LLM(tiny_llama, dtype="bfloat16", speculative_config=NGRAM, **ENGINES[engine])
     for _ in range(2):  # the second pass hits the prefix cache
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs] == reference
     assert llm.engine.spec_decoding_stats.num_accepted_tokens > 0
-    if "num_kv_blocks" in engine_kwargs:
+    if engine == "preemption":
         assert llm.engine.scheduler.num_preemptions > 0
     else:
         assert llm.engine.kv_manager.prefix_cache_hits > 0
@@ -84,32 +89,26 @@ def test_greedy_bf16_bits_equal_without_speculation(tiny_llama, bf16_reference, 
 
 @pytest.fixture(scope="module")
 def spec_llm(tiny_llama) -> LLM:
-    return LLM(tiny_llama, dtype="bfloat16", speculative_config=NGRAM)
+    return LLM(tiny_llama, dtype="bfloat16", speculative_config=NGRAM, **POOL)
 
 
-def test_seeded_sampling_tokens_equal_without_speculation(tiny_llama, spec_llm):
+def test_seeded_sampling_tokens_equal_without_speculation(plain_llm, spec_llm):
     params = SamplingParams(temperature=0.5, top_k=3, seed=7, n=2, max_tokens=24, ignore_eos=True)
-    reference = token_ids(LLM(tiny_llama, dtype="bfloat16"), params)
+    reference = token_ids(plain_llm, params)
     before = spec_llm.engine.spec_decoding_stats.num_accepted_tokens
     assert token_ids(spec_llm, params) == reference
     assert spec_llm.engine.spec_decoding_stats.num_accepted_tokens > before
     assert_no_leak(spec_llm)
 
 
-@pytest.fixture(scope="module")
-def oracle_reference(tiny_llama) -> list[int]:
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    return token_ids(LLM(tiny_llama, dtype="bfloat16"), params, [PROMPTS[1]])[0][0]
-
-
 @pytest.fixture
-def oracle(oracle_reference, monkeypatch):
+def oracle(bf16_reference, monkeypatch):
     """The greedy output of PROMPTS[1] (without speculation), and the proposer made an oracle
     that proposes its next tokens: every step after the prefill accepts all 3 proposals and
     gives 4 tokens (output 1-4, 5-8, ...), so a stop can be placed inside an accepted run
     (the n-gram proposer only proposes tokens already in the text, which a stop id or string
     must not be)."""
-    prompt, reference = PROMPTS[1], oracle_reference
+    prompt, reference = PROMPTS[1], bf16_reference[1][1][0]
 
     def propose(self, req_id: str, token_ids: list[int], k: int) -> list[int]:
         done = len(token_ids) - len(prompt)

@@ -209,12 +209,51 @@ def test_adaptive_drafts_the_full_length_when_accepted_and_verifying_is_cheap():
     assert lengths == [0] + [4] * 30 + [0, 0, 4]
 
 
-def test_adaptive_runs_no_draft_when_nothing_is_accepted_but_one_token_every_32_steps():
+def useless_draft(t_verify: float = 0.001) -> AdaptiveSpeculation:
+    """A draft whose first verified proposal was rejected, for request 'r', with the plain
+    step measured at 1 ms and a verification of 4 proposals at `t_verify`."""
     adaptive = AdaptiveSpeculation(4, drafted=True)
     adaptive.record_verified("r", accepted_len=0, num_verified=3)
-    for _ in range(2):  # verifying would be free: only acceptance keeps k at 0
+    for _ in range(2):
         adaptive.record_step(1, 0.001)
-        adaptive.record_step(5, 0.001)
-    lengths = [adaptive.draft_lengths(["r"])[0] for _ in range(64)]
-    assert [i for i, k in enumerate(lengths) if k] == [31, 63]
+        adaptive.record_step(5, t_verify)
+    return adaptive
+
+
+def test_adaptive_probes_a_useless_draft_at_intervals_that_double_up_to_512_steps():
+    adaptive = useless_draft()  # verifying would be free: only acceptance keeps k at 0
+    lengths = [adaptive.draft_lengths(["r"])[0] for _ in range(1600)]
+    # 32 steps at k = 0, then 64, 128, 256, 512, 512.
+    assert [i for i, k in enumerate(lengths) if k] == [31, 95, 223, 479, 991, 1503]
     assert max(lengths) == 1
+
+
+def test_a_new_request_starts_at_the_longest_probe_interval_reached():
+    adaptive = useless_draft()
+    for _ in range(96):  # 'r' probes at steps 31 and 95: its next interval is 128
+        adaptive.draft_lengths(["r"])
+    adaptive.drop({"r"})
+    lengths = [adaptive.draft_lengths(["s"])[0] for _ in range(129)]
+    assert [i for i, k in enumerate(lengths) if k] == [127]
+
+
+def test_a_choice_to_speculate_puts_the_probe_interval_back_to_32_steps():
+    adaptive = useless_draft(t_verify=0.0015)  # pays at a first-position acceptance over 1/8
+    for _ in range(96):  # probes at steps 31 and 95: the next interval is 128
+        adaptive.draft_lengths(["r"])
+    for _ in range(12):  # 'r' now accepts everything
+        adaptive.record_verified("r", accepted_len=4, num_verified=4)
+    assert adaptive.draft_lengths(["r"]) == [0]  # choice 97: a plain refresh
+    assert adaptive.draft_lengths(["r"]) == [4]
+    for _ in range(40):  # and then nothing
+        adaptive.record_verified("r", accepted_len=0, num_verified=4)
+    lengths = [adaptive.draft_lengths(["r"])[0] for _ in range(64)]
+    assert [i for i, k in enumerate(lengths) if k] == [31]
+
+
+def test_adaptive_makes_no_probe_when_no_acceptance_could_pay_for_the_draft():
+    """Verifying 4 proposals and drafting the next costs 6x a plain step (a draft as costly as
+    the target): even 5 tokens a step would be slower, so measuring acceptance is no use."""
+    adaptive = useless_draft(t_verify=0.006)
+    lengths = [adaptive.draft_lengths(["r"])[0] for _ in range(600)]
+    assert max(lengths) == 0

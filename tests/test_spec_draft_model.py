@@ -9,6 +9,7 @@ accepted and some rejected), or a model of another architecture (nearly all reje
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -99,15 +100,29 @@ def test_greedy_with_an_unrelated_draft_under_preemption(tiny_models):
     assert_no_leak(llm)
 
 
+BF16 = dict(dtype="bfloat16", max_num_batched_tokens=512, **POOL)
+
+
 @pytest.fixture(scope="module")
-def own_draft_run(tiny_llama):
-    """Greedy requests with the target as its own draft, batched: (outputs, plain outputs, the
-    engine, the engine's steps, the rows of each draft forward). 1 + 5 (k + 1) tokens each: every
-    step after the first token verifies a full draft of k."""
+def plain_llama(tiny_llama) -> LLM:
+    """tiny_llama in bf16 without speculation (its tokens do not depend on the batch)."""
+    return LLM(tiny_llama, **BF16)
+
+
+@pytest.fixture(scope="module")
+def own_draft_llm(tiny_llama) -> LLM:
+    """tiny_llama in bf16 as its own draft, k = 3."""
+    return LLM(tiny_llama, speculative_config=draft_config(tiny_llama), **BF16)
+
+
+@pytest.fixture(scope="module")
+def own_draft_run(plain_llama, own_draft_llm):
+    """Greedy requests with the target as its own draft, batched, on a new engine: (outputs,
+    plain outputs, the engine, the engine's steps, the rows of each draft forward). 1 + 5 (k + 1)
+    tokens each: every step after the first token verifies a full draft of k."""
     params = SamplingParams(temperature=0.0, max_tokens=1 + 5 * (K + 1), ignore_eos=True)
-    kwargs = dict(dtype="bfloat16", max_num_batched_tokens=512, **POOL)
-    reference = generate(LLM(tiny_llama, **kwargs), params)
-    llm = LLM(tiny_llama, speculative_config=draft_config(tiny_llama), **kwargs)
+    reference = generate(plain_llama, params)
+    llm = own_draft_llm
     drafter = llm.engine.core.executor.worker.runner.drafter
     rows = []
 
@@ -118,18 +133,22 @@ def own_draft_run(tiny_llama):
 
         return counting
 
-    drafter.forward = counted(drafter.forward)
-    if drafter.cpu_step is not None:  # greedy proposals take the C argmax step
-        drafter.cpu_step.argmax_tokens = counted(drafter.cpu_step.argmax_tokens)
+    forward, cpu_step = drafter.forward, drafter.cpu_step
+    drafter.forward = counted(forward)
+    if cpu_step is not None:  # greedy proposals take the C argmax step
+        cpu_step.argmax_tokens = counted(cpu_step.argmax_tokens)
     steps_before = llm.engine.num_steps
     outputs = generate(llm, params)
-    return outputs, reference, llm, llm.engine.num_steps - steps_before, rows
+    drafter.forward = forward
+    if cpu_step is not None:
+        del cpu_step.argmax_tokens  # the class's again
+    stats = copy.deepcopy(llm.engine.spec_decoding_stats)
+    return outputs, reference, stats, llm.engine.num_steps - steps_before, rows
 
 
 def test_the_target_as_its_own_draft_has_every_proposal_accepted(own_draft_run):
-    outputs, reference, llm, num_steps, _ = own_draft_run
+    outputs, reference, stats, num_steps, _ = own_draft_run
     assert outputs == reference
-    stats = llm.engine.spec_decoding_stats
     assert stats.num_drafts == 5 * len(PROMPTS)
     assert stats.acceptance_rate == 1.0
     assert stats.mean_acceptance_length == K + 1
@@ -149,7 +168,7 @@ def test_the_draft_runs_k_forwards_a_step_and_skips_the_positions_it_wrote(own_d
     assert rows == prompts_step + verifying_step * 5
 
 
-def test_the_target_as_its_own_draft_accepts_every_sampled_proposal(tiny_llama):
+def test_the_target_as_its_own_draft_accepts_every_sampled_proposal(own_draft_run, own_draft_llm):
     """q equals p bit for bit (the draft's decode and the verification of a position are the
     same computation in bf16, with the same penalties, bans and filters), so min(1, p/q) = 1:
     any misaligned position, penalty history or filter would show as a rejection."""
@@ -165,21 +184,21 @@ def test_the_target_as_its_own_draft_accepts_every_sampled_proposal(tiny_llama):
         seed=4,
         max_tokens=25,
     )
-    kwargs = dict(dtype="bfloat16", speculative_config=draft_config(tiny_llama), **POOL)
-    llm = LLM(tiny_llama, max_num_batched_tokens=512, **kwargs)
+    llm = own_draft_llm  # after own_draft_run: its counters start from that run's
+    before = llm.engine.spec_decoding_stats.num_draft_tokens
     generate(llm, params)
     stats = llm.engine.spec_decoding_stats
-    assert stats.num_draft_tokens > 0
+    assert stats.num_draft_tokens > before
     assert stats.num_accepted_tokens == stats.num_draft_tokens
     assert_no_leak(llm)
 
 
-def test_stops_inside_an_accepted_run_cut_it_as_plain_decoding_does(tiny_llama):
+def test_stops_inside_an_accepted_run_cut_it_as_plain_decoding_does(
+    own_draft_run, plain_llama, own_draft_llm
+):
     """Every proposal of the target as its own draft is accepted, so a stop token id, min_tokens
     and max_tokens fall inside accepted runs: the tokens after them are dropped."""
-    kwargs = dict(dtype="bfloat16", max_num_batched_tokens=512, **POOL)
-    plain = LLM(tiny_llama, **kwargs)
-    llm = LLM(tiny_llama, speculative_config=draft_config(tiny_llama), **kwargs)
+    plain, llm = plain_llama, own_draft_llm
     (tokens, _), *_ = generate(plain, GREEDY, PROMPTS[:1])[0]
     stop = tokens[6]
     first_stop = tokens.index(stop)
@@ -277,13 +296,12 @@ def test_the_cli_takes_a_draft_model_and_prints_the_plain_greedy_text(tiny_llama
 AUTO_PARAMS = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
 
 
-def test_auto_with_the_target_as_its_own_draft_keeps_the_greedy_tokens(tiny_llama):
+def test_auto_with_the_target_as_its_own_draft_keeps_the_greedy_tokens(tiny_llama, plain_llama):
     """Every verified proposal is accepted; how many are verified is the cost model's call (a
     draft as costly as the target hardly pays: tests/test_spec_decode_units.py has the choice)."""
-    kwargs = dict(dtype="bfloat16", max_num_batched_tokens=512, **POOL)
-    reference = generate(LLM(tiny_llama, **kwargs), AUTO_PARAMS, PROMPTS[:1])
+    reference = generate(plain_llama, AUTO_PARAMS, PROMPTS[:1])
     spec = {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": "auto"}
-    llm = LLM(tiny_llama, speculative_config=spec, **kwargs)
+    llm = LLM(tiny_llama, speculative_config=spec, **BF16)
     assert generate(llm, AUTO_PARAMS, PROMPTS[:1]) == reference
     stats = llm.engine.spec_decoding_stats
     assert stats.num_draft_tokens > 0
@@ -291,17 +309,16 @@ def test_auto_with_the_target_as_its_own_draft_keeps_the_greedy_tokens(tiny_llam
     assert_no_leak(llm)
 
 
-def test_auto_with_a_useless_draft_backs_off_to_no_draft(tiny_models):
+def test_auto_with_a_useless_draft_backs_off_to_no_draft(tiny_models, plain_llama):
     """A draft of another architecture: its first verified proposal is rejected, and the
-    draft then runs only for the rare probe (one token every 32 steps)."""
-    kwargs = dict(dtype="bfloat16", max_num_batched_tokens=512, **POOL)
-    reference = generate(LLM(tiny_models["llama"], **kwargs), AUTO_PARAMS, PROMPTS[:1])
+    draft then runs only for the rare probe (one token after 32 steps at k = 0, then 64)."""
+    reference = generate(plain_llama, AUTO_PARAMS, PROMPTS[:1])
     spec = {
         "method": "draft_model",
         "model": tiny_models["qwen3"],
         "num_speculative_tokens": "auto",
     }
-    llm = LLM(tiny_models["llama"], speculative_config=spec, **kwargs)
+    llm = LLM(tiny_models["llama"], speculative_config=spec, **BF16)
     drafter = llm.engine.core.executor.worker.runner.drafter
     proposed = []
     propose = drafter.propose

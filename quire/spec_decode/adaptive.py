@@ -20,8 +20,14 @@ verifications themselves (`record_verified`): a verification of v positions that
 tells the outcome at positions 1..min(a + 1, v), and nothing past them. What is counted per
 position is the acceptance given the positions before it were accepted, and a_r(i) is the
 product of those up to i; a position not measured yet takes the one before it (the first: 1, so
-that a new engine tries). A request at k = 0 runs no draft at all; every `_DRAFT_PROBE`-th of its
-steps it proposes one token to measure again.
+that a new engine tries). A request at k = 0 runs no draft at all, and now and then proposes one
+token to measure again (a probe). A probe costs a two-position verification and the draft's
+catch-up over every position it skipped (for a draft as large as the target, a prefill of them),
+so probes back off: the first after `_DRAFT_PROBE` steps at k = 0, each next one after twice as
+many (up to `_DRAFT_PROBE_MAX`), new requests starting from the longest interval reached, all
+back to `_DRAFT_PROBE` once a choice is k > 0. No probe is made while no acceptance could pay:
+when even a request whose every proposal is accepted would generate fewer tokens per second
+than a plain step, as the measured T says of a draft as costly as the target.
 
 Cost. T(N): the time of a decode-only step computing N tokens. A verified position is computed
 exactly as one more decode (its own row through the weights and its own context read; see
@@ -68,7 +74,10 @@ _BASELINE_REFRESH = 32  # every this many choices, a plain step re-measures T(B)
 # Below this acceptance at the first position for every request, nothing is worth verifying: the
 # choice is k = 0 without the cost model (a position gains at most this many tokens a step).
 _MIN_ACCEPTANCE = 1e-3
-_DRAFT_PROBE = 32  # a draft-model request at k = 0 proposes one token this often (steps)
+# A draft-model request at k = 0 proposes one token after this many steps (its probe); the
+# interval doubles with each probe, up to the cap, and falls back when speculation pays again.
+_DRAFT_PROBE = 32
+_DRAFT_PROBE_MAX = 512
 
 
 @dataclass
@@ -105,6 +114,7 @@ class _RequestState:
     pending_start: int = 0  # the token position its first token proposes
     steps_since_measured: int = 0
     verified: _Verified | None = None  # a draft model's requests
+    probe_interval: int = _DRAFT_PROBE  # a draft model's requests: steps at k = 0 to a probe
 
 
 class StepCostModel:
@@ -154,6 +164,8 @@ class AdaptiveSpeculation:
         self._engine_verified = _Verified(np.zeros(max_k), np.zeros(max_k))
         self._requests: dict[str, _RequestState] = {}
         self._num_choices = 0
+        self._probe_start = _DRAFT_PROBE  # a new draft-model request's probe interval
+        self._rates: dict[str, np.ndarray] = {}  # `acceptance`, until a measurement changes it
 
     # ---- acceptance ------------------------------------------------------------------------
     def observe(self, req_id: str, token_ids: list[int]) -> None:
@@ -189,25 +201,60 @@ class AdaptiveSpeculation:
         state.steps_since_measured = 0
         state.verified.add(accepted_len, num_verified, _REQUEST_DECAY)
         self._engine_verified.add(accepted_len, num_verified, _ENGINE_DECAY)
+        self._rates.clear()
 
     def draft_lengths(self, req_ids: list[str]) -> list[int]:
         """How many tokens the draft model proposes after this step for each of these requests
-        (the next step verifies them): the choice, or one to measure again a request that has
-        been at 0 for `_DRAFT_PROBE` steps."""
-        lengths = self.choose(req_ids)
+        (the next step verifies them): the choice, or one token to measure again (a probe) for
+        a request that has been at 0 for its probe interval, if some acceptance could make
+        speculation pay at this batch size (`_could_pay`). Each probe doubles the interval (up
+        to `_DRAFT_PROBE_MAX`), and new requests start from the longest interval reached; a
+        choice of k > 0 puts both back to `_DRAFT_PROBE`."""
+        could_pay = self._could_pay(len(req_ids))
+        if could_pay:
+            lengths = self.choose(req_ids)
+        else:  # no acceptance pays: k = 0 for every request, without weighing each one's rates
+            self._num_choices += 1
+            lengths = [0] * len(req_ids)
         for i, req_id in enumerate(req_ids):
             state = self._state(req_id)
             state.steps_since_measured += 1
-            if lengths[i] == 0 and state.steps_since_measured >= _DRAFT_PROBE:
-                lengths[i] = 1
             if lengths[i]:
                 state.steps_since_measured = 0
+                state.probe_interval = self._probe_start = _DRAFT_PROBE
+            elif could_pay and state.steps_since_measured >= state.probe_interval:
+                lengths[i] = 1
+                state.steps_since_measured = 0
+                state.probe_interval = min(2 * state.probe_interval, _DRAFT_PROBE_MAX)
+                self._probe_start = max(self._probe_start, state.probe_interval)
         return lengths
 
+    def _could_pay(self, num_decodes: int) -> bool:
+        """Whether a step verifying some number of proposals (up to max_k a request), all of
+        them accepted, would generate more tokens per second than a plain step; True while T(B)
+        is not known yet. When no acceptance pays (a draft about as costly as the target), the
+        choice is k = 0 whatever is measured, and a probe only costs the draft's catch-up over
+        the positions it skipped."""
+        counts = np.arange(num_decodes * self.max_k + 1)
+        seconds = self.cost.predict(num_decodes + counts)
+        if not np.isfinite(seconds[0]):
+            return True
+        return bool(np.any((num_decodes + counts[1:]) / seconds[1:] > num_decodes / seconds[0]))
+
     def acceptance(self, req_id: str) -> np.ndarray:
-        """a_r(i) for i = 1..max_k: this request's acceptance rate by position."""
-        if self.drafted:
-            return self._verified_acceptance(req_id)
+        """a_r(i) for i = 1..max_k: this request's acceptance rate by position (kept until a
+        measurement of any request changes the engine-wide rates it is shrunk towards)."""
+        rates = self._rates.get(req_id)
+        if rates is None:
+            rates = self._rates[req_id] = (
+                self._verified_acceptance(req_id)
+                if self.drafted
+                else self._lookup_acceptance(req_id)
+            )
+        return rates
+
+    def _lookup_acceptance(self, req_id: str) -> np.ndarray:
+        """`acceptance` from the proposals' measured accepted lengths (module doc)."""
         engine = self._engine
         prior = engine.hits / engine.attempts if engine.attempts else np.zeros(self.max_k)
         own = self._state(req_id).acceptance
@@ -228,7 +275,7 @@ class AdaptiveSpeculation:
         """a_r(1), the largest of the request's rates (they do not grow with the position):
         `acceptance` for the first position alone, in plain floats."""
         if self.drafted:
-            return float(self._verified_acceptance(req_id)[0])
+            return float(self.acceptance(req_id)[0])
         engine, own = self._engine, self._state(req_id).acceptance
         prior = engine.hits[0] / engine.attempts if engine.attempts else 0.0
         return (own.hits[0] + _PRIOR_WEIGHT * prior) / (own.attempts + _PRIOR_WEIGHT)
@@ -237,6 +284,7 @@ class AdaptiveSpeculation:
         state.pending = []
         state.acceptance.add(accepted_len, _REQUEST_DECAY)
         self._engine.add(accepted_len, _ENGINE_DECAY)
+        self._rates.clear()
 
     def _state(self, req_id: str) -> _RequestState:
         state = self._requests.get(req_id)
@@ -244,11 +292,13 @@ class AdaptiveSpeculation:
             state = self._requests[req_id] = _RequestState(_Acceptance(np.zeros(self.max_k)))
             if self.drafted:
                 state.verified = _Verified(np.zeros(self.max_k), np.zeros(self.max_k))
+                state.probe_interval = self._probe_start
         return state
 
     def drop(self, req_ids: set[str]) -> None:
         for req_id in req_ids:
             self._requests.pop(req_id, None)
+            self._rates.pop(req_id, None)
 
     # ---- the choice ------------------------------------------------------------------------
     def choose(self, req_ids: list[str]) -> list[int]:

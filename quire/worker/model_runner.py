@@ -348,10 +348,9 @@ class ModelRunner:
                     output, step, input_ids, positions, metadata, first_rows
                 )
         if self.drafter is not None:
-            with torch.inference_mode():
-                result.draft_token_ids = self._propose(
-                    output, result, step, input_ids, positions, metadata, first_rows
-                )
+            result.draft_token_ids = self._propose(
+                output, result, step, input_ids, positions, metadata, first_rows
+            )
         return result
 
     def _propose(
@@ -375,39 +374,40 @@ class ModelRunner:
         if not computed and num_draft is not None and not any(num_draft.values()):
             # "auto" chose k = 0 for every request: no draft row to compute or keep up.
             return drafter.propose_nothing(result.sampled_token_ids, forking)
-        if computed:
-            drafter.forward_step(input_ids, positions, metadata, self.backend)
-        ids = input_ids.tolist()
-        spec = output.scheduled_spec_decode_tokens
-        entries = []
-        for (s, n), first in zip(step, first_rows):
-            sampled = result.sampled_token_ids.get(s.req_id)
-            num_final = n  # less the rejected proposals, past the accepted ones
-            if sampled is not None:
-                num_final -= len(spec.get(s.req_id, ())) + 1 - len(sampled)
-            final = ids[first : first + num_final]
-            entries.append((s.req_id, s.row, s.num_computed_tokens, s.token_ids, final))
-        keep_up = None if num_draft is None else {r for r, k in num_draft.items() if k}
-        pending = drafter.catch_up(entries, batch.block_table, keep_up, computed)
-        proposing = []
-        for req_id, token_ids in result.sampled_token_ids.items():
-            if req_id in forking:
-                drafter.drafts.pop(req_id, None)
-                continue
-            s = batch.requests[req_id]
-            proposing.append(
-                drafter.proposing(
-                    req_id,
-                    s.row,
-                    int(batch.num_blocks[s.row]),
-                    s.prompt_token_ids,
-                    s.token_ids + token_ids,
-                    s.sampling_params,
-                    s.index,
-                    drafter.k if num_draft is None else num_draft.get(req_id, 0),
+        with torch.inference_mode():  # entered only when the draft computes: ~20 us each way
+            if computed:
+                drafter.forward_step(input_ids, positions, metadata, self.backend)
+            ids = input_ids.tolist()
+            spec = output.scheduled_spec_decode_tokens
+            entries = []
+            for (s, n), first in zip(step, first_rows):
+                sampled = result.sampled_token_ids.get(s.req_id)
+                num_final = n  # less the rejected proposals, past the accepted ones
+                if sampled is not None:
+                    num_final -= len(spec.get(s.req_id, ())) + 1 - len(sampled)
+                final = ids[first : first + num_final]
+                entries.append((s.req_id, s.row, s.num_computed_tokens, s.token_ids, final))
+            keep_up = None if num_draft is None else {r for r, k in num_draft.items() if k}
+            pending = drafter.catch_up(entries, batch.block_table, keep_up, computed)
+            proposing = []
+            for req_id, token_ids in result.sampled_token_ids.items():
+                if req_id in forking:
+                    drafter.drafts.pop(req_id, None)
+                    continue
+                s = batch.requests[req_id]
+                proposing.append(
+                    drafter.proposing(
+                        req_id,
+                        s.row,
+                        int(batch.num_blocks[s.row]),
+                        s.prompt_token_ids,
+                        s.token_ids + token_ids,
+                        s.sampling_params,
+                        s.index,
+                        drafter.k if num_draft is None else num_draft.get(req_id, 0),
+                    )
                 )
-            )
-        return drafter.propose(proposing, pending, batch.block_table, self.backend)
+            return drafter.propose(proposing, pending, batch.block_table, self.backend)
 
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
