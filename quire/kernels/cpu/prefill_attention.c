@@ -51,6 +51,8 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include "kv_codes.h"
+
 #define BLOCK_ROWS 32  // query rows per kernel block: two zmm of lanes
 #define KEY_TILE 64    // keys per online-softmax step; a multiple of 8
 #define MAX_ROWS 256   // rows (group heads x tokens) per task; a multiple of BLOCK_ROWS
@@ -271,30 +273,28 @@ static inline __attribute__((always_inline)) void attend(const Problem* pb, cons
     }
 }
 
-// A quantized row (kv_quant.h: D codes, then the float32 scale) as bf16: code * scale rounded
-// to nearest even in integers (vcvtneps2bf16 would flush subnormals). D a multiple of 16.
+// A quantized row (kv_quant.h: D codes, then the float32 scale) as bf16: each code's exact bf16
+// value (kv_codes.h) widened, times the scale in float32, rounded to nearest even in integers
+// (vcvtneps2bf16 would flush subnormals). D a multiple of 32.
 static inline void dequantize_row(int kind, const char* row, int D, uint16_t* dst) {
     float scale;
     memcpy(&scale, row + D, sizeof(scale));
     const __m512 s = _mm512_set1_ps(scale);
-    const int e4m3 = kind == KV_FP8_E4M3;
-    const __m512i mask = _mm512_set1_epi32(e4m3 ? (int)0x87F00000u : (int)0x8FE00000u);
-    const __m512 rebias = _mm512_set1_ps(e4m3 ? 0x1p120f : 0x1p112f);
-    const __m128i shift = _mm_cvtsi32_si128(e4m3 ? 20 : 21);
+    const __m512i sub = subnormal_bf16(kind);
     const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
-    for (int d = 0; d < D; d += 16) {
-        const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(row + d)));
-        const __m512 code =
-            kind == KV_INT8
-                ? _mm512_cvtepi32_ps(w)
-                : _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_sll_epi32(w, shift),
-                                                                     mask)),
-                                rebias);
-        const __m512i u = _mm512_castps_si512(_mm512_mul_ps(code, s));
-        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
-        const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(half, odd));
-        _mm256_storeu_si256((__m256i*)(dst + d),
-                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+    for (int d = 0; d < D; d += 32) {
+        const __m512i codes = kind == KV_INT8       ? codes_to_bf16(KV_INT8, row + d, sub)
+                              : kind == KV_FP8_E4M3 ? codes_to_bf16(KV_FP8_E4M3, row + d, sub)
+                                                    : codes_to_bf16(KV_FP8_E5M2, row + d, sub);
+        for (int h = 0; h < 2; h++) {
+            const __m256i b = h ? _mm512_extracti64x4_epi64(codes, 1) : _mm512_castsi512_si256(codes);
+            const __m512 value = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+            const __m512i u = _mm512_castps_si512(_mm512_mul_ps(value, s));
+            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+            const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(half, odd));
+            _mm256_storeu_si256((__m256i*)(dst + d + 16 * h),
+                                _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+        }
     }
 }
 
