@@ -59,6 +59,25 @@ def engines_by_dtype(args: argparse.Namespace, **settings) -> dict:
     }
 
 
+def interleaved(names: list[str], rounds: int, run) -> dict[str, list[float]]:
+    """`run(name, round)`'s seconds for every name each round, the order reversed every other
+    round (ABBA), so that every name's runs share the host's moments."""
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            times[name].append(run(name, r))
+    return times
+
+
+def ratio_summary(times: list[float], base: list[float]) -> str:
+    """The median and quartiles over rounds of each round's time over the base's."""
+    import statistics
+
+    ratios = [a / b for a, b in zip(times, base)]
+    low, _, high = statistics.quantiles(ratios, n=4)
+    return f"median of rounds {statistics.median(ratios):.3f}x (quartiles {low:.3f}-{high:.3f})"
+
+
 def decode_speed(args: argparse.Namespace) -> None:
     import random
     import statistics
@@ -73,22 +92,19 @@ def decode_speed(args: argparse.Namespace) -> None:
         engine.add_request("decode", prompt, params)
         for _ in range(4):  # the prefill (chunks), then warm-up decodes
             engine.step()
-    times = {name: [] for name in engines}
-    for r in range(args.rounds):
-        order = list(engines) if r % 2 == 0 else list(engines)[::-1]
-        for name in order:
-            start = time.perf_counter()
-            engines[name].step()
-            times[name].append(time.perf_counter() - start)
+
+    def step(name: str, _: int) -> float:
+        start = time.perf_counter()
+        engines[name].step()
+        return time.perf_counter() - start
+
+    times = interleaved(list(engines), args.rounds, step)
     base = times[args.dtypes[0]]
     for name, t in times.items():
-        ratios = [a / b for a, b in zip(t, base)]
         print(
             f"{name:9s} decode step at context ~{args.prompt_len}: median "
             f"{statistics.median(t) * 1e3:.2f} ms (fastest {min(t) * 1e3:.2f}); "
-            f"/ {args.dtypes[0]}: median of rounds {statistics.median(ratios):.3f}x "
-            f"(quartiles {statistics.quantiles(ratios, n=4)[0]:.3f}-"
-            f"{statistics.quantiles(ratios, n=4)[2]:.3f}), fastest steps "
+            f"/ {args.dtypes[0]}: {ratio_summary(t, base)}, fastest steps "
             f"{min(t) / min(base):.3f}x",
             flush=True,
         )
@@ -119,20 +135,15 @@ def prefill_speed(args: argparse.Namespace) -> None:
 
     for engine in engines.values():
         run(engine, "prefix", prefix)
-    times = {name: [] for name in engines}
-    for r in range(args.rounds):
-        chunk = [rng.randrange(10, vocab) for _ in range(args.chunk)]
-        order = list(engines) if r % 2 == 0 else list(engines)[::-1]
-        for name in order:
-            times[name].append(run(engines[name], f"r{r}", prefix + chunk))
+    chunks = [[rng.randrange(10, vocab) for _ in range(args.chunk)] for _ in range(args.rounds)]
+    times = interleaved(
+        list(engines), args.rounds, lambda name, r: run(engines[name], f"r{r}", prefix + chunks[r])
+    )
     base = times[args.dtypes[0]]
     for name, t in times.items():
-        ratios = [a / b for a, b in zip(t, base)]
         print(
             f"{name:9s} {args.chunk}-token chunk after a cached {args.prompt_len}: median "
-            f"{statistics.median(t) * 1e3:.1f} ms; / {args.dtypes[0]}: median of rounds "
-            f"{statistics.median(ratios):.3f}x (quartiles "
-            f"{statistics.quantiles(ratios, n=4)[0]:.3f}-{statistics.quantiles(ratios, n=4)[2]:.3f})",
+            f"{statistics.median(t) * 1e3:.1f} ms; / {args.dtypes[0]}: {ratio_summary(t, base)}",
             flush=True,
         )
 
@@ -169,20 +180,19 @@ def kernel_speed(args: argparse.Namespace) -> None:
             else:
                 k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots] = k, v
         caches[name] = cache
-    times = {name: [] for name in caches}
-    for r in range(args.rounds):
-        for name in list(caches) if r % 2 == 0 else list(caches)[::-1]:
-            start = time.perf_counter()
-            for k_cache, v_cache in caches[name].layers:
-                cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
-            times[name].append((time.perf_counter() - start) / args.layers)
+
+    def layers(name: str, _: int) -> float:
+        start = time.perf_counter()
+        for k_cache, v_cache in caches[name].layers:
+            cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
+        return (time.perf_counter() - start) / args.layers
+
+    times = interleaved(list(caches), args.rounds, layers)
     for name, t in times.items():
-        ratios = [a / b for a, b in zip(t, times["auto"])]
         print(
             f"{name:9s} {args.shape} kernel at context {length}, {args.layers} layers, "
             f"{torch.get_num_threads()} threads: median {statistics.median(t) * 1e6:.1f} us a "
-            f"layer; / bf16: median of rounds {statistics.median(ratios):.3f}x (quartiles "
-            f"{statistics.quantiles(ratios, n=4)[0]:.3f}-{statistics.quantiles(ratios, n=4)[2]:.3f})",
+            f"layer; / bf16: {ratio_summary(t, times['auto'])}",
             flush=True,
         )
 
