@@ -188,6 +188,11 @@ class EngineArgs:
         help="the GEMV kernel's inner loop: two float32 FMAs (--gemv-fma) or vdpbf16ps "
         "(--no-gemv-fma), the same bits; default: whichever a timing probe finds faster",
     )
+    cpu_amx: bool = _knob(
+        env="QUIRE_CPU_AMX",
+        help="on a CPU with AMX, run bf16 matmuls of every row count on AMX tiles in quire's "
+        "own order (kernels/cpu/matmul_amx.c); off: the AVX-512 GEMV order",
+    )
     huge_pages: bool = _knob(
         env="QUIRE_HUGE_PAGES",
         help="put the CPU weights and KV cache on transparent huge pages",

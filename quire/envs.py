@@ -40,6 +40,12 @@ class Environment:
     """0 or 1 forces the GEMV kernel's inner loop (0: vdpbf16ps, 1: two float32 FMAs; same bits);
     unset, a timing probe at first use picks the faster. Default of EngineConfig.gemv_fma."""
 
+    QUIRE_CPU_AMX: bool = True
+    """0: the C kernels leave AMX tiles alone, and the GEMV kernel sums in its AVX-512 order on
+    a CPU with AMX too (to run the path of CPUs without AMX; set ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16
+    and ATEN_CPU_CAPABILITY=avx512 beside it to hide AMX from torch as well). Default of
+    EngineConfig.cpu_amx."""
+
     QUIRE_HUGE_PAGES: bool = True
     """0: no transparent huge pages for the CPU weights and KV cache (quire/worker/host_memory.py).
     Default of EngineConfig.huge_pages."""

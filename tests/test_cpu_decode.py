@@ -1,6 +1,6 @@
 """The one-call-per-layer CPU decode path gives the module path's bits (hidden states and stored
-K/V), takes only decode-only steps (of at most gemv.max_rows() requests: any number without AMX),
-and its bf16 logprobs stay as close to float32 as transformers' own bf16."""
+K/V), takes every decode-only step (of any number of requests, AMX or not) and no other, and
+its bf16 logprobs stay as close to float32 as transformers' own bf16."""
 
 from __future__ import annotations
 
@@ -62,8 +62,8 @@ def check_each_fused_step(runner: ModelRunner, monkeypatch) -> list[int]:
             return model(input_ids, positions)
 
     def check(input_ids, positions, metadata, run) -> tuple:
-        num_seqs = input_ids.shape[0]  # a decode-only step of at most max_rows() requests
-        assert metadata.num_decodes == metadata.num_seqs == num_seqs <= gemv.max_rows()
+        num_seqs = input_ids.shape[0]  # a decode-only step
+        assert metadata.num_decodes == metadata.num_seqs == num_seqs
         result = run()
         fused_kv = stored_kv(runner, metadata.slot_mapping)
         expected = module_path(input_ids, positions, metadata)
@@ -98,8 +98,8 @@ def check_each_fused_step(runner: ModelRunner, monkeypatch) -> list[int]:
 
 def record_takes(runner: ModelRunner, monkeypatch) -> list[tuple[int, int, int, bool]]:
     """Wraps `runner.cpu_step.takes`: (num_tokens, num_decodes, num_seqs, taken) of every step.
-    A step is taken exactly when it is decode only with at most gemv.max_rows() requests
-    (asserted before the fused path would run a step it cannot)."""
+    A step is taken exactly when it is decode only (asserted before the fused path would run a
+    step it cannot)."""
     path = runner.cpu_step
     takes = path.takes
     seen: list[tuple[int, int, int, bool]] = []
@@ -107,7 +107,7 @@ def record_takes(runner: ModelRunner, monkeypatch) -> list[tuple[int, int, int, 
     def spy(metadata, num_tokens):
         taken = takes(metadata, num_tokens)
         decode_only = metadata.num_decodes == metadata.num_seqs == num_tokens
-        assert taken == (decode_only and num_tokens <= gemv.max_rows()), (
+        assert taken == decode_only, (
             metadata.num_decodes,
             metadata.num_seqs,
             num_tokens,
@@ -174,25 +174,6 @@ def test_decode_steps_of_more_than_eight_requests_are_fused_bit_for_bit(
     assert steps == [20] * 3 + [12] * 3
 
 
-def test_more_decoding_requests_than_max_rows_take_the_module_path(bf16_llms, monkeypatch) -> None:
-    monkeypatch.setattr(gemv, "max_rows", lambda: 8)  # read at each step: 9 requests are too many
-    model = model_of(bf16_llms["llama"])
-    steps = check_each_fused_step(model, monkeypatch)
-    seen = record_takes(model, monkeypatch)
-    params = [greedy(2)] + [greedy(4)] * 8  # the first request finishes after one decode step
-    bf16_llms["llama"].generate(token_prompts([3] * 9), params, use_tqdm=False)
-    # The runner asks the argmax path first; declined there, the step goes to the module path.
-    assert seen == [
-        (27, 0, 9, False),
-        (9, 9, 9, False),
-        (9, 9, 9, False),
-        (8, 8, 8, True),
-        (8, 8, 8, True),
-    ]
-    assert steps == [8, 8]
-
-
-@pytest.mark.skipif(gemv.max_rows() < 300, reason="with AMX, oneDNN runs wide steps")
 def test_decode_only_steps_of_hundreds_of_requests_are_fused(tiny_llama, monkeypatch) -> None:
     llm = make_llm(tiny_llama, num_kv_blocks=310, max_num_seqs=300)
     model = model_of(llm)

@@ -1,11 +1,9 @@
-"""The GEMV kernel (bf16 x W^T + b for any number of rows, in passes of 8 rows per weight panel)
-gives oneDNN's bits (torch's bf16 linear on CPU), a row the same bits whatever the batch, threads or
-row stride, and PackedLinear runs every row count in it (on a CPU with AMX, only up to
-gemv.max_rows(): oneDNN runs more)."""
+"""The GEMV kernel (bf16 x W^T + b for any number of rows) gives a row the same bits whatever the
+batch, threads or row stride, in each of its orders: AVX-512 (passes of 8 rows per weight panel,
+oneDNN's bits where oneDNN does not run on AMX tiles) and AMX tiles (matmul_amx.c, on CPUs that
+have them); PackedLinear runs every row count in it."""
 
 from __future__ import annotations
-
-import sys
 
 import pytest
 import torch
@@ -31,6 +29,40 @@ def make_case(
     return x, weight, b
 
 
+@pytest.fixture(params=["avx512", "amx"])
+def order(request, kernel_settings) -> str:
+    """Each order the kernel sums in on this CPU, set as EngineConfig.cpu_amx sets it: "avx512"
+    everywhere the kernel runs, "amx" where AMX tiles run too."""
+    amx = request.param == "amx"
+    if amx and not gemv.amx_available():
+        pytest.skip("this CPU (or its kernel) has no AMX tiles")
+    cpu_kernels.configure(cpu_kernels.KernelSettings(enabled=True, gemv_fma=None, amx=amx))
+    assert gemv.uses_amx() == amx
+    return request.param
+
+
+@pytest.fixture
+def amx_order(kernel_settings) -> None:
+    """The kernel on AMX tiles, on CPUs that have them."""
+    if not gemv.amx_available():
+        pytest.skip("this CPU (or its kernel) has no AMX tiles")
+    cpu_kernels.configure(cpu_kernels.KernelSettings(enabled=True, gemv_fma=None, amx=True))
+
+
+def onednn_order_reproducible() -> bool:
+    """Whether the AVX-512 order reproduces torch's bf16 linear here: no where oneDNN runs on AMX
+    tiles (hide them with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 to cover these tests there)."""
+    return gemv._matching_k_block(256, 1536, False) is not None
+
+
+@pytest.fixture
+def onednn_order(kernel_settings) -> None:
+    """The kernel in its AVX-512 order, where that order is oneDNN's."""
+    cpu_kernels.configure(cpu_kernels.KernelSettings(enabled=True, gemv_fma=None, amx=False))
+    if not onednn_order_reproducible():
+        pytest.skip("oneDNN runs on AMX tiles here: its bits are not the kernel's")
+
+
 def run(x, weight, b, out_dtype=torch.bfloat16) -> torch.Tensor:
     """gemv.gemv with the weight packed and the block size found as PackedLinear finds them."""
     out_features, in_features = weight.shape
@@ -47,7 +79,7 @@ ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 24, 33, 64, 100]
 @pytest.mark.parametrize("out_features", [7, 130, 1000])  # 7, 130: a padded panel
 @pytest.mark.parametrize("in_features", [32, 64, 576, 1000, 1536, 3072])  # one, two, 3 blocks
 @pytest.mark.parametrize("bias", [False, True])
-def test_gemv_gives_torch_bf16_linear_bits(out_features, in_features, bias) -> None:
+def test_gemv_gives_torch_bf16_linear_bits(out_features, in_features, bias, onednn_order) -> None:
     for rows in ROWS:
         x, weight, b = make_case(rows, out_features, in_features, bias, seed=rows)
         out = run(x, weight, b)
@@ -58,7 +90,28 @@ def test_gemv_gives_torch_bf16_linear_bits(out_features, in_features, bias) -> N
         assert torch.equal(out, expected), (out != expected).sum()
 
 
-def test_a_lone_row_of_more_than_1024_columns_is_summed_as_in_a_batch() -> None:
+@pytest.mark.parametrize("out_features", [7, 130, 1000])
+@pytest.mark.parametrize("in_features", [32, 64, 576, 1000, 1536, 3072])
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_gives_the_product_within_a_bf16_rounding(
+    out_features, in_features, bias, amx_order
+) -> None:
+    """On AMX tiles (a chain of tile products, then the last K % 32 columns by pairs): each
+    output is the exact product rounded to bf16, or one of its two bf16 neighbours (up to the
+    float32 sums' own rounding, where the products cancel)."""
+    for rows in ROWS:
+        x, weight, b = make_case(rows, out_features, in_features, bias, seed=rows)
+        out = run(x, weight, b)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+        exact = x.double() @ weight.double().T + (0 if b is None else b.double())
+        ulp = 2.0 ** (torch.frexp(exact.abs().clamp_min(1e-30))[1] - 8)  # bf16's step there
+        # float32 sums of a few hundred products: their rounding, far below a bf16 step
+        float32_sums = 2.0**-20 * (x.double().abs() @ weight.double().abs().T)
+        error = (out.double() - exact).abs()
+        assert (error <= ulp + float32_sums).all(), (rows, (error - ulp - float32_sums).max())
+
+
+def test_a_lone_row_of_more_than_1024_columns_is_summed_as_in_a_batch(onednn_order) -> None:
     # The case where oneDNN's lone-row order differs from its batch order in one output: the
     # kernel gives the batch order for the lone row too, so a row's bits never depend on the
     # batch (quire runs every row count in the kernel).
@@ -70,7 +123,7 @@ def test_a_lone_row_of_more_than_1024_columns_is_summed_as_in_a_batch() -> None:
 
 
 @pytest.mark.parametrize("in_features", [576, 1536, 3072])
-def test_the_probe_tells_block_sizes_apart(in_features) -> None:
+def test_the_probe_tells_block_sizes_apart(in_features, onednn_order) -> None:
     # k_block_for picks the block size whose bits match oneDNN's on a probe; every other block
     # size must fail on it, or a wrong one could be picked.
     weight, x = gemv._probe(256, in_features)
@@ -87,7 +140,7 @@ def test_the_probe_tells_block_sizes_apart(in_features) -> None:
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 19])
 @pytest.mark.parametrize("bias", [False, True])
-def test_float32_output_is_the_bf16_output_widened(rows, bias) -> None:
+def test_float32_output_is_the_bf16_output_widened(rows, bias, order) -> None:
     x, weight, b = make_case(rows, 130, 576, bias)
     out = run(x, weight, b, torch.float32)
     assert out.dtype == torch.float32
@@ -95,7 +148,7 @@ def test_float32_output_is_the_bf16_output_widened(rows, bias) -> None:
 
 
 @pytest.mark.parametrize("rows", [5, 13])  # one pass; two, the second starting at row 6
-def test_strided_rows_give_the_contiguous_result(rows) -> None:
+def test_strided_rows_give_the_contiguous_result(rows, order) -> None:
     x, weight, b = make_case(rows, 130, 576, True)
     expected = run(x, weight, b)
     wide = torch.zeros(rows, 576 + 96, dtype=torch.bfloat16)
@@ -107,18 +160,20 @@ def test_strided_rows_give_the_contiguous_result(rows) -> None:
     assert torch.equal(run(column_strided, weight, b), expected)
 
 
-def test_a_rows_result_does_not_depend_on_the_rest_of_the_batch() -> None:
-    # 20 rows: the prefixes take one to three passes (20 = 6 + 7 + 7), so a row's place in its
-    # pass, and the pass it is in, change with the batch.
-    x, weight, b = make_case(20, 1000, 1536, True)  # enough outputs to catch a different
-    batch = run(x, weight, b)  # summation order, which changes ~0.3% of them
-    for i in range(20):
+@pytest.mark.parametrize("in_features", [1536, 1000])  # 1000: AMX's last 8 columns by pairs
+def test_a_rows_result_does_not_depend_on_the_rest_of_the_batch(order, in_features) -> None:
+    # 70 rows: AVX-512's prefixes take one to nine passes (20 = 6 + 7 + 7, ...), AMX's one to
+    # three groups of up to 32 rows on tiles of 1 to 16 rows, so a row's place in its pass or
+    # tile, and the pass it is in, change with the batch.
+    x, weight, b = make_case(70, 1000, in_features, True)  # enough outputs to catch a
+    batch = run(x, weight, b)  # different summation order, which changes ~0.3% of them
+    for i in range(70):
         assert torch.equal(run(x[i : i + 1], weight, b), batch[i : i + 1]), i
         assert torch.equal(run(x[: i + 1], weight, b), batch[: i + 1]), i
 
 
 @pytest.mark.parametrize("rows", [6, 20])
-def test_result_does_not_depend_on_the_thread_count(rows) -> None:
+def test_result_does_not_depend_on_the_thread_count(rows, order) -> None:
     x, weight, b = make_case(rows, 1000, 576, True)  # 32 panels: split across threads
     threads = torch.get_num_threads()
     try:
@@ -131,22 +186,25 @@ def test_result_does_not_depend_on_the_thread_count(rows) -> None:
     assert torch.equal(one, two)
 
 
-@pytest.mark.parametrize("fma", [False, True])
-def test_both_inner_loops_give_onednns_bits(fma, kernel_settings) -> None:
+def test_both_inner_loops_give_the_same_bits(kernel_settings) -> None:
     """vdpbf16ps and its emulation by two FMAs (picked by a timing probe, forced here as
-    EngineConfig.gemv_fma does) give the same bits: oneDNN's from two rows on, a lone row's as
-    in a batch."""
-    cpu_kernels.configure(cpu_kernels.KernelSettings(enabled=True, gemv_fma=fma))
-    assert cpu_kernels.load_library().gemv_bf16_uses_fma() == fma
+    EngineConfig.gemv_fma does) give the same bits, for a lone row as in a batch; where the
+    AVX-512 order is oneDNN's, oneDNN's bits from two rows on."""
     gen = torch.Generator().manual_seed(0)
     for k in (576, 1536, 3072):
         x = torch.randn(19, k, generator=gen).bfloat16()
         w = (torch.randn(130, k, generator=gen) / k**0.5).bfloat16()
         b = torch.randn(130, generator=gen).bfloat16()
-        k_block = gemv.k_block_for(130, k, True)
-        out = gemv.gemv(x, gemv.pack(w), b, 130, k_block)
-        assert torch.equal(out[1:], F.linear(x[1:], w, b)), k  # oneDNN's bits from two rows on
-        assert torch.equal(out[:1], gemv.gemv(x[:1], gemv.pack(w), b, 130, k_block)), k
+        outs = []
+        for fma in (False, True):
+            cpu_kernels.configure(cpu_kernels.KernelSettings(enabled=True, gemv_fma=fma, amx=False))
+            assert gemv.path() == ("avx512-fma" if fma else "avx512-bf16")
+            k_block = gemv.k_block_for(130, k, True)
+            outs.append(gemv.gemv(x, gemv.pack(w), b, 130, k_block))
+            assert torch.equal(outs[-1][:1], gemv.gemv(x[:1], gemv.pack(w), b, 130, k_block))
+        assert torch.equal(outs[0], outs[1]), k
+        if onednn_order_reproducible():
+            assert torch.equal(outs[0][1:], F.linear(x[1:], w, b)), k
 
 
 def test_pack_holds_panels_of_32_outputs_by_column_pairs() -> None:
@@ -202,65 +260,30 @@ needs_onednn = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
-def amx(monkeypatch):
-    """amx(present): gemv.max_rows() as on a CPU with or without AMX tiles (its cache cleared
-    then, and again after the test)."""
-
-    def set_amx(present: bool) -> None:
-        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: present, raising=False)
-        gemv.max_rows.cache_clear()
-
-    yield set_amx
-    gemv.max_rows.cache_clear()
-
-
 @needs_onednn
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_runs_up_to_max_rows_in_the_gemv_kernel(gemv_calls, bias) -> None:
-    x, weight, b = make_case(max(ROWS), 130, 576, bias)
+def test_packed_linear_runs_every_row_count_in_the_gemv_kernel(gemv_calls, order, bias) -> None:
+    x, weight, b = make_case(600, 130, 576, bias)
     linear = PackedLinear(weight, b, use_gemv=True)
-    assert linear.gemv_weight is not None
-    for rows in ROWS:
-        expected = F.linear(x[:rows], weight, b)
+    assert linear.gemv_weight is not None and linear.packed_weight is None  # no oneDNN copy
+    for rows in [*ROWS, 600]:
         gemv_calls.clear()
-        assert torch.equal(linear(x[:rows]), expected)
-        assert gemv_calls == ([rows] if rows <= gemv.max_rows() else [])
+        out = linear(x[:rows])
+        assert gemv_calls == [rows]
+        assert torch.equal(out, run(x[:rows], weight, b))
         widened = linear(x[:rows], out_dtype=torch.float32)
-        assert widened.dtype == torch.float32 and torch.equal(widened, expected.float())
+        assert widened.dtype == torch.float32 and torch.equal(widened, out.float())
     gemv_calls.clear()
     out = linear(x[:24].view(2, 3, 4, 576))  # leading dimensions flattened: 24 rows
     assert gemv_calls == [24] and torch.equal(out, linear(x[:24]).view(2, 3, 4, 130))
 
 
 @needs_onednn
-def test_without_amx_packed_linear_runs_every_row_count_in_the_gemv_kernel(gemv_calls, amx) -> None:
-    amx(False)
-    assert gemv.max_rows() == sys.maxsize
-    x, weight, b = make_case(600, 40, 64, True)  # a small weight keeps 600 rows cheap
+def test_packed_linear_gives_torch_bf16_linear_bits_in_onednns_order(onednn_order) -> None:
+    x, weight, b = make_case(100, 130, 576, True)
     linear = PackedLinear(weight, b, use_gemv=True)
-    assert linear.gemv_weight is not None and linear.packed_weight is None  # no oneDNN copy
-    gemv_calls.clear()
-    assert torch.equal(linear(x), F.linear(x, weight, b))
-    assert gemv_calls == [600]
-
-
-@needs_onednn
-@pytest.mark.parametrize("rows", [33, 100])
-def test_with_amx_packed_linear_runs_more_than_32_rows_in_onednn(gemv_calls, amx, rows) -> None:
-    amx(True)
-    assert gemv.max_rows() == 32
-    x, weight, b = make_case(rows, 130, 576, True)
-    linear = PackedLinear(weight, b, use_gemv=True)
-    assert linear.gemv_weight is not None and linear.packed_weight is not None
-    gemv_calls.clear()
-    assert torch.equal(linear(x[:32]), F.linear(x[:32], weight, b))
-    assert gemv_calls == [32]
-    gemv_calls.clear()
-    out = linear(x)
-    assert torch.equal(out, F.linear(x, weight, b))  # oneDNN's packed weight: nn.Linear's bits
-    assert torch.equal(linear(x, out_dtype=torch.float32), out.float())
-    assert gemv_calls == []
+    for rows in ROWS:
+        assert torch.equal(linear(x[:rows]), F.linear(x[:rows], weight, b)), rows
 
 
 @needs_onednn
@@ -282,24 +305,29 @@ def test_packed_linear_keeps_no_gemv_copy_for_unsupported_columns(gemv_calls) ->
 
 
 @needs_onednn
-def test_no_gemv_copy_when_no_block_size_gives_onednns_bits(gemv_calls, monkeypatch) -> None:
-    # A oneDNN that sums some other way (another version or machine): the kernel must not be
-    # used, or a request's tokens would depend on which path its steps took.
+def test_own_order_when_no_block_size_gives_onednns_bits(
+    gemv_calls, monkeypatch, kernel_settings
+) -> None:
+    # A oneDNN that sums some other way (oneDNN on AMX tiles while the kernel keeps to AVX-512,
+    # another version): the kernel keeps oneDNN's usual block and runs every row count, so a
+    # request's tokens do not depend on the batch its steps ran in.
     def other_sums(x, weight, bias):
         return F.linear(
             x.float(), weight.float(), None if bias is None else bias.float()
         ).bfloat16()
 
+    cpu_kernels.configure(cpu_kernels.KernelSettings(enabled=True, gemv_fma=None, amx=False))
     monkeypatch.setattr(gemv, "_onednn_linear", other_sums)
     gemv._matching_k_block.cache_clear()
     try:
-        x, weight, b = make_case(1, 130, 576, True)
-        assert gemv.k_block_for(130, 576, True) is None
+        x, weight, b = make_case(40, 130, 1536, True)
+        assert gemv.k_block_for(130, 1536, True) == 1024
         linear = PackedLinear(weight, b, use_gemv=True)
-        assert linear.gemv_weight is None
+        assert linear.gemv_weight is not None and linear.packed_weight is None
         gemv_calls.clear()  # the probing itself ran the kernel
-        assert torch.equal(linear(x), F.linear(x, weight, b))
-        assert gemv_calls == []
+        batch = linear(x)
+        assert torch.equal(linear(x[:1]), batch[:1])
+        assert gemv_calls == [40, 1]
     finally:
         gemv._matching_k_block.cache_clear()
 
@@ -310,3 +338,13 @@ def test_the_engine_config_picks_the_inner_loop(tiny_llama, kernel_settings, fma
 
     LLM(tiny_llama, dtype="bfloat16", num_kv_blocks=16, gemv_fma=fma)
     assert cpu_kernels.load_library().gemv_bf16_uses_fma() == fma
+
+
+@pytest.mark.parametrize("cpu_amx", [False, True])
+def test_the_engine_config_picks_amx_where_it_runs(tiny_llama, kernel_settings, cpu_amx) -> None:
+    from quire import LLM
+
+    LLM(tiny_llama, dtype="bfloat16", num_kv_blocks=16, cpu_amx=cpu_amx)
+    assert gemv.uses_amx() == (cpu_amx and gemv.amx_available())
+    expected = {"amx"} if gemv.uses_amx() else {"avx512-fma", "avx512-bf16"}
+    assert gemv.path() in expected

@@ -1,12 +1,12 @@
 """Linear layers with weights pre-packed once at load time, for bfloat16 on CPU.
 
-Where the GEMV kernel runs (quire/kernels/cpu/gemv.c: AVX-512 BF16, a block size that gives
-oneDNN's bits, EngineConfig.gemv on), the weight is packed for it and every matmul runs there: on
-this kind of machine it streams a decode step's weights at 40-50 GB/s against oneDNN's 25-35, is
-level with oneDNN from 128 rows on, and sums every row in one order whatever the number of rows,
-so a request's bits do not depend on the batch or on how its prompt was chunked (oneDNN sums a
-lone row of K > 1,024 in another order than two rows or more). On a CPU with AMX it takes only
-up to `gemv.max_rows()` rows, and oneDNN the rest.
+Where the GEMV kernel runs (quire/kernels/cpu/gemv.c: AVX-512 BF16, EngineConfig.gemv on), the
+weight is packed for it and every matmul runs there, whatever the number of rows: it streams a
+decode step's weights faster than oneDNN, keeps up with it on prompt chunks, and sums every row
+in one order, so a request's bits do not depend on the batch or on how its prompt was chunked
+(oneDNN sums a lone row of K > 1,024 in another order than two rows or more, and on AMX tiles
+blocks K by the row count). On a CPU with AMX the kernel runs on the tiles itself
+(kernels/cpu/matmul_amx.c).
 
 Otherwise the weight is held in oneDNN's blocked layout: `nn.Linear` on CPU hands oneDNN a plain
 row-major weight on every call, and oneDNN reorders it each time, so a decode step's GEMVs read
@@ -19,7 +19,6 @@ for bit, 1.8-2x faster GEMVs and 1.1-1.3x faster small-batch GEMMs. The packed t
 from __future__ import annotations
 
 import functools
-import sys
 
 import torch
 from torch import nn
@@ -52,17 +51,16 @@ def packed_linear_supported(device: torch.device | str, dtype: torch.dtype) -> b
 
 
 def gemv_k_block(weight: torch.Tensor, has_bias: bool) -> int | None:
-    """The GEMV kernel's block size for `weight` (see gemv.c), or None where PackedLinear keeps
-    no GEMV copy: no kernel here, or no block size that gives oneDNN's bits."""
+    """The GEMV kernel's block size for `weight` (see gemv.py's `k_block_for`), or None where
+    PackedLinear keeps no GEMV copy: no kernel for this weight here."""
     if not gemv.supported(weight):
         return None
     return gemv.k_block_for(weight.shape[0], weight.shape[1], has_bias)
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W packed for the GEMV kernel (`gemv_weight`), for oneDNN
-    (`packed_weight`), or both on a CPU with AMX, where each takes its own range of rows.
-    `use_gemv` False (EngineConfig.gemv off) keeps oneDNN's copy alone."""
+    """y = x W^T + b with W packed for the GEMV kernel (`gemv_weight`) where it runs, else for
+    oneDNN (`packed_weight`). `use_gemv` False (EngineConfig.gemv off) keeps oneDNN's copy."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, use_gemv: bool):
         super().__init__()
@@ -73,7 +71,7 @@ class PackedLinear(nn.Module):
         self.gemv_weight = None if self.gemv_k_block is None else gemv.pack(weight)
         self.packed_weight = (
             torch.ops.mkldnn._reorder_linear_weight(weight, None)
-            if self.gemv_weight is None or gemv.max_rows() < sys.maxsize
+            if self.gemv_weight is None
             else None
         )
         self.bias = None if bias is None else bias.detach()
@@ -89,9 +87,7 @@ class PackedLinear(nn.Module):
     ) -> torch.Tensor:  # [..., in] -> [..., out], in x's dtype or `out_dtype` (float32: widened)
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
-        if self.gemv_weight is not None and (
-            self.packed_weight is None or rows.shape[0] <= gemv.max_rows()
-        ):
+        if self.gemv_weight is not None:
             out = gemv.gemv(
                 rows,
                 self.gemv_weight,

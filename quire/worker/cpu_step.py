@@ -12,8 +12,7 @@ around the layers cost ~50-100 us each here: the weights streaming through leave
 interpreter's data cold in the caches at every step.
 
 It takes a step when the model is bf16 on a CPU with AVX-512 BF16, every projection has a GEMV
-copy or is kept in GGUF blocks (QuantizedLinear: qmatmul.c), and the step is decode only, with
-at most `gemv.max_rows()` decode sequences (every decode-only step, except on CPUs with AMX; a
+copy or is kept in GGUF blocks (QuantizedLinear: qmatmul.c), and the step is decode only (a
 replay after a preemption gives one per token). Results: the module path's, computed in the same order with the same rounding.
 
 Under tensor parallelism each rank runs the step over its shards, and the C code runs the
@@ -38,7 +37,7 @@ from quire.attention.backend import AttentionMetadata
 from quire.distributed.parallel_state import shm_group, tp_size
 from quire.distributed.shm_all_reduce import ShmAllReduce
 from quire.kernels import cpu as cpu_kernels
-from quire.kernels.cpu import gemv, pointwise
+from quire.kernels.cpu import pointwise
 from quire.layers.linear import PackedLinear
 from quire.layers.quantized_linear import QuantizedLinear
 from quire.worker.kv_cache import KVCache
@@ -103,7 +102,7 @@ def _kv_readable(kv_cache: KVCache) -> bool:
 
 
 def _fits(metadata: AttentionMetadata, num_tokens: int) -> bool:
-    return metadata.num_decodes == metadata.num_seqs == num_tokens <= gemv.max_rows()
+    return metadata.num_decodes == metadata.num_seqs == num_tokens
 
 
 @dataclass
@@ -292,9 +291,8 @@ class CpuStepRunner:
         )
 
     def takes(self, metadata: AttentionMetadata, num_tokens: int) -> bool:
-        """Whether this step runs here: decode only (one token per sequence), at most
-        `gemv.max_rows()` sequences (and under tensor parallelism, as many as a slot of the
-        group's file holds)."""
+        """Whether this step runs here: decode only (one token per sequence; under tensor
+        parallelism, at most as many sequences as a slot of the group's file holds)."""
         return self._step_fits(metadata, num_tokens)
 
     def _step_fits(self, metadata: AttentionMetadata, num_tokens: int) -> bool:
@@ -402,7 +400,7 @@ class CpuStepRunner:
         if not self._step_fits(metadata, num_seqs):
             raise ValueError(
                 f"CpuStepRunner runs decode-only steps of 1.."
-                f"{min(gemv.max_rows(), self._max_group_rows)} sequences, "
+                f"{self._max_group_rows} sequences, "
                 f"got {num_seqs} tokens for {metadata.num_seqs} sequences"
             )
         slots = _as(metadata.slot_mapping, torch.int64)

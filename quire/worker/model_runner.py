@@ -107,7 +107,9 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.block_size = config.block_size
         cpu_kernels.configure(
-            cpu_kernels.KernelSettings(enabled=config.cpu_kernels, gemv_fma=config.gemv_fma)
+            cpu_kernels.KernelSettings(
+                enabled=config.cpu_kernels, gemv_fma=config.gemv_fma, amx=config.cpu_amx
+            )
         )
         self.model = load_model(config, model_config, dtype, max_model_len)
         if self.device.type == "cpu" and config.huge_pages:

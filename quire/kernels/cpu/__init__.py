@@ -74,6 +74,10 @@ _SIGNATURES = {
     "qmatmul_vnni": [],
     "qmatmul_path": [],
     "gemv_bf16_uses_fma": [],
+    # 1: every GEMV call runs on AMX tiles in matmul_amx.c's order (where AMX runs); 0: not.
+    "gemv_bf16_set_amx": [_I32],
+    "gemv_bf16_uses_amx": [],
+    "matmul_amx_available": [],
     # -1 (probe), 0 (vdpbf16ps) or 1 (FMA): the inner loop from the next call on.
     "gemv_bf16_set_fma": [_I32],
     # x, rows, cols, out, num_threads.
@@ -107,9 +111,12 @@ class KernelSettings:
 
     enabled: bool  # build and use the library; False: PyTorch everywhere
     gemv_fma: bool | None  # GEMV inner loop: True FMA, False vdpbf16ps, None a timing probe
+    amx: bool = envs.QUIRE_CPU_AMX  # GEMV on AMX tiles where the CPU has them (matmul_amx.c)
 
 
-_settings = KernelSettings(enabled=envs.QUIRE_CPU_KERNELS, gemv_fma=envs.QUIRE_GEMV_FMA)
+_settings = KernelSettings(
+    enabled=envs.QUIRE_CPU_KERNELS, gemv_fma=envs.QUIRE_GEMV_FMA, amx=envs.QUIRE_CPU_AMX
+)
 
 
 def configure(settings: KernelSettings) -> None:
@@ -134,6 +141,7 @@ def load_library() -> ctypes.CDLL | None:
     if lib is not None:
         fma = _settings.gemv_fma
         lib.gemv_bf16_set_fma(-1 if fma is None else int(fma))
+        lib.gemv_bf16_set_amx(int(_settings.amx))
     return lib
 
 

@@ -16,6 +16,29 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);  // round to nearest even
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+// 16 float32 sums (+ bias) rounded to bf16 as f32_to_bf16 rounds, into y_bf16, or widened back
+// into y_f32.
+static inline void store_16(const float* sums, const uint16_t* bias, uint16_t* y_bf16,
+                            float* y_f32) {
+    __m512 v = _mm512_loadu_ps(sums);
+    if (bias)
+        v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)bias)),
+                                 16)));
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+    if (y_bf16)
+        _mm256_storeu_si256((__m256i*)y_bf16, _mm512_cvtepi32_epi16(r));
+    else
+        _mm512_storeu_ps(y_f32, _mm512_castsi512_ps(_mm512_slli_epi32(r, 16)));
+}
+#endif
+
 // Rows m0..m0+MB-1 of one panel's result (columns n0.. of N), from the float32 sums
 // out [MB][panel]: + bias, rounded to bf16 into y_bf16, or (y_bf16 NULL) into y_f32 as the
 // bf16-rounded value widened, as `linear(...).float()` gives it.
@@ -24,7 +47,15 @@ static inline void store_panel(const float* out, int panel, int MB, int m0, int 
                                int64_t y_stride) {
     const int cols = N - n0 < panel ? N - n0 : panel;
     for (int m = 0; m < MB; m++) {
-        for (int i = 0; i < cols; i++) {
+        int i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= cols; i += 16) {
+            const int64_t at = (int64_t)(m0 + m) * y_stride + n0 + i;
+            store_16(out + m * panel + i, bias ? bias + n0 + i : NULL, y_bf16 ? y_bf16 + at : NULL,
+                     y_bf16 ? NULL : y_f32 + at);
+        }
+#endif
+        for (; i < cols; i++) {
             float v = out[m * panel + i];
             if (bias) v += bf16_to_f32(bias[n0 + i]);
             const int64_t at = (int64_t)(m0 + m) * y_stride + n0 + i;

@@ -87,6 +87,17 @@ static double time_pairs(int fma) {
 }
 
 static int fma_loop = -1;  // -1: not decided yet
+static int amx_order = 0;  // 1: matmul_amx.c's order and kernel for every call
+
+// 1 (and the return value 1) hands every call to the AMX kernel (matmul_amx.c), whose order then
+// decides the bits, with k_block the whole K; it stays 0 where AMX cannot run. The Python side
+// sets it from EngineConfig.cpu_amx when it loads the library (kernels/cpu/__init__.py).
+int gemv_bf16_set_amx(int choice) {
+    amx_order = choice && matmul_amx_available();
+    return amx_order;
+}
+
+int gemv_bf16_uses_amx(void) { return amx_order; }
 
 // 1: the FMA loop, 0: vdpbf16ps, -1: let the probe decide at the next call (the Python side sets
 // it from EngineConfig.gemv_fma when it loads the library: kernels/cpu/__init__.py).
@@ -202,6 +213,10 @@ int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const
               int num_threads) {
     if (M < 1 || K < 2 || K % 2 || N < 1 || k_block < 2 || k_block % 2)
         return -1;
+    if (amx_order)
+        return k_block == K ? matmul_amx_bf16(x, x_stride, packed, bias, y_bf16, y_f32, y_stride,
+                                              M, N, K, num_threads)
+                            : -1;
     const int panels = (N + GEMV_PANEL - 1) / GEMV_PANEL;
     const int threads = panels < 2 * num_threads ? 1 : num_threads;
     const int groups = (M + GEMV_GROUP - 1) / GEMV_GROUP;  // as even as can be: 9 = 5 + 4
@@ -267,6 +282,12 @@ int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const
     return 0;
 }
 #else
+int gemv_bf16_set_amx(int choice) {
+    (void)choice;
+    return 0;
+}
+int gemv_bf16_uses_amx(void) { return 0; }
+
 int gemv_bf16_set_fma(int choice) {
     (void)choice;
     return 0;

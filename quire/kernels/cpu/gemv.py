@@ -1,7 +1,9 @@
 """ctypes wrapper of gemv.c: bf16 matmul y = x W^T (+ b) for any number of rows of x, reading a
-weight packed once by `pack` at load time, summing in oneDNN's order so that its bits are
-oneDNN's at a few rows (the kernel is named for a decode step's GEMVs, which it was written for).
-Callers check `supported` and `k_block_for` and keep oneDNN otherwise.
+weight packed once by `pack` at load time, every row summed in one order whatever the number of
+rows (the kernel is named for a decode step's GEMVs, which it was written for). Without AMX the
+order is oneDNN's where a block size reproduces it; with AMX (EngineConfig.cpu_amx) every call
+runs on AMX tiles in matmul_amx.c's order. Callers check `supported` and `k_block_for` and keep
+oneDNN otherwise.
 """
 
 from __future__ import annotations
@@ -9,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import sys
 
 import torch
 
@@ -18,19 +19,6 @@ from quire.kernels.cpu import load_library
 logger = logging.getLogger(__name__)
 
 GEMV_PANEL = 32  # output columns per packed panel (GEMV_PANEL in gemv.c)
-
-
-@functools.cache
-def max_rows() -> int:
-    """The most rows of x that PackedLinear and the decode path hand the kernel (it takes any
-    number). Without AMX, every row count: measured against oneDNN on SmolLM2's and Qwen3-0.6B's
-    projections, 1.1-1.5x from 1 to 64 rows and level (0.7-0.85 TFLOP/s) from 128 to 2,048, and
-    one summation order for every row count is what keeps a request's bits independent of the
-    batch (oneDNN sums a lone row of K > 1,024 in another order than two rows or more). With AMX
-    tiles, oneDNN's matmuls run on them and should win from a few dozen rows: decode-sized
-    batches only (not measured: no AMX machine here)."""
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    return 32 if amx else sys.maxsize
 
 
 _PROBE_ROWS = 16  # two passes of gemv.c's 8-row groups
@@ -50,6 +38,27 @@ def _runs_with(lib: ctypes.CDLL) -> bool:
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
+
+
+def amx_available() -> bool:
+    """Whether the AMX kernel (matmul_amx.c) can run here, whatever EngineConfig.cpu_amx says."""
+    return available() and load_library().matmul_amx_available() == 1
+
+
+def uses_amx() -> bool:
+    """Whether the kernel runs on AMX tiles (matmul_amx.c): a CPU with AMX-BF16, a Linux that
+    grants the tile state, and EngineConfig.cpu_amx on."""
+    return available() and load_library().gemv_bf16_uses_amx() == 1
+
+
+def path() -> str:
+    """Which loop the kernel runs here, for logs and tests: "amx", "avx512-fma", "avx512-bf16",
+    or "off" where it does not run."""
+    if not available():
+        return "off"
+    if uses_amx():
+        return "amx"
+    return "avx512-fma" if load_library().gemv_bf16_uses_fma() == 1 else "avx512-bf16"
 
 
 def supported(weight: torch.Tensor) -> bool:
@@ -93,13 +102,24 @@ def _probe(out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Ten
     return weight.to(torch.bfloat16), x.to(torch.bfloat16)
 
 
+def _usual_k_block(in_features: int) -> int:
+    """oneDNN 3's blocks on AVX-512 BF16 at two rows or more: the whole K up to 512, then 512,
+    then 1024."""
+    return in_features if in_features <= 512 else 512 if in_features <= 1024 else 1024
+
+
 def k_block_for(out_features: int, in_features: int, has_bias: bool) -> int | None:
-    """The column block at which oneDNN restarts its float32 sums for this weight shape, found
-    by matching oneDNN's bits on a probe of several rows (oneDNN 3 on AVX-512 BF16: the whole K
-    up to 512, then 512, then 1024; a lone row of K > 1,024 it sums in blocks of 512). None
-    where the kernel does not run, or when no block size reproduces them: PackedLinear then
-    keeps that weight in oneDNN alone."""
-    return _matching_k_block(out_features, in_features, has_bias) if available() else None
+    """The kernel's column block for this weight shape (None where the kernel does not run).
+    On AMX tiles, the whole K: one chain of tile products. Otherwise the block at which oneDNN
+    restarts its float32 sums, found by matching oneDNN's bits on a probe of several rows (a lone
+    row of K > 1,024 oneDNN sums in blocks of 512), so that the kernel's bits are oneDNN's; where
+    no block reproduces them (oneDNN on AMX tiles while the kernel keeps to AVX-512), oneDNN's
+    usual block all the same: the kernel's own order for every row count."""
+    if not available():
+        return None
+    if uses_amx():
+        return in_features
+    return _matching_k_block(out_features, in_features, has_bias) or _usual_k_block(in_features)
 
 
 @functools.cache
@@ -108,7 +128,7 @@ def _matching_k_block(out_features: int, in_features: int, has_bias: bool) -> in
     gen = torch.Generator().manual_seed(1)
     bias = torch.randn(out_features, generator=gen).to(torch.bfloat16) if has_bias else None
     expected = _onednn_linear(x, weight, bias)
-    usual = in_features if in_features <= 512 else 512 if in_features <= 1024 else 1024
+    usual = _usual_k_block(in_features)
     packed = pack(weight)
     for k_block in dict.fromkeys([usual, in_features, 512, 1024, 256, 2048, 128, 64]):
         if k_block > in_features and k_block != usual:
@@ -116,7 +136,7 @@ def _matching_k_block(out_features: int, in_features: int, has_bias: bool) -> in
         if torch.equal(gemv(x, packed, bias, out_features, k_block), expected):
             return k_block
     logger.info(
-        "GEMV kernel off for %dx%d weights: no block size reproduces oneDNN's sums",
+        "GEMV kernel in its own order for %dx%d weights: no block size reproduces oneDNN's sums",
         out_features,
         in_features,
     )
@@ -164,6 +184,7 @@ def gemv(
     if status != 0:
         raise ValueError(
             f"gemv: {rows} rows x {in_features} columns (block {k_block}) is not supported "
-            "(at least 1 row, an even number of columns, AVX-512 BF16)"
+            "(at least 1 row, an even number of columns, AVX-512 BF16; on AMX tiles the block "
+            "is the whole K)"
         )
     return out

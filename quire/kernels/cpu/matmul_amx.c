@@ -1,0 +1,158 @@
+// bf16 matmul on AMX tiles: y = x W^T (+ bias) for any number of rows of x, over the weight that
+// gemv.c reads (packed[N_pad / 32][K / 2][32][2]), for CPUs with AMX-BF16 (Intel Xeon from
+// Sapphire Rapids on). gemv_bf16 hands its work here when the AMX order is on (gemv_bf16_set_amx).
+//
+// Why a kernel of our own: oneDNN's AMX matmuls block K differently for different row counts, so
+// a request's bits would change with the batch. Here every output is one chain of tdpbf16ps over
+// the first K - K % 32 columns in order, 32 columns an instruction into one float32 accumulator
+// tile, then the last K % 32 columns by vdpbf16ps pairs, then the bias and one rounding to bf16.
+// The tile unit sums each row by itself (checked: the same bits for a row whatever the tile's row
+// count, 0 differences in 435k outputs), so neither the other rows nor the thread count change a
+// row's result. tdpbf16ps sums more precisely than a float32 chain of its products (its bits are
+// neither gemv.c's nor any sequential float32 order), so on a CPU with AMX this order replaces
+// gemv.c's everywhere the kernel runs: decode steps and prompt chunks alike.
+//
+// Blocking: rows in groups of 32 (two A tiles), a panel's 32 columns as two B tiles, four C tiles;
+// a thread takes a contiguous range of panels, in chunks that fit L2 so that the later row groups
+// read the chunk from cache.
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "kernels.h"
+
+#define PANEL 32
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define ROW_GROUP 32
+#define CHUNK_BYTES (1 << 20)  // panels a thread streams through its row groups: half an L2
+
+typedef struct {
+    uint8_t palette, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+// Linux hands out AMX's tile state only to a process that asks (once, for all its threads).
+int matmul_amx_available(void) {
+    static int available = -1;
+    if (available < 0)
+        available = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return available;
+}
+
+// Tiles 0-3: the float32 sums of rows 0-15 / 16-31 by columns 0-15 / 16-31; 4, 5: rows 0-15 and
+// 16-31 of x; 6, 7: the panel's columns 0-15 and 16-31 (16 pairs of K each).
+static void configure_tiles(int rows) {
+    TileConfig c;
+    memset(&c, 0, sizeof(c));
+    c.palette = 1;
+    const int r0 = rows < 16 ? rows : 16, r1 = rows - r0;
+    for (int t = 0; t < 8; t++) c.colsb[t] = 64;
+    c.rows[0] = c.rows[1] = c.rows[4] = (uint8_t)r0;
+    c.rows[2] = c.rows[3] = c.rows[5] = (uint8_t)r1;
+    c.rows[6] = c.rows[7] = 16;
+    if (!r1) c.colsb[2] = c.colsb[3] = c.colsb[5] = 0;
+    _tile_loadconfig(&c);
+}
+
+// One panel against `rows` (1..32, as configured) rows of x: out [32][32] float32 sums.
+static void amx_panel(int rows, const uint16_t* x, int64_t x_stride, const uint16_t* p, int K,
+                      float* out) {
+    const int two = rows > 16, k_tiles = K - K % 32;
+    const int64_t stride = x_stride * (int64_t)sizeof(uint16_t);
+    _tile_zero(0);
+    _tile_zero(1);
+    if (two) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int k = 0; k < k_tiles; k += 32) {
+        const uint16_t* w = p + (int64_t)k * PANEL;  // pair row k / 2: 64 bf16 a pair row
+        _tile_loadd(4, x + k, stride);
+        _tile_loadd(6, w, 2 * PANEL * sizeof(uint16_t));
+        _tile_loadd(7, w + PANEL, 2 * PANEL * sizeof(uint16_t));
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, x + 16 * x_stride + k, stride);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, out, PANEL * sizeof(float));
+    _tile_stored(1, out + 16, PANEL * sizeof(float));
+    if (two) {
+        _tile_stored(2, out + 16 * PANEL, PANEL * sizeof(float));
+        _tile_stored(3, out + 16 * PANEL + 16, PANEL * sizeof(float));
+    }
+    for (int m = 0; m < rows && k_tiles < K; m++) {  // the last K % 32 columns, a pair a step
+        __m512 lo = _mm512_loadu_ps(out + m * PANEL), hi = _mm512_loadu_ps(out + m * PANEL + 16);
+        for (int k = k_tiles; k < K; k += 2) {
+            int32_t pair;
+            memcpy(&pair, x + m * x_stride + k, sizeof(pair));
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            const uint16_t* w = p + (int64_t)k * PANEL;
+            lo = _mm512_dpbf16_ps(lo, (__m512bh)_mm512_loadu_si512(w), xv);
+            hi = _mm512_dpbf16_ps(hi, (__m512bh)_mm512_loadu_si512(w + PANEL), xv);
+        }
+        _mm512_storeu_ps(out + m * PANEL, lo);
+        _mm512_storeu_ps(out + m * PANEL + 16, hi);
+    }
+}
+
+// Arguments as gemv_bf16's (K even); returns 0, or -2 where AMX cannot run.
+int matmul_amx_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed,
+                    const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M,
+                    int N, int K, int num_threads) {
+    if (!matmul_amx_available()) return -2;
+    const int panels = (N + PANEL - 1) / PANEL;
+    const int threads = panels < 2 * num_threads ? 1 : num_threads;
+    const int64_t panel_bytes = (int64_t)K * PANEL * sizeof(uint16_t);
+    const int chunk = panel_bytes >= CHUNK_BYTES ? 1 : (int)(CHUNK_BYTES / panel_bytes);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int p0 = (int)((int64_t)panels * t / nt);
+        const int p1 = (int)((int64_t)panels * (t + 1) / nt);
+        float out[ROW_GROUP * PANEL];
+        int configured = 0;
+        for (int c0 = p0; c0 < p1; c0 += chunk) {
+            const int c1 = c0 + chunk < p1 ? c0 + chunk : p1;
+            for (int m0 = 0; m0 < M; m0 += ROW_GROUP) {
+                const int rows = M - m0 < ROW_GROUP ? M - m0 : ROW_GROUP;
+                if (rows != configured) {
+                    configure_tiles(rows);
+                    configured = rows;
+                }
+                for (int pi = c0; pi < c1; pi++) {
+                    amx_panel(rows, x + (int64_t)m0 * x_stride, x_stride,
+                              packed + (int64_t)pi * PANEL * K, K, out);
+                    store_panel(out, PANEL, rows, m0, pi * PANEL, N, bias, y_bf16, y_f32,
+                                y_stride);
+                }
+            }
+        }
+        if (configured) _tile_release();
+    }
+    return 0;
+}
+#else
+int matmul_amx_available(void) { return 0; }
+
+int matmul_amx_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed,
+                    const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M,
+                    int N, int K, int num_threads) {
+    (void)x, (void)x_stride, (void)packed, (void)bias, (void)y_bf16, (void)y_f32;
+    (void)y_stride, (void)M, (void)N, (void)K, (void)num_threads;
+    return -2;  // built without AMX-BF16
+}
+#endif
