@@ -56,6 +56,8 @@ EXPECTED_FLAGS = {
     "--no-gemv": "gemv",
     "--gemv-fma": "gemv_fma",
     "--no-gemv-fma": "gemv_fma",
+    "--cpu-amx": "cpu_amx",
+    "--no-cpu-amx": "cpu_amx",
     "--huge-pages": "huge_pages",
     "--no-huge-pages": "huge_pages",
 }

@@ -24,6 +24,7 @@ def test_unset_variables_take_their_defaults() -> None:
         QUIRE_PACK_WEIGHTS=True,
         QUIRE_GEMV=True,
         QUIRE_GEMV_FMA=None,
+        QUIRE_CPU_AMX=True,
         QUIRE_HUGE_PAGES=True,
         QUIRE_CPU_MARCH="native",
         QUIRE_API_KEY=None,
@@ -37,6 +38,7 @@ def test_set_variables_are_parsed() -> None:
         {
             "QUIRE_GEMV": "0",
             "QUIRE_GEMV_FMA": "1",
+            "QUIRE_CPU_AMX": "0",
             "QUIRE_HUGE_PAGES": "0",
             "QUIRE_CPU_MARCH": "x86-64-v3",
             "QUIRE_API_KEY": "secret",
@@ -45,6 +47,7 @@ def test_set_variables_are_parsed() -> None:
         }
     )
     assert (env.QUIRE_GEMV, env.QUIRE_GEMV_FMA, env.QUIRE_HUGE_PAGES) == (False, True, False)
+    assert env.QUIRE_CPU_AMX is False
     assert (env.QUIRE_CPU_MARCH, env.QUIRE_API_KEY, env.XDG_CACHE_HOME) == (
         "x86-64-v3",
         "secret",
