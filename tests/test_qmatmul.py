@@ -123,32 +123,6 @@ def test_a_rows_bits_do_not_depend_on_the_batch_or_the_threads(qtype) -> None:
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
-def test_amx_tiles_give_the_vnni_loops_bits(qtype, kernel_settings) -> None:
-    """From 16 rows on, a CPU with AMX-INT8 sums the blocks on tiles (qmatmul_amx.c): every
-    output bit for bit what the VNNI loop gives, for row counts across and within tile groups,
-    K of one block to 33 and a part panel, with and without a bias."""
-    if not qmatmul.amx_available():
-        pytest.skip("this CPU (or its kernel) has no AMX-INT8 tiles")
-    cases = []
-    for out_features, in_features in [(7, 32), (70, 512), (100, 1056)]:
-        for rows in (16, 17, 31, 32, 33, 64, 100):
-            x, raw, _ = make_case(qtype, rows, out_features, in_features, seed=rows)
-            bias = torch.randn(out_features, generator=torch.Generator().manual_seed(rows))
-            packed = qmatmul.pack(raw, qtype, in_features)
-            cases.append((x, packed, bias.bfloat16() if rows % 2 else None, out_features))
-    results = {}
-    for amx in (False, True):
-        cpu_kernels.configure(cpu_kernels.KernelSettings(enabled=True, gemv_fma=None, amx=amx))
-        results[amx] = [
-            qmatmul.qmatmul(x, packed, qtype, bias, n, dtype)
-            for x, packed, bias, n in cases
-            for dtype in (torch.bfloat16, torch.float32)
-        ]
-    for vnni, amx in zip(results[False], results[True], strict=True):
-        assert torch.equal(vnni, amx), (vnni.shape, (vnni != amx).sum())
-
-
 def test_strided_rows_give_the_contiguous_result() -> None:
     x, raw, _ = make_case("Q4_0", 5, 64, 128)
     wide = torch.zeros(5, 160, dtype=torch.bfloat16)

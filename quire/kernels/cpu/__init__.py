@@ -73,7 +73,6 @@ _SIGNATURES = {
     "qmatmul_record_bytes": [_I32],
     "qmatmul_vnni": [],
     "qmatmul_path": [],
-    "qmatmul_amx_available": [],
     "gemv_bf16_uses_fma": [],
     # 1: every GEMV call runs on AMX tiles in matmul_amx.c's order (where AMX runs); 0: not.
     "gemv_bf16_set_amx": [_I32],

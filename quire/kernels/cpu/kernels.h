@@ -30,12 +30,6 @@ int matmul_amx_available(void);
 int matmul_amx_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed,
                     const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M,
                     int N, int K, int num_threads);
-int gemv_bf16_uses_amx(void);
-int qmatmul_amx_available(void);
-int64_t qmatmul_amx_scratch_bytes(int K);
-void qmatmul_amx_panel(int format, const uint8_t* xu, const float* xd, const int32_t* xs, int M,
-                       int K, const uint8_t* p, uint8_t* scratch, int n0, int N,
-                       const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride);
 int qmatmul_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
                  const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M,
                  int N, int K, int num_threads);

@@ -21,7 +21,6 @@
 // d dx; Q4_1 then adds m times dx sx with a second FMA), then the bias, then one rounding to
 // bf16. Rows of x, threads and the number of rows do not change any of this, so a row's result
 // does not depend on the rest of the batch: prompt and generated tokens can share a step.
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,9 +31,6 @@
 #define QPANEL 32
 #define QBLOCK 32
 #define QGROUP 4  // rows of x per pass over a panel
-// From this many rows of x on, a CPU with AMX-INT8 (and EngineConfig.cpu_amx on) sums Q8_0 / Q4_0
-// / Q4_1 blocks on AMX tiles (qmatmul_amx.c), bit for bit this file's VNNI results.
-#define QMATMUL_AMX_ROWS 16
 
 enum { Q8_0 = 1, Q4_0 = 2, Q4_1 = 3, Q4_K = 4 };  // Q4_K, Q5_K, Q6_K: 4..6
 
@@ -368,7 +364,6 @@ static void run_panel(int format, int MB, const int8_t* xq, const float* xd, con
 // of Q8_0 / Q4_0 / Q4_1 (Q4_K / Q5_K / Q6_K: qmatmul_k.c, K a multiple of 256); bias [N] bf16
 // or NULL. Output row m: y_bf16 + m * y_stride (bf16), or
 // when y_bf16 is NULL, y_f32 + m * y_stride (float32 holding the bf16-rounded value).
-// From QMATMUL_AMX_ROWS rows on, where AMX runs, the panels go to qmatmul_amx.c (same bits).
 // Returns 0, -1 for a shape or format it does not take, -3 out of memory.
 int qmatmul_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
                  const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M,
@@ -388,35 +383,17 @@ int qmatmul_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t*
     }
     const int threads = panels < 2 * num_threads && M < 2 * num_threads ? 1 : num_threads;
     const int groups = (M + QGROUP - 1) / QGROUP;
-    const int amx = M >= QMATMUL_AMX_ROWS && gemv_bf16_uses_amx() && qmatmul_amx_available();
-    const int64_t scratch_bytes = amx ? qmatmul_amx_scratch_bytes(K) : 0;
-    uint8_t* xu = amx ? malloc((size_t)M * (size_t)K) : NULL;  // x's codes + 128, for AMX
-    uint8_t* scratch = amx ? malloc((size_t)(scratch_bytes * threads)) : NULL;
-    if (amx && (!xu || !scratch)) {
-        free(xq), free(xd), free(xs), free(xu), free(scratch);
-        return -3;
-    }
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #pragma omp for schedule(static)
-        for (int m = 0; m < M; m++) {
+        for (int m = 0; m < M; m++)
             quantize_row(x + m * x_stride, K, xq + (int64_t)m * K, xd + (int64_t)m * nb,
                          xs + (int64_t)m * nb);
-            if (amx)
-                for (int64_t k = (int64_t)m * K; k < (int64_t)(m + 1) * K; k++)
-                    xu[k] = (uint8_t)xq[k] ^ 0x80u;
-        }
         float out[QGROUP * QPANEL];
-        uint8_t* own = amx ? scratch + scratch_bytes * omp_get_thread_num() : NULL;
 #pragma omp for schedule(static)
         for (int pi = 0; pi < panels; pi++) {
             const uint8_t* p = packed + pi * panel_bytes;
             const int n0 = pi * QPANEL;
-            if (amx) {
-                qmatmul_amx_panel(format, xu, xd, xs, M, K, p, own, n0, N, bias, y_bf16, y_f32,
-                                  y_stride);
-                continue;
-            }
             for (int g = 0; g < groups; g++) {
                 const int m0 = (int)((int64_t)M * g / groups);
                 const int MB = (int)((int64_t)M * (g + 1) / groups) - m0;
@@ -426,6 +403,6 @@ int qmatmul_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t*
             }
         }
     }
-    free(xq), free(xd), free(xs), free(xu), free(scratch);
+    free(xq), free(xd), free(xs);
     return 0;
 }

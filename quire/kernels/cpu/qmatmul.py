@@ -30,14 +30,6 @@ def available() -> bool:
     return load_library() is not None
 
 
-def amx_available() -> bool:
-    """Whether prompt chunks of Q8_0 / Q4_0 / Q4_1 blocks can be summed on AMX tiles here
-    (qmatmul_amx.c, the VNNI loop's bits): a CPU with AMX-INT8 and a Linux that grants the
-    tiles. They are, from 16 rows on, while EngineConfig.cpu_amx is on."""
-    lib = load_library()
-    return lib is not None and lib.qmatmul_amx_available() == 1
-
-
 @functools.cache
 def uses_vnni() -> bool:
     lib = load_library()
