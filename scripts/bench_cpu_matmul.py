@@ -45,9 +45,9 @@ def sides(qtype: str | None, out_features: int, in_features: int, rows: int) -> 
         from gguf.quants import quantize
 
         raw = quantize(weight.float().numpy(), GGMLQuantizationType[qtype])
-        packed = qmatmul.pack(np.ascontiguousarray(raw), qtype, in_features)
+        blocks = qmatmul.pack(np.ascontiguousarray(raw), qtype, in_features)
         found = {
-            qtype: (None, lambda: qmatmul.qmatmul(x, packed, qtype, None, out_features))
+            qtype: (None, lambda: qmatmul.qmatmul(x, blocks, qtype, None, out_features))
         }
     else:
         found = {}
