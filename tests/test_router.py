@@ -262,6 +262,30 @@ def test_cache_aware_follows_the_longest_prefix_unless_load_is_imbalanced():
     assert policy.choose([a, b], system + "third").url == "b"
 
 
+@pytest.mark.parametrize(
+    ("load_a", "load_b", "routed_to"),
+    [
+        (4, 1, "a"),  # ratio 4 > 1.5, gap 3 <= 4: balanced, by cache
+        (30, 25, "a"),  # gap 5 > 4, ratio 1.2 <= 1.5: balanced, by cache
+        (6, 2, "a"),  # gap 4 is not over 4 (ratio 3 is): balanced, by cache
+        (15, 10, "a"),  # ratio 1.5 is not over 1.5 (gap 5 is): balanced, by cache
+        (30, 19, "b"),  # gap 11 > 4 and ratio 1.58 > 1.5: imbalanced, the least loaded
+    ],
+)
+def test_cache_aware_leaves_the_cache_only_when_both_gap_and_ratio_are_over(
+    load_a, load_b, routed_to
+):
+    """Load is imbalanced when the most loaded instance has more than `balance_abs_threshold`
+    requests over the least loaded AND more than `balance_rel_threshold` times its load; either
+    condition alone keeps the request on the instance holding its prefix."""
+    policy = CacheAware(cache_threshold=0.5, balance_abs_threshold=4, balance_rel_threshold=1.5)
+    a, b = loaded("a", load_a), loaded("b", load_b)
+    system = "You are a helpful assistant. " * 4
+    a.tree.insert(system + "first")
+    b.tree.insert("something else entirely")
+    assert policy.choose([a, b], system + "second").url == routed_to
+
+
 def test_pd_profile_measures_the_instances_and_the_cost_model_router_uses_it(instances, tmp_path):
     """`quire bench pd-profile` on the running instances writes a profile the router loads; the
     cost-model router then answers as one collocated instance does, and learns from the

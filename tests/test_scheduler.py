@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -425,8 +426,9 @@ def test_abort_of_an_unknown_id_does_nothing():
 
 class SchedulerMachine(RuleBasedStateMachine):
     """Requests arrive, steps run, requests are aborted, on pools small enough to force
-    preemption. Every step is checked against the scheduling rules; every state against the
-    bookkeeping invariants; and stepping without arrivals must finish every request."""
+    preemption, with 0 to 3 lookahead slots. Every step is checked against the scheduling
+    rules; every state against the bookkeeping invariants; and stepping without arrivals must
+    finish every request."""
 
     @initialize(
         num_blocks=st.integers(2, 8),
@@ -434,13 +436,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_seqs=st.integers(1, 4),
         budget=st.integers(1, 12),
         caching=st.booleans(),
+        lookahead=st.integers(0, 3),
         data=st.data(),
     )
-    def make_scheduler(self, num_blocks, block_size, max_num_seqs, budget, caching, data) -> None:
+    def make_scheduler(
+        self, num_blocks, block_size, max_num_seqs, budget, caching, lookahead, data
+    ) -> None:
         # As LLMEngine guarantees: max_model_len fits in the pool.
         max_model_len = data.draw(st.integers(2, num_blocks * block_size), label="max_model_len")
         self.kv = KVCacheManager(num_blocks, block_size, caching)
-        self.scheduler = Scheduler(self.kv, max_num_seqs, budget, max_model_len)
+        self.scheduler = Scheduler(
+            self.kv, max_num_seqs, budget, max_model_len, num_lookahead_tokens=lookahead
+        )
         self.worker_view = InputBatch(max_num_seqs, 1)  # grows as needed
         self.ended: list[Request] = []
         self.ids = itertools.count()
@@ -580,11 +587,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         )
 
     @invariant()
-    def running_requests_hold_exactly_the_blocks_their_computed_tokens_need(self) -> None:
-        for request in self.scheduler.running:
+    def running_requests_hold_their_computed_tokens_blocks_and_lookahead_within_the_context(
+        self,
+    ) -> None:
+        scheduler = self.scheduler
+        for request in scheduler.running:
             num_blocks = len(self.kv.get_block_ids(request.request_id))
-            assert num_blocks == self.kv.blocks_needed(request.num_computed_tokens)
-            assert request.num_computed_tokens < request.num_tokens <= self.scheduler.max_model_len
+            computed = request.num_computed_tokens
+            reach = min(computed + scheduler.num_lookahead_tokens, scheduler.max_model_len)
+            assert self.kv.blocks_needed(computed) <= num_blocks <= self.kv.blocks_needed(reach)
+            assert computed < request.num_tokens <= scheduler.max_model_len
 
     @invariant()
     def waiting_and_ended_requests_hold_no_blocks(self) -> None:
@@ -740,3 +752,50 @@ def test_a_request_that_forks_reserves_no_lookahead():
     parent, child = kv.get_block_ids("g#0"), kv.get_block_ids("g#1")
     assert parent[0] == child[0] == 0 and len({parent[1], child[1], 1}) == 2
     assert [src for src, _ in output.block_copies] == [1]
+
+
+# ---- lookahead at the end of the context -----------------------------------------------------
+
+
+def decode_to_the_end(scheduler: Scheduler, request: Request, proposer: str) -> list[int]:
+    """Steps the request until it finishes (at most max_model_len steps), a proposer offering
+    [11, 12, 13] to each decode: 'accepted' (the model agrees, then adds 7), 'rejected' (7
+    instead) or 'none' (no proposals). Returns the blocks it holds in each step."""
+    held = []
+    for _ in range(scheduler.max_model_len):
+        if request.is_finished:
+            break
+        decodes = request.num_computed_tokens >= request.num_prompt_tokens
+        if decodes and proposer != "none":
+            request.spec_token_ids = [11, 12, 13]
+        output = scheduler.schedule()
+        held.append(len(scheduler.kv_manager.get_block_ids(request.request_id)))
+        proposals = output.scheduled_spec_decode_tokens.get(request.request_id, [])
+        tokens = [*proposals, 7] if proposer == "accepted" else [7]
+        scheduler.update(output, ModelRunnerOutput({request.request_id: tokens}))
+    return held
+
+
+@pytest.mark.parametrize(
+    ("proposer", "blocks_held"),
+    [
+        ("accepted", [3, 4, 4]),
+        ("rejected", [3, 4, 4, 4, 4, 4, 4]),
+        ("none", [3, 4, 4, 4, 4, 4, 4]),
+    ],
+)
+@pytest.mark.parametrize("num_blocks", [4, 64])
+def test_lookahead_stops_at_max_model_len(proposer, blocks_held, num_blocks):
+    """With 3 lookahead slots, a request decodes to max_model_len (16 tokens: 4 blocks) and
+    ends with `length`, never holding a fifth block: not in a pool of 64, and not preempted in
+    a pool of exactly 4 (what the engine clamps max_model_len to when the pool is small)."""
+    max_model_len = 4 * BS
+    kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=True)
+    scheduler = Scheduler(kv, 8, 64, max_model_len, num_lookahead_tokens=3)
+    a = make_request("a", prompt(100, 9), max_tokens=max_model_len - 9, ignore_eos=True)
+    scheduler.add_request(a)
+    assert decode_to_the_end(scheduler, a, proposer) == blocks_held
+    assert a.status == RequestStatus.FINISHED_LENGTH
+    assert a.num_tokens == max_model_len
+    assert scheduler.num_preemptions == 0
+    assert_all_blocks_free(scheduler)

@@ -1,6 +1,7 @@
 """Speculative decoding with n-gram proposals, end to end: a request gets the tokens (and, in
 bf16, the logprob bits) it gets without speculation, in every batch shape the scheduler makes,
-and stop rules cut an accepted run where they apply.
+stop rules cut an accepted run where they apply, and a request decodes to the end of a pool
+exactly max_model_len long.
 
 The prompts repeat themselves, so prompt lookup finds matches; tiny random models soon repeat
 their own output too, so proposals are accepted as well as rejected.
@@ -180,3 +181,27 @@ def test_metrics_export_the_speculation_counters(spec_llm, caplog):
         metrics.log_stats_if_due(engine, now=2.0)
     rate = stats.num_accepted_tokens / stats.num_draft_tokens
     assert f"spec decode acceptance rate {rate:.1%}" in caplog.text
+
+
+def test_a_request_decodes_to_the_end_of_a_pool_exactly_max_model_len_long(tiny_llama):
+    """4 blocks of 16 tokens: the engine clamps max_model_len to the pool's 64 tokens. The
+    lookahead slots kept for proposals stop at max_model_len, so the request fills the pool
+    and ends with `length`, never preempted (one step at most per token: a request preempted
+    over and over fails here instead of running forever)."""
+    llm = LLM(tiny_llama, dtype="float32", speculative_config=NGRAM, num_kv_blocks=4)
+    engine = llm.engine
+    assert engine.max_model_len == 4 * 16
+    prompt = PROMPTS[1]  # 36 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)  # to the end
+    engine.add_request("end", {"prompt_token_ids": prompt}, params)
+    outputs = []
+    for _ in range(engine.max_model_len - len(prompt)):
+        outputs += engine.step()
+        if outputs and outputs[-1].finished:
+            break
+    completion = outputs[-1].outputs[0]
+    assert (outputs[-1].finished, completion.finish_reason) == (True, "length")
+    assert len(prompt) + len(completion.token_ids) == 64
+    assert engine.spec_decoding_stats.num_draft_tokens > 0
+    assert engine.scheduler.num_preemptions == 0
+    assert_no_leak(llm)

@@ -1,7 +1,8 @@
-"""Tensor parallelism end to end (CPU, gloo): greedy tokens with two ranks equal one rank's in
-float32 up to the first near-tie, with close logprobs (vLLM's check_logprobs_close rule);
-unsupported splits fail at start naming the sizes that work; abort and preemption free every
-block; a killed rank fails the engine fast; shutdown ends every rank."""
+"""Tensor parallelism end to end (CPU, gloo): greedy tokens with two ranks (four where KV heads
+are replicated, three for the default model) equal one rank's in float32 up to the first
+near-tie, with close logprobs (vLLM's check_logprobs_close rule); unsupported splits fail at
+start naming the sizes that work; abort and preemption free every block; a killed rank fails the
+engine fast; shutdown ends every rank."""
 
 from __future__ import annotations
 
@@ -98,6 +99,20 @@ def test_two_ranks_give_one_ranks_greedy_tokens_llama(models, tp_llama):
 def test_two_ranks_give_one_ranks_greedy_tokens(models, tp_qwen, arch):
     one = LLM(models[arch], dtype="float32", num_kv_blocks=64)
     assert_close_greedy(run(one), run(tp_qwen[arch]))
+
+
+def test_four_ranks_replicate_kv_heads_and_give_one_ranks_greedy_tokens(models):
+    """llama's 4 query heads and 2 KV heads on 4 ranks: each rank holds one query head and the
+    KV head it reads (ranks 0 and 1 KV head 0, ranks 2 and 3 KV head 1). Few tokens: four
+    processes share this host's cores."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
+    small = dict(dtype="float32", num_kv_blocks=8, max_model_len=128)
+    one = LLM(models["llama"], **small)
+    four = LLM(models["llama"], tensor_parallel_size=4, **small)
+    try:
+        assert_close_greedy(run(one, params), run(four, params))
+    finally:
+        four.engine.shutdown()
 
 
 def test_shutdown_ends_every_rank(tp_qwen):

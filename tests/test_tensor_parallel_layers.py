@@ -2,7 +2,10 @@
 weights (float32): a column-parallel output is the full output's slice, a row-parallel output
 and the vocabulary-parallel embedding the full output, the LM head's gathered logits the full
 logits. The shapes leave padding (11 rows over two ranks) and replicated KV heads. GGUF blocks
-cut for a rank (Q4_1) against the single-rank QuantizedLinear on the whole blocks."""
+cut for a rank (Q4_1) against the single-rank QuantizedLinear on the whole blocks. For 4 query
+heads and 2 KV heads, on every rank count that splits them (1, 2, 4: at 4 each KV head is
+replicated on two ranks), the heads each rank's QKV projection holds and the attention layer's
+output against the full attention."""
 
 from __future__ import annotations
 
@@ -13,10 +16,14 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 from torch import nn
 
+from quire.attention.backend import AttentionMetadata
+from quire.attention.forward_context import forward_context
+from quire.attention.torch_backend import TorchAttentionBackend
 from quire.distributed import parallel_state
 from quire.distributed.parallel_state import all_reduce, init_tensor_parallel
 from quire.executor.multiproc import free_port
 from quire.kernels.cpu import qmatmul
+from quire.layers.attention import Attention
 from quire.layers.linear import PackedLinear, packed_linear_supported
 from quire.layers.parallel_linear import (
     ColumnParallelLinear,
@@ -26,7 +33,9 @@ from quire.layers.parallel_linear import (
     Shard,
 )
 from quire.layers.quantized_linear import QuantizedLinear, QuantizedWeight, shard_of
+from quire.layers.rotary import RotaryEmbedding, apply_rotary
 from quire.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding, gather_logits
+from quire.model.model_config import ModelConfig, RopeConfig
 
 WORLD = 2
 HIDDEN = 24
@@ -218,3 +227,116 @@ def test_a_row_split_inside_a_block_keeps_no_blocks():
 def test_packed_row_parallel_linear_sums_ranks(rank_errors):
     for rank in range(WORLD):
         assert rank_errors[rank]["packed_row_bf16"] < 1e-2
+
+
+# ---- replicated KV heads: every rank count that splits 4 query heads and 2 KV heads --------
+
+GQA = ModelConfig.from_dict(
+    dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=ODD,
+        hidden_size=HIDDEN,
+        intermediate_size=ODD,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
+)
+# tp -> (the query heads, the KV heads) each rank holds, rank by rank: KV head r * 2 // tp
+HEADS = {
+    1: ([[0, 1, 2, 3]], [[0, 1]]),
+    2: ([[0, 1], [2, 3]], [[0], [1]]),
+    4: ([[0], [1], [2], [3]], [[0], [0], [1], [1]]),
+}
+
+
+def _heads_held(local: torch.Tensor, full: torch.Tensor) -> list[int]:
+    """Which heads of `full` [tokens, heads, head_dim] each head of `local` is."""
+    return [
+        next(i for i in range(full.shape[1]) if torch.allclose(local[:, j], full[:, i]))
+        for j in range(local.shape[1])
+    ]
+
+
+def _gqa_attention(rank: int) -> dict:
+    """This rank's heads (by the full q, k, v outputs its QKV output repeats) and max |its
+    Attention layer's output - the full layer's| over a causal prompt of 5 tokens."""
+    torch.manual_seed(0)  # the same full weights and inputs on every rank
+    heads, kv_heads, d = GQA.num_attention_heads, GQA.num_key_value_heads, GQA.head_dim
+    x = torch.randn(5, HIDDEN)
+    q, k, v = (nn.Linear(HIDDEN, n * d) for n in (heads, kv_heads, kv_heads))
+    o = nn.Linear(heads * d, HIDDEN, bias=False)
+    attention = Attention(0, HIDDEN, heads, kv_heads, d, qkv_bias=True)
+    qkv = attention.qkv_proj
+    for shard, linear in zip("qkv", (q, k, v)):
+        qkv.weight_loader(qkv.weight, linear.weight.data, shard)
+        qkv.weight_loader(qkv.bias, linear.bias.data, shard)
+    attention.o_proj.weight_loader(attention.o_proj.weight, o.weight.data)
+
+    # [5, local q + 2 local kv heads, d]
+    local = qkv(x).view(5, -1, d).split([qkv.num_heads, qkv.num_kv_heads, qkv.num_kv_heads], 1)
+    held = {
+        name: _heads_held(part, full(x).view(5, -1, d))
+        for name, part, full in zip("qkv", local, (q, k, v))
+    }
+
+    cos, sin = RotaryEmbedding(d, 16, RopeConfig())(torch.arange(5), torch.float32)
+    full_q = apply_rotary(q(x).view(5, heads, d), cos, sin).transpose(0, 1)
+    full_k = apply_rotary(k(x).view(5, kv_heads, d), cos, sin).transpose(0, 1)
+    full_v = v(x).view(5, kv_heads, d).transpose(0, 1)
+    want = nn.functional.scaled_dot_product_attention(
+        full_q, full_k, full_v, is_causal=True, enable_gqa=True
+    )  # [heads, 5, d]
+    want = o(want.transpose(0, 1).reshape(5, heads * d))
+
+    cache = [(torch.zeros(1, 16, qkv.num_kv_heads, d), torch.zeros(1, 16, qkv.num_kv_heads, d))]
+    metadata = AttentionMetadata(
+        slot_mapping=torch.arange(5),
+        query_start_loc=torch.tensor([0, 5], dtype=torch.int32),
+        seq_lens=torch.tensor([5], dtype=torch.int32),
+        block_tables=torch.zeros(1, 1, dtype=torch.int32),
+        max_query_len=5,
+        max_seq_len=5,
+        query_start_loc_cpu=[0, 5],
+        seq_lens_cpu=[5],
+        num_decodes=0,
+        num_decode_tokens=0,
+    )
+    with forward_context(metadata, cache, TorchAttentionBackend()):
+        got = attention((cos, sin), x)
+    return {"held": held, "attention": (got - want).abs().max().item()}
+
+
+def _gqa_rank_main(rank: int, world: int, port: int, results) -> None:
+    init_tensor_parallel(rank, world, port, "cpu", shm_bytes=1 << 12)
+    with torch.no_grad():
+        results[rank] = _gqa_attention(rank)
+    all_reduce(torch.zeros(1))  # every rank done before any leaves
+
+
+@pytest.fixture(scope="module", params=GQA.tensor_parallel_sizes())
+def gqa_ranks(request) -> tuple[int, list[dict]]:
+    """(tp, each rank's result of `_gqa_attention`) for every rank count the shape allows."""
+    tp = request.param
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_gqa_rank_main, args=(tp, free_port(), results), nprocs=tp)
+        return tp, [results[r] for r in range(tp)]
+
+
+def test_the_rank_counts_that_split_4_query_heads_and_2_kv_heads():
+    assert GQA.tensor_parallel_sizes() == sorted(HEADS) == [1, 2, 4]
+
+
+def test_each_rank_holds_its_query_heads_and_kv_head_rank_times_kv_heads_over_tp(gqa_ranks):
+    tp, ranks = gqa_ranks
+    query_heads, kv_heads = HEADS[tp]
+    assert [r["held"]["q"] for r in ranks] == query_heads
+    assert [r["held"]["k"] for r in ranks] == kv_heads
+    assert [r["held"]["v"] for r in ranks] == kv_heads
+
+
+def test_attention_on_every_rank_count_sums_to_the_full_layers_output(gqa_ranks):
+    tp, ranks = gqa_ranks
+    assert [r["attention"] < 1e-5 for r in ranks] == [True] * tp, [r["attention"] for r in ranks]

@@ -8,7 +8,8 @@ cache_aware is the SGLang router's approach: a request goes to the instance whos
 the longest share of its prompt when that share is above `cache_threshold`, else to the instance
 with the smallest tree (the most room in its cache); either way only while load is balanced.
 When the most and least loaded instances differ by more than `balance_abs_threshold` requests
-and by a factor above `balance_rel_threshold`, the least loaded instance takes the request.
+and by a factor above `balance_rel_threshold` (both: either alone leaves the choice to the
+cache), the least loaded instance takes the request.
 """
 
 from __future__ import annotations
