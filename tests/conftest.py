@@ -16,6 +16,21 @@ if not torch.cuda.is_available():
 
 from quire.config import default_model_path  # noqa: E402
 
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Names the CPU and the matmul paths this run covered, after the results (also under -q):
+    they depend on both (AMX tiles or AVX-512 for bf16; VNNI, AVX2 or plain C for GGUF blocks)."""
+    from quire.kernels.cpu import gemv, qmatmul
+
+    cpu = "unknown CPU"
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    terminalreporter.write_line(
+        f"quire kernels: {cpu}; bf16 matmul {gemv.path()}, GGUF blocks {qmatmul.path()}"
+    )
+
 # Shapes chosen to cover GQA ratios, head_dim != hidden / heads, tied and untied embeddings.
 TINY_CONFIGS = {
     "llama": dict(

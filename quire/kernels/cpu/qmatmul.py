@@ -30,6 +30,13 @@ def available() -> bool:
     return load_library() is not None
 
 
+def path() -> str:
+    """Which loop the kernel runs here, for logs and tests: "avx512-vnni", "avx2", "c", or "off"
+    where the C kernels do not run."""
+    lib = load_library()
+    return "off" if lib is None else ("c", "avx2", "avx512-vnni")[lib.qmatmul_path()]
+
+
 @functools.cache
 def uses_vnni() -> bool:
     lib = load_library()
