@@ -33,7 +33,7 @@ from quire.bench import roofline
 from quire.bench.models import add_model_dir_arg, resolve_model
 from quire.bench.perplexity import prose_perplexity
 from quire.bench.speculative import describe_spec_decoding, spec_decoding_report
-from quire.kernels.cpu import qmatmul
+from quire.kernels.cpu import gemv, qmatmul
 from quire.model import gguf_loader, loader
 
 _WARMUP_DECODE_STEPS = 2
@@ -336,6 +336,11 @@ def main(args: argparse.Namespace) -> int:
         + (
             f"perplexity {accuracy[0]:.3f} over {accuracy[1]} tokens of a fixed English text\n"
             if accuracy
+            else ""
+        )
+        + (
+            f"quire's kernels: bf16 matmul {gemv.path()}, GGUF blocks {qmatmul.path()}\n"
+            if device == "cpu"
             else ""
         )
         + f"machine at the start: read {hardware.read_gbps:.1f} GB/s, copy "
