@@ -354,7 +354,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="SLOs, e.g. ttft:500 tpot:50",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output-json", default="quire-bench-serve.json")
+    p.add_argument(
+        "--output-json",
+        default=None,
+        metavar="PATH",
+        help="also write the report to this JSON file (default: none, the summary only)",
+    )
     p.add_argument("--plot", default=None, metavar="PNG", help="latency percentiles vs rate")
     p.set_defaults(func=main)
 
@@ -422,9 +427,10 @@ def main(args: argparse.Namespace) -> int:
         "goodput_slos_ms": slos,
         "runs": [{k: _json_number(v) for k, v in run.items()} for run in runs],
     }
-    with open(args.output_json, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.output_json}", file=sys.stderr)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.output_json}", file=sys.stderr)
     if args.plot:
         plot_runs(runs, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
