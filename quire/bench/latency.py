@@ -264,7 +264,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--prompt-len", type=int, default=512, help="tokens of the timed prompt")
     p.add_argument("--batch-size", type=int, default=32, help="B of the batch-B decode")
     p.add_argument("--decode-steps", type=int, default=16, help="timed decode steps per batch")
     p.add_argument("--num-iters", type=int, default=3, help="timed prefills")

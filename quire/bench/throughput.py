@@ -271,8 +271,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--workload", default="w1", choices=sorted(WORKLOADS), help="preset (W1, W2)")
     p.add_argument("--num-requests", type=int, default=None, help="default: the workload's")
-    p.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=None)
-    p.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=None)
+    p.add_argument(
+        "--input-len",
+        type=int,
+        nargs=2,
+        metavar=("MIN", "MAX"),
+        default=None,
+        help="prompt tokens, drawn uniformly (default: the workload's)",
+    )
+    p.add_argument(
+        "--output-len",
+        type=int,
+        nargs=2,
+        metavar=("MIN", "MAX"),
+        default=None,
+        help="output tokens, drawn uniformly (default: the workload's)",
+    )
     p.add_argument(
         "--compare",
         choices=["transformers"],

@@ -15,6 +15,34 @@ from quire.entrypoints.chat_template import load_chat_template
 from quire.entrypoints.tool_parsers import TOOL_PARSERS
 
 
+class _ShowDefaults(argparse.HelpFormatter):
+    """Ends each flag's help with its default, unless the help already says what it is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            not action.option_strings
+            or action.required
+            or action.default is argparse.SUPPRESS
+            or "default" in text
+        ):
+            return text
+        if isinstance(action, argparse._StoreTrueAction):
+            return f"{text} (default: off)"
+        if action.default is None:
+            return f"{text} (default: none)"
+        return f"{text} (default: %(default)s)"
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """quire's parser and, through add_subparsers, every subcommand's: each flag's default in
+    --help, whatever formatter the subcommand asks for (the benches keep their docstrings raw)."""
+
+    def __init__(self, *args, formatter_class: type = argparse.HelpFormatter, **kwargs) -> None:
+        formatter_class = type("HelpFormatter", (_ShowDefaults, formatter_class), {})
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+
 def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="generate completions for one or more prompts")
     p.add_argument("prompt", nargs="+", help="prompt text (several prompts batch together)")
@@ -25,7 +53,7 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     sampling.add_argument(
         "--temperature", type=float, default=0.0, help="0: greedy (default: %(default)s)"
     )
-    sampling.add_argument("--top-p", type=float, default=1.0, help="(default: %(default)s)")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="1: off")
     sampling.add_argument("--top-k", type=int, default=0, help="0: off (default: %(default)s)")
     sampling.add_argument(
         "--n", type=int, default=1, help="completions per prompt (default: %(default)s)"
@@ -99,7 +127,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default: loopback only)"
     )
-    server.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    server.add_argument("--port", type=int, default=8000, help="port to bind")
     server.add_argument(
         "--api-key",
         default=None,
@@ -148,7 +176,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         choices=sorted(TOOL_PARSERS),
         help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>), llama3_json",
     )
-    EngineArgs.add_cli_args(p)
+    EngineArgs.add_cli_args(p, serving=True)
     p.set_defaults(func=_run_serve)
 
 
@@ -227,7 +255,7 @@ def _add_router(subparsers: argparse._SubParsersAction) -> None:
         "`quire bench pd-profile`",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind")
     p.set_defaults(func=_run_router)
 
 
@@ -287,7 +315,7 @@ def _add_cluster(subparsers: argparse._SubParsersAction) -> None:
     placement.add_argument(
         "--host", default="127.0.0.1", help="address the router binds (default: loopback)"
     )
-    placement.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    placement.add_argument("--port", type=int, default=8000, help="port the router binds")
     placement.add_argument("--served-model-name", default=None, help="(default: the model)")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=_run_cluster)
@@ -337,7 +365,7 @@ def _add_chat(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--max-tokens", type=int, default=512, help="per reply (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.7, help="(default: %(default)s)")
-    p.add_argument("--top-p", type=float, default=0.9, help="(default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling, 1: off")
     _add_chat_template_arg(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=_run_chat)
@@ -350,8 +378,10 @@ def _run_chat(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="quire", description="quire: LLM inference and serving")
-    parser.add_argument("--log-level", default="WARNING")
+    parser = _ArgumentParser(prog="quire", description="quire: LLM inference and serving")
+    parser.add_argument(
+        "--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR, before the command"
+    )
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate(subparsers)
     _add_serve(subparsers)
