@@ -14,6 +14,7 @@ import torch
 from quire.attention import kv_format
 from quire.engine_args import ATTENTION_BACKENDS, DEVICES, QUANTIZATIONS, EngineArgs
 from quire.layers.linear import onednn_runs_bf16
+from quire.model.model_config import check_tensor_parallel_split
 
 logger = logging.getLogger(__name__)
 
@@ -230,6 +231,8 @@ class EngineConfig(EngineArgs):
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
             )
+        if self.tensor_parallel_size > 1:  # reads the model's head counts, not the model
+            check_tensor_parallel_split(self.model, self.tensor_parallel_size)
 
     def _resolve_kv_transfer(self) -> None:
         """vLLM's kv_transfer_config as quire's flags; the KV endpoint's port chosen free."""

@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from quire.model.gguf_header import iter_gguf_scalars
+
 
 @dataclass
 class RopeConfig:
@@ -59,20 +61,29 @@ class ModelConfig:
             eos_token_ids=eos_ids,
         )
 
-    def tensor_parallel_sizes(self) -> list[int]:
-        """The rank counts that split this model's heads: query heads divide by it, and KV heads
-        divide by it or it by them (then each KV head is replicated on several ranks)."""
-        q, kv = self.num_attention_heads, self.num_key_value_heads
-        return [tp for tp in range(1, q + 1) if q % tp == 0 and (kv % tp == 0 or tp % kv == 0)]
 
-    def check_tensor_parallel_size(self, tp: int) -> None:
-        """Raises ValueError, naming the sizes that work, when `tp` ranks cannot split it."""
-        if tp not in self.tensor_parallel_sizes():
-            raise ValueError(
-                f"tensor_parallel_size {tp} cannot split {self.architecture}'s "
-                f"{self.num_attention_heads} query heads and {self.num_key_value_heads} KV heads; "
-                f"sizes that work: {', '.join(map(str, self.tensor_parallel_sizes()))}."
-            )
+def check_tensor_parallel_split(model: str, tp: int) -> None:
+    """Raises ValueError, naming the sizes that work, when `tp` ranks cannot split the heads of
+    `model` (a Hugging Face folder or a .gguf file). Reads config.json or the GGUF header only,
+    so that a size that cannot work is refused before anything loads."""
+    if model.endswith(".gguf"):
+        metadata = dict(iter_gguf_scalars(model))  # tens of ms: the arrays are skipped
+        prefix = f"{metadata.get('general.architecture')}.attention."
+        if prefix + "head_count" not in metadata:
+            raise ValueError(f"{model!r} has no {prefix}head_count in its GGUF metadata.")
+        q = metadata[prefix + "head_count"]
+        kv = metadata.get(prefix + "head_count_kv", q)  # absent without GQA
+    else:
+        cfg = read_hf_config(model)
+        q = cfg["num_attention_heads"]
+        kv = cfg.get("num_key_value_heads") or q
+    # query heads divide by it, and KV heads by it or it by them (each then on several ranks)
+    sizes = [n for n in range(1, q + 1) if q % n == 0 and (kv % n == 0 or n % kv == 0)]
+    if tp not in sizes:
+        raise ValueError(
+            f"tensor_parallel_size {tp} cannot split {os.path.basename(model)}'s {q} query heads "
+            f"and {kv} KV heads; sizes that work: {', '.join(map(str, sizes))}."
+        )
 
 
 def architecture_of(cfg: dict[str, Any]) -> str:
