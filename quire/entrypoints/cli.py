@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import sys
 import time
 
@@ -200,6 +201,21 @@ def serve_model(args: argparse.Namespace) -> str | None:
     return args.model_tag or args.model
 
 
+def check_address_free(host: str, port: int) -> None:
+    """ValueError, saying what to change, when nothing could listen at host:port (another
+    server holds the port, or the host is not this machine's)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            sock.bind((host, port))
+    except OSError as error:
+        raise ValueError(
+            f"Cannot listen at {host}:{port} ({error.strerror}): stop what holds the port or pass "
+            "another --port (and as --host, an address of this machine)."
+        ) from error
+
+
 def _run_serve(args: argparse.Namespace) -> int:
     from quire.entrypoints.api_server import serve
 
@@ -212,6 +228,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             "--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)."
         )
     chat_template = load_chat_template(args.chat_template) if args.chat_template else None
+    check_address_free(args.host, args.port)  # before the model loads, not after
     serve(
         EngineArgs.from_cli_args(args).create_engine_config(),
         host=args.host,
