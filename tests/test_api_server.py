@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -22,7 +23,7 @@ from server_utils import ServerThread, serve_engine, wait_until
 from quire import SamplingParams
 from quire.config import EngineConfig
 from quire.engine.async_engine import AsyncLLM
-from quire.entrypoints.cli import build_parser
+from quire.entrypoints.cli import build_parser, main
 
 MODEL = "tiny"
 API_KEY = "test-key"
@@ -662,6 +663,18 @@ def test_serve_defaults_to_loopback_port_8000_and_no_key():
         8000,
         None,
         None,
+    )
+
+
+def test_quire_serve_refuses_a_port_in_use_before_loading_the_model(capsys):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        start = time.perf_counter()
+        assert main(["serve", "--port", str(port)]) == 2
+    assert time.perf_counter() - start < 1.0  # the default model takes seconds to load
+    assert capsys.readouterr().err == (
+        f"error: Cannot listen at 127.0.0.1:{port} (Address already in use): stop what holds "
+        "the port or pass another --port (and as --host, an address of this machine).\n"
     )
 
 

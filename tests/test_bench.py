@@ -168,6 +168,22 @@ def test_workload_floor_is_prefill_at_peak_plus_each_decode_steps_bound():
     assert decode == pytest.approx(step([4, 6]) + step([5]))
 
 
+TINY_BENCHES = {
+    "throughput": "--num-requests 2 --input-len 8 16 --output-len 2 4".split(),
+    "latency": "--prompt-len 16 --batch-size 2 --decode-steps 2 --num-iters 1".split(),
+    "speculative": "--num-prompts 1 --output-len 4 --rounds 2".split()
+    + ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
+}
+
+
+@pytest.mark.parametrize("bench", sorted(TINY_BENCHES))
+def test_a_bench_without_output_json_writes_no_file(tiny_llama, tmp_path, monkeypatch, bench):
+    monkeypatch.chdir(tmp_path)
+    argv = ["bench", bench, "--model", tiny_llama, *TINY_BENCHES[bench]]
+    assert main(argv + TINY_RUN) == 0
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_roofline_fraction_is_floor_over_measured():
     assert roofline.roofline_fraction(ideal_seconds=1.0, measured_seconds=4.0) == 0.25
 

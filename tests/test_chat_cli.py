@@ -1,4 +1,5 @@
-"""`quire chat`: replies stream in pieces, the conversation is kept, /exit and end of input quit."""
+"""`quire chat`: replies stream in pieces, the conversation is kept, /exit and end of input quit,
+/help lists the commands and an unknown /command is an error, never a message to the model."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from quire import SamplingParams
 from quire.config import EngineConfig
 from quire.engine.llm_engine import LLMEngine
-from quire.entrypoints.chat_cli import ChatSession, run_chat
+from quire.entrypoints.chat_cli import HELP_TEXT, ChatSession, run_chat
 from quire.entrypoints.cli import build_parser, main
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -106,13 +107,36 @@ def test_run_chat_ends_at_end_of_input_and_reports_errors(engine):
     assert session.history == []
 
 
+def test_help_lists_every_command_and_sends_nothing_to_the_model(engine, prompts):
+    session = ChatSession(engine, GREEDY)
+    written: list[str] = []
+    run_chat(session, scripted(["/help"]), written.append, lambda: None)
+    assert "".join(written) == (
+        "Type a message; /help lists the commands, /exit quits.\n"
+        "/help         this list\n"
+        "/reset        forget the conversation (the system prompt stays)\n"
+        "/exit, /quit  quit (as Ctrl-D does); Ctrl-C stops a reply\n"
+        "\n"
+    )
+    assert written[1] == HELP_TEXT
+    assert (prompts, session.history) == ([], [])
+
+
+def test_an_unknown_command_is_an_error_line_not_a_message(engine, prompts):
+    session = ChatSession(engine, GREEDY)
+    written: list[str] = []
+    run_chat(session, scripted(["/foo bar", "/exit"]), written.append, lambda: None)
+    assert written[1:] == ["error: unknown command /foo; /help lists the commands\n"]
+    assert (prompts, session.history) == ([], [])
+
+
 def test_quire_chat_command_chats_with_the_model(tiny_llama, monkeypatch, capsys):
     args = build_parser().parse_args(["chat", "--model", tiny_llama])
     assert (args.max_tokens, args.temperature, args.system) == (512, 0.7, None)
     monkeypatch.setattr(builtins, "input", scripted(["Hi there", "/exit"]))
     argv = ["chat", "--model", tiny_llama, "--max-tokens", "4", "--temperature", "0"]
     assert main(argv + ["--dtype", "float32", "--num-kv-blocks", "64"]) == 0
-    assert "/exit quits" in capsys.readouterr().out
+    assert "/help lists the commands, /exit quits" in capsys.readouterr().out
 
 
 def test_a_chat_template_override_renders_the_prompt(engine, prompts):

@@ -1,4 +1,5 @@
-"""EngineConfig.resolve_dtype: what `dtype="auto"` runs, per checkpoint dtype and CPU."""
+"""EngineConfig.resolve_dtype: what `dtype="auto"` runs, per checkpoint dtype and CPU; the
+checks that need no model (context length, tensor-parallel split, KV dtype) made before loading."""
 
 from __future__ import annotations
 
@@ -73,3 +74,25 @@ def test_an_unknown_quantization_is_refused_with_the_choices(tiny_llama):
         ValueError, match="quantization must be one of auto, none, int8; got 'int4'"
     ):
         EngineConfig(tiny_llama, quantization="int4")
+
+
+# ---- what needs no model is refused before anything loads (EngineConfig loads nothing) ------
+def test_a_max_model_len_beyond_the_gguf_context_is_refused_from_its_header(default_model):
+    with pytest.raises(ValueError) as error:
+        EngineConfig(default_model, max_model_len=100_000)
+    assert str(error.value) == (
+        "max_model_len 100000 exceeds the model's max_position_embeddings (8192); pass a "
+        "smaller max_model_len."
+    )
+
+
+def test_a_tensor_parallel_size_the_heads_do_not_divide_by_is_refused(default_model, tiny_llama):
+    with pytest.raises(ValueError, match="SmolLM2-135M-Instruct.Q4_1.gguf's 9 query heads"):
+        EngineConfig(default_model, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"size 3 .* 4 query heads and 2 KV heads; .*: 1, 2, 4\."):
+        EngineConfig(tiny_llama, tensor_parallel_size=3)
+
+
+def test_a_quantized_kv_cache_under_explicit_float32_is_refused(tiny_llama):
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int8' needs bfloat16 activations"):
+        EngineConfig(tiny_llama, dtype="float32", kv_cache_dtype="int8")

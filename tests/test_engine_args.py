@@ -1,18 +1,21 @@
 """EngineArgs is the one declaration of the engine's knobs: the `quire` flags (vLLM's spellings)
-and `LLM(...)`'s keyword arguments are made from it and agree with it; `quire serve MODEL`."""
+and `LLM(...)`'s keyword arguments are made from it and agree with it; `quire serve MODEL`; each
+subcommand's --help lists the flags it uses, each with its default."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import inspect
+import re
 
 import pytest
 
 from quire import LLM, envs
 from quire.config import EngineConfig
 from quire.engine_args import EngineArgs
-from quire.entrypoints.cli import build_parser, serve_model
+from quire.entrypoints.cli import build_parser, main, serve_model
+from quire.layers.quantized_linear import KERNEL_TYPES
 
 # The flags as vLLM spells them, then quire's own (--num-kv-blocks and the CPU kernel choices).
 EXPECTED_FLAGS = {
@@ -63,10 +66,54 @@ EXPECTED_FLAGS = {
 }
 
 
+SERVING_FLAGS = {
+    "--disaggregation-mode",
+    "--kv-transfer-config",
+    "--kv-host",
+    "--kv-port",
+    "--kv-lease-timeout",
+    "--kv-transfer-timeout",
+}
+SERVER_FLAGS = SERVING_FLAGS | {"--host", "--port", "--api-key", "--served-model-name"}
+SUBCOMMANDS = [
+    ["generate"],
+    ["serve"],
+    ["router"],
+    ["cluster"],
+    ["chat"],
+    ["bench", "throughput"],
+    ["bench", "latency"],
+    ["bench", "serve"],
+    ["bench", "speculative"],
+    ["bench", "pd-profile"],
+]
+# The subcommands that run a model in this process
+OFFLINE_COMMANDS = [["generate"], ["chat"], ["bench", "throughput"], ["bench", "latency"]]
+
+
 def engine_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
-    EngineArgs.add_cli_args(parser)
+    EngineArgs.add_cli_args(parser, serving=True)
     return parser
+
+
+def help_entries(command: list[str], capsys) -> dict[str, str]:
+    """`quire COMMAND --help`: each flag's entry (its flags line and help), keyed by its first
+    flag, the words joined with single spaces."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--help"])
+    assert exit_info.value.code == 0
+    entries: dict[str, str] = {}
+    flag = None
+    for line in capsys.readouterr().out.splitlines():
+        if match := re.match(r"  (-[-\w]+)", line):
+            flag = match.group(1)
+            entries[flag] = ""
+        elif not line.startswith("   "):
+            flag = None  # a group's title or the end of the options
+        if flag is not None:
+            entries[flag] = " ".join((entries[flag] + " " + line).split())
+    return entries
 
 
 def field_names() -> list[str]:
@@ -189,13 +236,45 @@ def test_serve_refuses_two_different_models() -> None:
         serve_model(args)
 
 
-@pytest.mark.parametrize(
-    "command", [["generate", "hi"], ["chat"], ["bench", "latency"], ["bench", "throughput"]]
-)
+@pytest.mark.parametrize("command", OFFLINE_COMMANDS, ids=" ".join)
 def test_every_model_subcommand_takes_the_engine_flags(command) -> None:
-    args = build_parser().parse_args([*command, "--max-num-seqs", "3", "--no-gemv"])
+    argv = [*command, "hi"] if command == ["generate"] else command
+    args = build_parser().parse_args([*argv, "--max-num-seqs", "3", "--no-gemv"])
     assert (args.max_num_seqs, args.gemv) == (3, False)
-    assert set(field_names()) <= set(vars(args))
+    serving = {flag[2:].replace("-", "_") for flag in SERVING_FLAGS}
+    assert set(field_names()) - serving <= set(vars(args))
+    assert EngineArgs.from_cli_args(args).kv_host == EngineArgs().kv_host
+
+
+@pytest.mark.parametrize("command", [*OFFLINE_COMMANDS, ["bench", "speculative"]], ids=" ".join)
+def test_a_command_that_serves_nothing_lists_no_server_flag(command, capsys) -> None:
+    flags = set(help_entries(command, capsys))
+    assert flags & SERVER_FLAGS == set()
+    assert {"--model", "--quantization", "--tensor-parallel-size", "-h"} <= flags
+
+
+@pytest.mark.parametrize("command", [["router"], ["cluster"]])
+def test_only_serve_takes_the_disaggregation_flags(command, capsys) -> None:
+    assert set(help_entries(command, capsys)) & SERVING_FLAGS == set()
+    assert SERVER_FLAGS <= set(help_entries(["serve"], capsys))
+    args = build_parser().parse_args(["serve", "--disaggregation-mode", "decode", "--kv-port", "9"])
+    assert EngineArgs.from_cli_args(args) == dataclasses.replace(
+        EngineArgs(), disaggregation_mode="decode", kv_port=9
+    )
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS, ids=" ".join)
+def test_every_flag_shows_its_default(command, capsys) -> None:
+    entries = help_entries(command, capsys)
+    required = {"bench pd-profile": {"--prefill", "--decode", "--output"}}.get(" ".join(command))
+    without = {flag for flag, text in entries.items() if "default" not in text}
+    assert without == {"-h"} | (required or set())
+
+
+def test_quantization_help_names_every_gguf_type_kept_in_blocks(capsys) -> None:
+    text = help_entries(["generate"], capsys)["--quantization"]
+    named = set(re.findall(r"\bQ\d_[01K]\b", text))
+    assert named == set(KERNEL_TYPES) == {"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"}
 
 
 @pytest.mark.parametrize(

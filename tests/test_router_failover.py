@@ -1,18 +1,23 @@
 """`quire router` when an instance dies: a request that has not streamed a byte yet is retried
 on another instance of the same role (the answer is the one that instance gives), the dead
 instance is left out of routing from then on, and when none is left the client gets a 502 that
-names every instance tried. Every block on the surviving instances is free afterwards."""
+names every instance tried. Every block on the surviving instances is free afterwards. An instance
+going down, coming back and each retry are logged in quire's format; polls are not."""
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 import socket
+import subprocess
+import sys
 import threading
 
 import httpx
 import pytest
 from fastapi import FastAPI
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from server_utils import (
     ServerThread,
     assert_all_blocks_free,
@@ -23,6 +28,7 @@ from server_utils import (
 )
 
 from quire.config import EngineConfig
+from quire.executor.multiproc import free_port
 from quire.router.app import Router, build_router_app
 from quire.router.policies import Instance
 
@@ -124,7 +130,7 @@ def body(prompt: list[int], **kwargs) -> dict:
 PROMPT = [(31 * j) % 40000 + 10 for j in range(20)]
 
 
-def test_a_refused_instance_is_retried_elsewhere_then_left_out(instances, router_over):
+def test_a_refused_instance_is_retried_elsewhere_then_left_out(instances, router_over, caplog):
     _, (decode_server, decode) = instances
     expected = completion_text(decode_server.url, body(PROMPT))
     dead = DyingInstance()
@@ -133,8 +139,19 @@ def test_a_refused_instance_is_retried_elsewhere_then_left_out(instances, router
         [Instance(dead.url, "decode"), Instance(decode_server.url, "decode")], [dead.url]
     )
     dead.close()
-    assert [completion_text(router.url, body(PROMPT)) for _ in range(3)] == [expected] * 3
+    with caplog.at_level(logging.INFO, logger="quire.router"):
+        assert [completion_text(router.url, body(PROMPT)) for _ in range(3)] == [expected] * 3
     assert router_retries(router.url, "decode") == 1  # only the first request met the dead instance
+    down, retry = caplog.records  # the reason: refused, or dropped while the socket closed
+    assert (down.levelname, retry.levelname) == ("WARNING", "INFO")
+    assert re.fullmatch(
+        f"The decode instance {dead.url} is down \\((ConnectError|RemoteProtocolError): .+\\): "
+        "routing around it until its /load answers",
+        down.getMessage(),
+    )
+    assert retry.getMessage() == (
+        f"Retrying a request on the decode instance {decode_server.url} ({dead.url} failed)"
+    )
     load = httpx.get(router.url + "/load").json()["instances"]
     assert [(i["url"], i["healthy"]) for i in load] == [
         (dead.url, False),
@@ -236,3 +253,52 @@ def test_a_prefill_instance_that_drops_the_request_is_replaced_by_another(instan
     assert router_retries(router.url, "prefill") == 1
     assert prefill.engine.core_stats().kv_transfer.num_leases_expired == expired  # pulled
     assert_all_blocks_free(prefill, decode)
+
+
+def test_the_router_logs_an_instance_going_down_and_back_up_and_no_poll():
+    """`quire router` in its own process, over an instance whose /load fails for a while: its
+    log is quire's lines, one per change, none for the /load polls nor for /health checks."""
+    up = threading.Event()
+    up.set()
+    app = FastAPI()
+
+    @app.get("/load")
+    async def load():
+        return LOAD if up.is_set() else JSONResponse({"error": "restarting"}, 503)
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    instance = ServerThread(app)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = ["router", "--collocated", instance.url, "--port", str(port)]
+    router = subprocess.Popen(
+        [sys.executable, "-m", "quire.entrypoints.cli", *argv], stderr=subprocess.PIPE, text=True
+    )
+
+    def healthy() -> bool | None:
+        try:
+            return httpx.get(url + "/load").json()["instances"][0]["healthy"]
+        except httpx.HTTPError:
+            return None
+
+    try:
+        assert wait_until(lambda: healthy() is True, timeout=60)
+        assert httpx.get(url + "/health").status_code == 200
+        up.clear()
+        assert wait_until(lambda: healthy() is False)
+        up.set()
+        assert wait_until(lambda: healthy() is True)
+    finally:
+        router.terminate()
+        stderr = router.communicate(timeout=30)[1]
+        instance.stop()
+    # "2026-11-26 08:40:01,234 LEVEL logger: message": quire's format, as `quire serve` logs
+    assert [line.split(" ", 2)[2] for line in stderr.splitlines()] == [
+        f"INFO quire.router.app: Routing at {url} with round_robin over collocated {instance.url}",
+        f"WARNING quire.router.app: The collocated instance {instance.url} is down (/load "
+        "answered 503): routing around it until its /load answers",
+        f"INFO quire.router.app: The collocated instance {instance.url} is back up",
+    ]

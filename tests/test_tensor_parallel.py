@@ -1,8 +1,8 @@
 """Tensor parallelism end to end (CPU, gloo): greedy tokens with two ranks (four where KV heads
 are replicated, three for the default model) equal one rank's in float32 up to the first
 near-tie, with close logprobs (vLLM's check_logprobs_close rule); unsupported splits fail at
-start naming the sizes that work; abort and preemption free every block; a killed rank fails the
-engine fast; shutdown ends every rank."""
+start, before anything loads, naming the sizes that work; abort and preemption free every block;
+a killed rank fails the engine fast; shutdown ends every rank."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from quire.config import EngineConfig
 from quire.engine.async_engine import AsyncLLM
 from quire.engine.metrics import EngineMetrics
 from quire.entrypoints.api_server import build_app
+from quire.entrypoints.cli import main
 from quire.executor.multiproc import WorkerDiedError, rank_cores
 
 PROMPTS = [
@@ -146,6 +147,17 @@ def test_default_model_refuses_two_ranks_naming_the_sizes_that_work(default_mode
         LLM(default_model, tensor_parallel_size=2, tokenizer=tokenizer_dir)
 
 
+def test_quire_generate_refuses_two_ranks_of_the_default_model_within_a_second(capsys):
+    # the head counts come from the GGUF header: no weights, no tokenizer, no worker is loaded
+    start = time.perf_counter()
+    assert main(["generate", "-tp", "2", "What is the capital of Japan?"]) == 2
+    assert time.perf_counter() - start < 1.0
+    assert capsys.readouterr().err == (
+        "error: tensor_parallel_size 2 cannot split SmolLM2-135M-Instruct.Q4_1.gguf's 9 query "
+        "heads and 3 KV heads; sizes that work: 1, 3, 9.\n"
+    )
+
+
 def test_default_model_runs_on_three_ranks(default_model, tokenizer_dir):
     # the saved tokenizer: no second parse of the GGUF file's 49k token strings per engine
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
@@ -200,7 +212,7 @@ def test_heads_not_divisible_fail_at_start(models):
 
 def test_tensor_parallel_runs_a_process_per_rank(tp_llama):
     assert len(tp_llama.engine.core.executor._processes) == 2
-    assert EngineConfig(tensor_parallel_size=2).distributed_executor_backend == "mp"
+    assert EngineConfig(tensor_parallel_size=3).distributed_executor_backend == "mp"
 
 
 def test_ranks_get_disjoint_cores():

@@ -264,7 +264,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--prompt-len", type=int, default=512, help="tokens of the timed prompt")
     p.add_argument("--batch-size", type=int, default=32, help="B of the batch-B decode")
     p.add_argument("--decode-steps", type=int, default=16, help="timed decode steps per batch")
     p.add_argument("--num-iters", type=int, default=3, help="timed prefills")
@@ -280,7 +280,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=True,
         help="also the model's perplexity over a fixed English text (quire/bench/perplexity.py)",
     )
-    p.add_argument("--output-json", default="quire-bench-latency.json")
+    p.add_argument(
+        "--output-json",
+        default=None,
+        metavar="PATH",
+        help="also write the report to this JSON file (default: none, the summary only)",
+    )
     add_model_dir_arg(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=main, dtype="bfloat16")
@@ -391,7 +396,8 @@ def main(args: argparse.Namespace) -> int:
     spec = spec_decoding_report(engine)
     if spec is not None:
         report["spec_decoding"] = spec
-    with open(args.output_json, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.output_json}", file=sys.stderr)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.output_json}", file=sys.stderr)
     return 0

@@ -404,11 +404,34 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", default=None, help="model name (default: the decode instance's)")
     p.add_argument("--output", required=True, metavar="JSON", help="the profile to write")
-    p.add_argument("--prompt-lens", type=int, nargs="+", default=[64, 256, 1024])
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
-    p.add_argument("--contexts", type=int, nargs="+", default=[32, 512])
+    p.add_argument(
+        "--prompt-lens",
+        type=int,
+        nargs="+",
+        default=[64, 256, 1024],
+        help="prompt lengths timed on the prefill instance (two or more)",
+    )
+    p.add_argument(
+        "--batch-sizes",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4, 8],
+        help="decode batches timed on the decode instance",
+    )
+    p.add_argument(
+        "--contexts",
+        type=int,
+        nargs="+",
+        default=[32, 512],
+        help="context lengths of the timed decode batches",
+    )
     p.add_argument("--decode-tokens", type=int, default=24, help="per stream in a decode batch")
-    p.add_argument("--gamma-prompt-len", type=int, default=512)
+    p.add_argument(
+        "--gamma-prompt-len",
+        type=int,
+        default=512,
+        help="prompt tokens of the prefill run beside a decode to time the interference",
+    )
     p.add_argument("--rounds", type=int, default=3, help="repeats of each measurement")
     p.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
     p.set_defaults(func=main)

@@ -333,10 +333,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--tokenizer", default=None, help="makes the prompts (default: quire's default model's)"
     )
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=[100, 1024])
-    p.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=[100, 512])
+    p.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests per request rate")
+    p.add_argument(
+        "--input-len",
+        type=int,
+        nargs=2,
+        metavar=("MIN", "MAX"),
+        default=[100, 1024],
+        help="prompt tokens, drawn uniformly",
+    )
+    p.add_argument(
+        "--output-len",
+        type=int,
+        nargs=2,
+        metavar=("MIN", "MAX"),
+        default=[100, 512],
+        help="output tokens (max_tokens with ignore_eos), drawn uniformly",
+    )
     p.add_argument(
         "--request-rate",
         type=float,
@@ -345,7 +359,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="requests/s of the Poisson arrivals, inf = all at once; several values run one "
         "after another",
     )
-    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="most requests in flight (default: no limit)",
+    )
     p.add_argument(
         "--goodput",
         nargs="+",
@@ -353,8 +372,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="METRIC:MS",
         help="SLOs, e.g. ttft:500 tpot:50",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output-json", default="quire-bench-serve.json")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="of the prompts, their lengths and the arrivals (the i-th rate: seed + i)",
+    )
+    p.add_argument(
+        "--output-json",
+        default=None,
+        metavar="PATH",
+        help="also write the report to this JSON file (default: none, the summary only)",
+    )
     p.add_argument("--plot", default=None, metavar="PNG", help="latency percentiles vs rate")
     p.set_defaults(func=main)
 
@@ -422,9 +451,10 @@ def main(args: argparse.Namespace) -> int:
         "goodput_slos_ms": slos,
         "runs": [{k: _json_number(v) for k, v in run.items()} for run in runs],
     }
-    with open(args.output_json, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.output_json}", file=sys.stderr)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.output_json}", file=sys.stderr)
     if args.plot:
         plot_runs(runs, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)

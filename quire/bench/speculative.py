@@ -140,14 +140,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--workload", choices=["copy", "random"], default="copy")
+    p.add_argument(
+        "--workload", choices=["copy", "random"], default="copy", help="see the description"
+    )
     p.add_argument("--num-prompts", type=int, default=4, help="per round")
     p.add_argument("--batch-size", type=int, default=1, help="random: requests run together")
     p.add_argument("--prompt-len", type=int, default=256, help="random: prompt tokens")
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128, help="tokens per answer (copy: at most)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--rounds", type=int, default=4, help="A B B A ... rounds")
-    p.add_argument("--output-json", default="quire-bench-speculative.json")
+    p.add_argument(
+        "--output-json",
+        default=None,
+        metavar="PATH",
+        help="also write the report to this JSON file (default: none, the summary only)",
+    )
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=main, dtype="bfloat16")
 
@@ -217,7 +224,8 @@ def main(args: argparse.Namespace) -> int:
         "median_ratio": statistics.median(ratios),
         "spec_decoding": spec_decoding_report(spec),
     }
-    with open(args.output_json, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.output_json}", file=sys.stderr)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.output_json}", file=sys.stderr)
     return 0

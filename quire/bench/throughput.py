@@ -271,8 +271,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--workload", default="w1", choices=sorted(WORKLOADS), help="preset (W1, W2)")
     p.add_argument("--num-requests", type=int, default=None, help="default: the workload's")
-    p.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=None)
-    p.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=None)
+    p.add_argument(
+        "--input-len",
+        type=int,
+        nargs=2,
+        metavar=("MIN", "MAX"),
+        default=None,
+        help="prompt tokens, drawn uniformly (default: the workload's)",
+    )
+    p.add_argument(
+        "--output-len",
+        type=int,
+        nargs=2,
+        metavar=("MIN", "MAX"),
+        default=None,
+        help="output tokens, drawn uniformly (default: the workload's)",
+    )
     p.add_argument(
         "--compare",
         choices=["transformers"],
@@ -293,7 +307,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="also measure this machine's bandwidth and matmul peak and print the workload's "
         "floor: the time no engine can beat here, and the fraction of it each engine reached",
     )
-    p.add_argument("--output-json", default="quire-bench-throughput.json")
+    p.add_argument(
+        "--output-json",
+        default=None,
+        metavar="PATH",
+        help="also write the report to this JSON file (default: none, the summary only)",
+    )
     add_model_dir_arg(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=main, dtype="bfloat16")
@@ -431,7 +450,8 @@ def main(args: argparse.Namespace) -> int:
         report["transformers_best"] = best.engine
         report["ratio_quire_over_transformers"] = ratio
         print(f"quire / transformers ({best.engine}, the faster): {ratio:.2f}x output tokens/s")
-    with open(args.output_json, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.output_json}", file=sys.stderr)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.output_json}", file=sys.stderr)
     return 0

@@ -114,12 +114,8 @@ class LLMEngine:
         self.model_config = model_config
         self.dtype = config.resolve_dtype(model_config.torch_dtype)
         self.tokenizer = load_tokenizer(config.model, config.tokenizer)
+        # EngineConfig checked a given max_model_len against the model's (ModelShape)
         max_model_len = config.max_model_len or model_config.max_position_embeddings
-        if max_model_len > model_config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-                f"({model_config.max_position_embeddings}); pass a smaller max_model_len."
-            )
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model":
             check_draft_vocabulary(config, model_config, self.tokenizer)

@@ -1,6 +1,7 @@
 """`quire chat`: an interactive chat in the terminal. Replies stream as they are generated; the
-conversation is kept as history for the next turn. /exit (or Ctrl-D) quits, /reset forgets the
-conversation, Ctrl-C stops a reply early.
+conversation is kept as history for the next turn. /help lists the commands: /exit (or Ctrl-D)
+quits, /reset forgets the conversation; Ctrl-C stops a reply early. Any other line starting with
+/ is an error, not a message to the model.
 
 It drives LLMEngine directly: one user, one request at a time, no server in between.
 """
@@ -19,6 +20,12 @@ from quire.sampling_params import SamplingParams
 
 EXIT_COMMANDS = ("/exit", "/quit")
 RESET_COMMAND = "/reset"
+HELP_COMMAND = "/help"
+HELP_TEXT = (
+    "/help         this list\n"
+    "/reset        forget the conversation (the system prompt stays)\n"
+    "/exit, /quit  quit (as Ctrl-D does); Ctrl-C stops a reply\n"
+)
 
 
 class ChatSession:
@@ -87,7 +94,7 @@ def run_chat(
     read_line = read_line or input
     write = write or sys.stdout.write
     flush = flush or sys.stdout.flush
-    write("Type a message; /reset forgets the conversation, /exit quits.\n")
+    write("Type a message; /help lists the commands, /exit quits.\n")
     while True:
         try:
             line = read_line(">>> ").strip()
@@ -97,13 +104,19 @@ def run_chat(
         except KeyboardInterrupt:
             write("\n")
             continue
-        if line in EXIT_COMMANDS:
-            return
-        if line == RESET_COMMAND:
-            session.reset()
-            write("(conversation cleared)\n")
-            continue
         if not line:
+            continue
+        if line.startswith("/"):
+            command = line.split()[0]
+            if command in EXIT_COMMANDS:
+                return
+            if command == RESET_COMMAND:
+                session.reset()
+                write("(conversation cleared)\n")
+            elif command == HELP_COMMAND:
+                write(HELP_TEXT)
+            else:
+                write(f"error: unknown command {command}; /help lists the commands\n")
             continue
 
         def show(piece: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import sys
 import time
 
@@ -13,6 +14,34 @@ from quire import envs
 from quire.engine_args import EngineArgs
 from quire.entrypoints.chat_template import load_chat_template
 from quire.entrypoints.tool_parsers import TOOL_PARSERS
+
+
+class _ShowDefaults(argparse.HelpFormatter):
+    """Ends each flag's help with its default, unless the help already says what it is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            not action.option_strings
+            or action.required
+            or action.default is argparse.SUPPRESS
+            or "default" in text
+        ):
+            return text
+        if isinstance(action, argparse._StoreTrueAction):
+            return f"{text} (default: off)"
+        if action.default is None:
+            return f"{text} (default: none)"
+        return f"{text} (default: %(default)s)"
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """quire's parser and, through add_subparsers, every subcommand's: each flag's default in
+    --help, whatever formatter the subcommand asks for (the benches keep their docstrings raw)."""
+
+    def __init__(self, *args, formatter_class: type = argparse.HelpFormatter, **kwargs) -> None:
+        formatter_class = type("HelpFormatter", (_ShowDefaults, formatter_class), {})
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
 
 def _add_generate(subparsers: argparse._SubParsersAction) -> None:
@@ -25,7 +54,7 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     sampling.add_argument(
         "--temperature", type=float, default=0.0, help="0: greedy (default: %(default)s)"
     )
-    sampling.add_argument("--top-p", type=float, default=1.0, help="(default: %(default)s)")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="1: off")
     sampling.add_argument("--top-k", type=int, default=0, help="0: off (default: %(default)s)")
     sampling.add_argument(
         "--n", type=int, default=1, help="completions per prompt (default: %(default)s)"
@@ -99,7 +128,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default: loopback only)"
     )
-    server.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    server.add_argument("--port", type=int, default=8000, help="port to bind")
     server.add_argument(
         "--api-key",
         default=None,
@@ -148,7 +177,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         choices=sorted(TOOL_PARSERS),
         help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>), llama3_json",
     )
-    EngineArgs.add_cli_args(p)
+    EngineArgs.add_cli_args(p, serving=True)
     p.set_defaults(func=_run_serve)
 
 
@@ -172,6 +201,21 @@ def serve_model(args: argparse.Namespace) -> str | None:
     return args.model_tag or args.model
 
 
+def check_address_free(host: str, port: int) -> None:
+    """ValueError, saying what to change, when nothing could listen at host:port (another
+    server holds the port, or the host is not this machine's)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            sock.bind((host, port))
+    except OSError as error:
+        raise ValueError(
+            f"Cannot listen at {host}:{port} ({error.strerror}): stop what holds the port or pass "
+            "another --port (and as --host, an address of this machine)."
+        ) from error
+
+
 def _run_serve(args: argparse.Namespace) -> int:
     from quire.entrypoints.api_server import serve
 
@@ -184,6 +228,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             "--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)."
         )
     chat_template = load_chat_template(args.chat_template) if args.chat_template else None
+    check_address_free(args.host, args.port)  # before the model loads, not after
     serve(
         EngineArgs.from_cli_args(args).create_engine_config(),
         host=args.host,
@@ -227,7 +272,7 @@ def _add_router(subparsers: argparse._SubParsersAction) -> None:
         "`quire bench pd-profile`",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind")
     p.set_defaults(func=_run_router)
 
 
@@ -287,7 +332,7 @@ def _add_cluster(subparsers: argparse._SubParsersAction) -> None:
     placement.add_argument(
         "--host", default="127.0.0.1", help="address the router binds (default: loopback)"
     )
-    placement.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    placement.add_argument("--port", type=int, default=8000, help="port the router binds")
     placement.add_argument("--served-model-name", default=None, help="(default: the model)")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=_run_cluster)
@@ -337,7 +382,7 @@ def _add_chat(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--max-tokens", type=int, default=512, help="per reply (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.7, help="(default: %(default)s)")
-    p.add_argument("--top-p", type=float, default=0.9, help="(default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling, 1: off")
     _add_chat_template_arg(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=_run_chat)
@@ -350,8 +395,10 @@ def _run_chat(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="quire", description="quire: LLM inference and serving")
-    parser.add_argument("--log-level", default="WARNING")
+    parser = _ArgumentParser(prog="quire", description="quire: LLM inference and serving")
+    parser.add_argument(
+        "--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR, before the command"
+    )
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate(subparsers)
     _add_serve(subparsers)

@@ -30,7 +30,6 @@ class Executor(ABC):
 def make_executor(
     config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int
 ) -> Executor:
-    model_config.check_tensor_parallel_size(config.tensor_parallel_size)
     if config.distributed_executor_backend == "mp":
         from quire.executor.multiproc import MultiprocExecutor
 

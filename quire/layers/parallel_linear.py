@@ -14,7 +14,7 @@ columns:
 
 A dimension that does not divide by the rank count (an MLP's intermediate size) is padded: each
 rank holds ceil(n / tp) rows, and those past n are zeros, which add nothing to any sum. Heads
-must divide (config check: `tensor_parallel_split_error`).
+must divide (config check: `ModelShape.check_tensor_parallel_size`).
 """
 
 from __future__ import annotations

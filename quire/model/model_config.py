@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from quire.model.gguf_header import iter_gguf_scalars
+
 
 @dataclass
 class RopeConfig:
@@ -59,19 +61,58 @@ class ModelConfig:
             eos_token_ids=eos_ids,
         )
 
-    def tensor_parallel_sizes(self) -> list[int]:
-        """The rank counts that split this model's heads: query heads divide by it, and KV heads
-        divide by it or it by them (then each KV head is replicated on several ranks)."""
-        q, kv = self.num_attention_heads, self.num_key_value_heads
-        return [tp for tp in range(1, q + 1) if q % tp == 0 and (kv % tp == 0 or tp % kv == 0)]
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The facts the engine's arguments are checked against before anything loads, read from
+    config.json or the GGUF header alone (gguf_header.py: tens of ms, where the full parse of
+    the default model takes seconds)."""
+
+    name: str  # the file or folder name, for messages
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+
+    @classmethod
+    def read(cls, model: str) -> ModelShape:
+        """The shape of `model`, a Hugging Face folder or a .gguf file."""
+        if model.endswith(".gguf"):
+            metadata = dict(iter_gguf_scalars(model))
+            prefix = f"{metadata.get('general.architecture')}."
+            if prefix + "attention.head_count" not in metadata:
+                raise ValueError(
+                    f"{model!r} has no {prefix}attention.head_count in its GGUF metadata."
+                )
+            q = metadata[prefix + "attention.head_count"]
+            kv = metadata.get(prefix + "attention.head_count_kv", q)  # absent without GQA
+            context = metadata.get(prefix + "context_length", 2048)
+        else:
+            from quire.model.registry import get_model_class  # model classes import this file
+
+            cfg = read_hf_config(model)
+            get_model_class(architecture_of(cfg))  # unsupported: said before any other field
+            q = cfg["num_attention_heads"]
+            kv = cfg.get("num_key_value_heads") or q
+            context = cfg.get("max_position_embeddings", 2048)  # as ModelConfig reads it
+        return cls(os.path.basename(model.rstrip("/")), q, kv, context)
 
     def check_tensor_parallel_size(self, tp: int) -> None:
-        """Raises ValueError, naming the sizes that work, when `tp` ranks cannot split it."""
-        if tp not in self.tensor_parallel_sizes():
+        """Raises ValueError, naming the sizes that work, when `tp` ranks cannot split the heads:
+        query heads divide by it, and KV heads by it or it by them (each then on several
+        ranks)."""
+        q, kv = self.num_attention_heads, self.num_key_value_heads
+        sizes = [n for n in range(1, q + 1) if q % n == 0 and (kv % n == 0 or n % kv == 0)]
+        if tp not in sizes:
             raise ValueError(
-                f"tensor_parallel_size {tp} cannot split {self.architecture}'s "
-                f"{self.num_attention_heads} query heads and {self.num_key_value_heads} KV heads; "
-                f"sizes that work: {', '.join(map(str, self.tensor_parallel_sizes()))}."
+                f"tensor_parallel_size {tp} cannot split {self.name}'s {q} query heads and {kv} "
+                f"KV heads; sizes that work: {', '.join(map(str, sizes))}."
+            )
+
+    def check_max_model_len(self, max_model_len: int) -> None:
+        if max_model_len > self.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                f"({self.max_position_embeddings}); pass a smaller max_model_len."
             )
 
 

@@ -12,7 +12,8 @@ instance standing for the disaggregated path), then among the decode instances.
 Requests the disaggregated path does not carry yet (echo, prompt logprobs, several prompts in
 one request) go to a decode instance as they are: it computes them itself; so do requests while
 no prefill instance is reachable (one that refuses the connection is marked down until a poll of
-its /load succeeds).
+its /load succeeds). An instance going down, coming back and each retry on another instance are
+logged; the polls themselves are not.
 
 The router polls each instance's /load every `poll_interval_s` for the load-aware policies, and
 checks every instance when it starts: an unreachable URL, or an instance of the wrong role,
@@ -169,12 +170,31 @@ class Router:
     async def _poll(self, instance: Instance) -> None:
         try:
             response = await self.client.get(f"{instance.url}/load", timeout=2.0)
+            response.raise_for_status()
             load = response.json()
-            instance.polled_load = load["num_running"] + load["num_waiting"]
-            instance.sent_since_poll = 0
+            polled_load = load["num_running"] + load["num_waiting"]
+        except (httpx.HTTPError, ValueError, KeyError) as error:
+            self._mark_down(instance, error)
+            return
+        instance.polled_load = polled_load
+        instance.sent_since_poll = 0
+        if not instance.healthy:
+            logger.info("The %s instance %s is back up", instance.role, instance.url)
             instance.healthy = True
-        except (httpx.HTTPError, ValueError, KeyError):
-            instance.healthy = False
+
+    def _mark_down(self, instance: Instance, error: Exception) -> None:
+        """Leaves `instance` out of routing until a poll of its /load answers (logged once)."""
+        if instance.healthy:
+            reason = f"{type(error).__name__}: {error}"
+            if isinstance(error, httpx.HTTPStatusError):
+                reason = f"{error.request.url.path} answered {error.response.status_code}"
+            logger.warning(
+                "The %s instance %s is down (%s): routing around it until its /load answers",
+                instance.role,
+                instance.url,
+                reason,
+            )
+        instance.healthy = False
 
     # ---- forwarding ------------------------------------------------------------------------
     async def forward(self, path: str, body: dict[str, Any]) -> Response:
@@ -236,9 +256,7 @@ class Router:
                 self.first.done(instance, origin)
                 self._unreachable(instance, error)
                 tried.append(instance)
-                instance = self._another(instance, tried, text, origin)
-                if instance is not None:
-                    self.retries.labels("prefill").inc()
+                instance = self._retry_on_another(instance, tried, text, origin)
                 continue
             self.first.done(instance, origin)
             return instance, response
@@ -267,14 +285,12 @@ class Router:
                 self.first.done(instance, origin)
                 failure = self._unreachable(instance, error)
                 tried.append(instance)
-                retry = self._another(instance, tried, text, origin)
+                retry = self._retry_on_another(instance, tried, text, origin)
                 if retry is None:
                     if len(tried) == 1:
                         return failure
                     urls = ", ".join(i.url for i in tried)
                     return _error(502, f"No {instance.role} instance answered (tried {urls}).")
-                logger.warning("Retrying the request on the %s instance %s", retry.role, retry.url)
-                self.retries.labels(instance.role).inc()
                 instance, body = retry, origin
 
     async def _send(
@@ -311,21 +327,29 @@ class Router:
             media_type=response.headers.get("content-type"),
         )
 
-    def _another(
+    def _retry_on_another(
         self, failed: Instance, tried: list[Instance], text: str, origin: dict[str, Any]
     ) -> Instance | None:
-        """A live instance of `failed`'s role not tried yet, by the policy; None if none."""
+        """A live instance of `failed`'s role not tried yet, by the policy, the retry counted
+        and logged; None if none is left."""
         others = [i for i in self.of_role(failed.role) if i.healthy and i not in tried]
         if not others:
             return None
-        return (self.second if failed.role == "decode" else self.first).choose(others, text, origin)
+        policy = self.second if failed.role == "decode" else self.first
+        retry = policy.choose(others, text, origin)
+        logger.info(
+            "Retrying a request on the %s instance %s (%s failed)",
+            retry.role,
+            retry.url,
+            failed.url,
+        )
+        self.retries.labels(failed.role).inc()
+        return retry
 
     def _unreachable(self, instance: Instance, error: Exception) -> JSONResponse:
         self.errors.labels(instance.role).inc()
-        instance.healthy = False
-        message = f"The {instance.role} instance {instance.url} is unreachable: {error!r}"
-        logger.warning(message)
-        return _error(502, message)
+        self._mark_down(instance, error)
+        return _error(502, f"The {instance.role} instance {instance.url} is unreachable: {error!r}")
 
 
 async def _relay(
@@ -456,10 +480,14 @@ def run_router(
         make_policy(policy)
     instances = check_instances(prefill, decode, collocated)
     logger.info(
-        "Routing with %s over %s",
+        "Routing at http://%s:%d with %s over %s",
+        host,
+        port,
         policy,
         ", ".join(f"{i.role} {i.url}" for i in instances),
     )
-    uvicorn.run(
-        build_router_app(Router(instances, policy, cost_profile=profile)), host=host, port=port
-    )
+    # quire's log format (the root logger's), no access log line per request nor per health
+    # check, and none of httpx's line per /load poll
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    app = build_router_app(Router(instances, policy, cost_profile=profile))
+    uvicorn.run(app, host=host, port=port, log_config=None, access_log=False)
