@@ -227,13 +227,13 @@ def _count_parses(monkeypatch) -> list[str]:
     from quire.model import gguf_loader
 
     parsed: list[str] = []
-    reader = gguf_loader.GGUFReader
+    read = gguf_loader.read_gguf
 
-    def counting_reader(path: str):
+    def counting_read(path: str):
         parsed.append(path)
-        return reader(path)
+        return read(path)
 
-    monkeypatch.setattr(gguf_loader, "GGUFReader", counting_reader)
+    monkeypatch.setattr(gguf_loader, "read_gguf", counting_read)
     gguf_loader._parsed.cache_clear()
     return parsed
 

@@ -8,6 +8,7 @@ import logging
 import signal
 import sys
 import time
+import traceback
 
 from quire import envs
 from quire.engine_args import EngineArgs
@@ -370,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
+        # one line (a broken model file names itself and what is wrong); the trace on debug
+        if logging.getLogger().isEnabledFor(logging.DEBUG):
+            traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         return 2
 
