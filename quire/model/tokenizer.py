@@ -10,10 +10,6 @@ from __future__ import annotations
 import os
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
-from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-    GGUF_TOKENIZER_MAPPING,
-    convert_gguf_tokenizer,
-)
 
 from quire.model.gguf_loader import open_gguf
 from quire.model.model_config import ModelFileError
@@ -46,6 +42,12 @@ def gguf_tokenizer(path: str) -> PreTrainedTokenizerFast:
     """The tokenizer of a GGUF file, as `AutoTokenizer.from_pretrained(dir, gguf_file=name)`
     builds it (transformers' get_gguf_tokenizer and convert_gguf_tokenizer, on the metadata read
     once). Raises ModelFileError when the file has no tokenizer quire can build."""
+    # imported here: it loads the tokenizer classes of several families (0.6 s)
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_TOKENIZER_MAPPING,
+        convert_gguf_tokenizer,
+    )
+
     metadata = open_gguf(path).metadata
     settings, config = (
         {
