@@ -179,6 +179,10 @@ def read_gguf(path: str) -> GGUFFile:
         metadata[key] = cursor.value(cursor.scalar("<I"), key)
     infos = [_tensor_info(cursor) for _ in range(num_tensors)]
     alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if type(alignment) is not int or alignment < 1:
+        raise ModelFileError(
+            f"{path}: general.alignment must be a positive integer, not {alignment!r}"
+        )
     data_start = -(-cursor.offset // alignment) * alignment
     everything = np.frombuffer(buffer, np.uint8)
     tensors = [_tensor(path, everything, data_start, *info) for info in infos]
