@@ -432,3 +432,19 @@ def test_serve_bench_counts_chunks_without_usage_and_plots(tokenizer_dir, tmp_pa
     assert run["max_concurrency"] == 2
     assert png.stat().st_size > 0
     assert not math.isnan(run["mean_tpot_ms"])
+
+
+# ---- startup ---------------------------------------------------------------------------------
+def test_startup_times_each_phase_of_llm_and_the_serve_and_generate_commands(tiny_llama, tmp_path):
+    out = tmp_path / "startup.json"
+    argv = ["bench", "startup", "--model", tiny_llama, "--num-iters", "1"]
+    assert main(argv + ["--output-json", str(out)]) == 0
+    report = _read_json(out)
+    this = report["this"]
+    phases = ["engine_args_s", "model_config_s", "tokenizer_s", "weights_s", "kv_pool_s"]
+    totals = ["import_s", "llm_s", "first_request_s", "generate_s", "serve_s"]
+    assert all(this[key] > 0 for key in phases + totals)
+    assert "gguf_header_s" not in this  # a Hugging Face folder has none
+    parts = phases + ["huge_pages_s", "other_s"]
+    assert sum(this.get(key, 0.0) for key in parts) == pytest.approx(this["llm_s"])
+    assert report["baseline"] is None and len(report["runs"]["this"]) == 1

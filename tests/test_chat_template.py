@@ -162,6 +162,21 @@ def test_an_unreadable_template_file_raises_value_error(tmp_path):
         load_chat_template(str(tmp_path / "missing.jinja"))
 
 
+def test_serve_refuses_a_template_of_bad_syntax_before_loading_the_model(
+    tmp_path, monkeypatch, capsys
+):
+    from quire.entrypoints import api_server
+    from quire.entrypoints.cli import main
+
+    served: list[object] = []
+    monkeypatch.setattr(api_server, "serve", lambda *args, **kwargs: served.append(args))
+    path = tmp_path / "bad.jinja"
+    path.write_text("{% for m in messages %}\n{{ m.content }\n{% endfor %}")
+    assert main(["serve", "--chat-template", str(path)]) == 2
+    assert capsys.readouterr().err == f"error: --chat-template: '{path}' line 2: unexpected '}}'\n"
+    assert served == []
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
     from quire import LLM

@@ -6,10 +6,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFWriter
+from gguf import GGUFReader, GGUFWriter
 
 from quire.model import gguf_loader
+from quire.model.gguf_file import read_gguf
 from quire.model.gguf_loader import iter_gguf_weights, load_gguf_config
+from quire.model.model_config import ModelFileError
 
 # transformers is only the reference here, imported inside fixtures: it must never reach the Hub
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -50,10 +52,17 @@ def weights() -> dict[str, torch.Tensor]:
     return dict(iter_gguf_weights(MODEL_PATH))
 
 
-def _write_gguf(path: Path, architecture: str, tensors: dict[str, np.ndarray], **keys) -> str:
+def _write_gguf(
+    path: Path,
+    architecture: str,
+    tensors: dict[str, np.ndarray],
+    without_block_count: bool = False,
+    **keys,
+) -> str:
     """A GGUF with the tiny model's hyperparameters, a 3-token vocabulary and these tensors."""
     writer = GGUFWriter(str(path), architecture)
-    writer.add_block_count(1)
+    if not without_block_count:
+        writer.add_block_count(1)
     writer.add_context_length(64)
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(16)
@@ -227,13 +236,13 @@ def _count_parses(monkeypatch) -> list[str]:
     from quire.model import gguf_loader
 
     parsed: list[str] = []
-    reader = gguf_loader.GGUFReader
+    read = gguf_loader.read_gguf
 
-    def counting_reader(path: str):
+    def counting_read(path: str):
         parsed.append(path)
-        return reader(path)
+        return read(path)
 
-    monkeypatch.setattr(gguf_loader, "GGUFReader", counting_reader)
+    monkeypatch.setattr(gguf_loader, "read_gguf", counting_read)
     gguf_loader._parsed.cache_clear()
     return parsed
 
@@ -261,3 +270,55 @@ def test_matrix_types_are_the_block_types_of_the_files_matrices():
     """The default file: Q4_1 matrices, its embedding table in Q8_0; the F32 norms are not
     matrices (what `quire bench latency` names as the blocks it keeps)."""
     assert gguf_loader.matrix_types(MODEL_PATH) == {"Q4_1", "Q8_0"}
+
+
+def test_the_reader_reads_what_ggufs_reader_reads():
+    """quire's header reader against gguf's, on the default file: every metadata value, and
+    every tensor's type, shape, sizes and bytes (in the same torch-order layout)."""
+    reference = GGUFReader(MODEL_PATH)
+    ours = read_gguf(MODEL_PATH)
+    assert ours.metadata == {
+        key: field.contents()
+        for key, field in reference.fields.items()
+        if not key.startswith("GGUF.")  # the reader's own entries for the header's counts
+    }
+
+    def described(t) -> tuple:
+        shape = tuple(int(n) for n in t.shape)
+        return t.name, t.tensor_type, shape, int(t.n_elements), int(t.n_bytes), t.data.dtype
+
+    assert [described(t) for t in ours.tensors] == [described(t) for t in reference.tensors]
+    assert all(
+        np.array_equal(a.data, b.data) and a.data.shape == b.data.shape
+        for a, b in zip(ours.tensors, reference.tensors, strict=True)
+    )
+
+
+def test_a_missing_hyperparameter_is_named(tmp_path):
+    path = _write_gguf(tmp_path / "llama.gguf", "llama", {}, without_block_count=True)
+    with pytest.raises(ModelFileError) as error:
+        load_gguf_config(path)
+    assert str(error.value) == f"{path}: the GGUF metadata has no llama.block_count"
+
+
+def test_an_ill_typed_hyperparameter_is_named(tmp_path):
+    path = _write_gguf(tmp_path / "qwen3.gguf", "qwen3", {}, key_length=0)
+    with pytest.raises(ModelFileError) as error:
+        load_gguf_config(path)
+    assert str(error.value) == (
+        f"{path}: the GGUF metadata's qwen3.attention.key_length must be a positive integer, not 0"
+    )
+
+
+def test_a_tensor_past_the_end_of_the_file_is_named(tmp_path):
+    path = _write_gguf(tmp_path / "llama.gguf", "llama", _attention_tensors())
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size - 4)  # the last tensor, attn_v's [4, 8] float32, loses a value
+    with pytest.raises(ModelFileError) as error:
+        load_gguf_config(path)
+    assert str(error.value) == (
+        f"{path}: the GGUF file is truncated: {size - 4} bytes, and tensor "
+        f"'blk.0.attn_v.weight' needs bytes {size - 128} to {size} (an interrupted download or "
+        "copy?)"
+    )

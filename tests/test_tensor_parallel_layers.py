@@ -35,7 +35,7 @@ from quire.layers.parallel_linear import (
 from quire.layers.quantized_linear import QuantizedLinear, QuantizedWeight, shard_of
 from quire.layers.rotary import RotaryEmbedding, apply_rotary
 from quire.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding, gather_logits
-from quire.model.model_config import ModelConfig, RopeConfig
+from quire.model.model_config import ModelConfig, ModelShape, RopeConfig
 
 WORLD = 2
 HIDDEN = 24
@@ -315,7 +315,10 @@ def _gqa_rank_main(rank: int, world: int, port: int, results) -> None:
     all_reduce(torch.zeros(1))  # every rank done before any leaves
 
 
-@pytest.fixture(scope="module", params=GQA.tensor_parallel_sizes())
+GQA_SHAPE = ModelShape("gqa", GQA.num_attention_heads, GQA.num_key_value_heads, 2048)
+
+
+@pytest.fixture(scope="module", params=GQA_SHAPE.tensor_parallel_sizes())
 def gqa_ranks(request) -> tuple[int, list[dict]]:
     """(tp, each rank's result of `_gqa_attention`) for every rank count the shape allows."""
     tp = request.param
@@ -326,7 +329,7 @@ def gqa_ranks(request) -> tuple[int, list[dict]]:
 
 
 def test_the_rank_counts_that_split_4_query_heads_and_2_kv_heads():
-    assert GQA.tensor_parallel_sizes() == sorted(HEADS) == [1, 2, 4]
+    assert GQA_SHAPE.tensor_parallel_sizes() == sorted(HEADS) == [1, 2, 4]
 
 
 def test_each_rank_holds_its_query_heads_and_kv_head_rank_times_kv_heads_over_tp(gqa_ranks):

@@ -70,7 +70,7 @@ class BandwidthProbe:
             nbytes = _GPU_BANDWIDTH_BYTES if device == "cuda" else _CPU_BANDWIDTH_BYTES
         self.device, self.nbytes = device, nbytes
         if torch.device(device).type == "cpu":
-            (self.src,) = host_memory.empty([((nbytes // 4,), torch.float32)], huge_pages)
+            (self.src,) = host_memory.zeros([((nbytes // 4,), torch.float32)], huge_pages)
             self.src.fill_(1.0)
         else:
             self.src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)

@@ -57,12 +57,25 @@ def render_chat(
 
 
 def load_chat_template(path: str) -> str:
-    """The text of a Jinja chat template file (`--chat-template PATH`)."""
+    """The text of a Jinja chat template file (`--chat-template PATH`), its syntax checked, so
+    that a broken file is refused before the model loads."""
+    from jinja2 import TemplateSyntaxError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
     try:
         with open(path, encoding="utf-8") as file:
-            return file.read()
+            text = file.read()
     except OSError as error:
         raise ValueError(f"--chat-template: cannot read {path!r}: {error.strerror}") from error
+    except UnicodeDecodeError:
+        raise ValueError(f"--chat-template: {path!r} is not UTF-8 text") from None
+    try:
+        _compile_jinja_template(text)  # what apply_chat_template compiles (cached)
+    except TemplateSyntaxError as error:
+        raise ValueError(
+            f"--chat-template: {path!r} line {error.lineno}: {error.message}"
+        ) from None
+    return text
 
 
 def check_chat_template(tokenizer: PreTrainedTokenizerBase, chat_template: str) -> None:

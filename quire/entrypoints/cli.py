@@ -9,6 +9,7 @@ import signal
 import socket
 import sys
 import time
+import traceback
 
 from quire import envs
 from quire.engine_args import EngineArgs
@@ -98,13 +99,13 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _add_bench(subparsers: argparse._SubParsersAction) -> None:
-    from quire.bench import latency, pd_profile, serve, speculative, throughput
+    from quire.bench import latency, pd_profile, serve, speculative, startup, throughput
 
     p = subparsers.add_parser(
-        "bench", help="benchmarks: throughput, latency, serve, speculative, pd-profile"
+        "bench", help="benchmarks: throughput, latency, serve, speculative, pd-profile, startup"
     )
     benches = p.add_subparsers(dest="bench_command", required=True)
-    for module in (throughput, latency, serve, speculative, pd_profile):
+    for module in (throughput, latency, serve, speculative, pd_profile, startup):
         module.add_parser(benches)
 
 
@@ -417,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
+        # one line (a broken model file names itself and what is wrong); the trace on debug
+        if args.log_level.upper() == "DEBUG":
+            traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -21,7 +21,9 @@ class VocabParallelEmbedding(nn.Embedding):
         self.vocab_size = vocab_size
         rows = shard_size(vocab_size, tp_size())
         self.vocab_start = tp_rank() * rows
-        super().__init__(rows, hidden_size)
+        # an uninitialized table, which the checkpoint fills (nn.Embedding's normal_ init on
+        # the meta device imports torch's compiler: seconds at startup)
+        super().__init__(rows, hidden_size, _weight=torch.empty(rows, hidden_size))
 
     def shard(self) -> Shard:
         return Shard(0, self.vocab_start, self.weight.shape[0], self.vocab_size)

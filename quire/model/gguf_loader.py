@@ -15,10 +15,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from quire.layers.quantized_linear import QuantizedWeight
+from quire.model.gguf_file import GGUFFile, read_gguf
+from quire.model.model_config import ModelFileError
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +63,10 @@ _GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
 def load_gguf_config(path: str) -> dict:
     """A Hugging Face-style config dict from the GGUF file's metadata.
 
-    Raises FileNotFoundError for a missing file and ValueError for an architecture quire does not
-    load.
+    Raises FileNotFoundError for a missing file, and ModelFileError for a broken one, an
+    architecture quire does not load, or a missing or ill-typed key.
     """
-    return _config_from_reader(_open(path))
+    return _config_from_reader(open_gguf(path))
 
 
 def iter_gguf_weights(
@@ -80,7 +81,7 @@ def iter_gguf_weights(
     The file and its architecture are checked on the call, before the first tensor is asked for.
     With `keep_quantized`, each other quantized type found is logged once as dequantized.
     """
-    reader = _open(path)
+    reader = open_gguf(path)
     return _iter_weights(reader, _config_from_reader(reader), keep_quantized)
 
 
@@ -89,14 +90,14 @@ _FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
 
 def matrix_types(path: str) -> frozenset[str]:
     """The block types of this file's matrices (its norms' F32 left out)."""
-    return frozenset(t.tensor_type.name for t in _open(path).tensors if t.data.ndim == 2)
+    return frozenset(t.tensor_type.name for t in open_gguf(path).tensors if t.data.ndim == 2)
 
 
 def decode_weight_bytes(path: str, keep_quantized: frozenset[str], itemsize: int) -> int:
     """The weight bytes a decode step reads from this file's matmuls and LM head (the embedding
     when tied): a matrix of a type in `keep_quantized` in its blocks, any other at `itemsize`
     bytes a weight (dequantized)."""
-    reader = _open(path)
+    reader = open_gguf(path)
     names = {tensor.name for tensor in reader.tensors}
     total = 0
     for tensor in reader.tensors:
@@ -110,7 +111,7 @@ def decode_weight_bytes(path: str, keep_quantized: frozenset[str], itemsize: int
 
 
 def _iter_weights(
-    reader: GGUFReader, config: dict, keep_quantized: frozenset[str]
+    reader: GGUFFile, config: dict, keep_quantized: frozenset[str]
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     permuted = config["model_type"] in _ROTARY_PERMUTED
     heads_for = {
@@ -125,7 +126,7 @@ def _iter_weights(
             # [rows, bytes per row]: whole blocks, so rows permute as the dequantized ones do
             raw = tensor.data
             if permuted and gguf_kind in heads_for:
-                raw = _unpermute_rotary(raw, heads_for[gguf_kind])
+                raw = _unpermute_rotary(name, raw, heads_for[gguf_kind])
             shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # GGUF lists ne0 (K) first
             yield name, QuantizedWeight(np.array(raw, np.uint8), qtype, shape)
             continue
@@ -139,15 +140,15 @@ def _iter_weights(
         # the reader gives the data in torch order already: [rows, bytes per row] for blocks
         weights = dequantize(tensor.data, tensor.tensor_type)
         if permuted and gguf_kind in heads_for:
-            weights = _unpermute_rotary(weights, heads_for[gguf_kind])
+            weights = _unpermute_rotary(name, weights, heads_for[gguf_kind])
         # an unquantized tensor is still a read-only view of the memory map: copy only that one
         yield name, torch.from_numpy(np.require(weights, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
     _parsed.cache_clear()  # every weight is loaded: the file's memory map can go
 
 
-def _open(path: str) -> GGUFReader:
-    """The file's reader. The engine reads the config, then the weights: one parse of the
-    metadata serves both (2 s for SmolLM2's file, most of it the tokenizer's 49k strings)."""
+def open_gguf(path: str) -> GGUFFile:
+    """The file, read. The engine reads the config, the tokenizer, then the weights: one read of
+    the header serves all three (the file's identity is its path, size and modification time)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
     stat = os.stat(path)
@@ -155,51 +156,72 @@ def _open(path: str) -> GGUFReader:
 
 
 @functools.lru_cache(maxsize=1)
-def _parsed(path: str, mtime_ns: int, size: int) -> GGUFReader:
-    return GGUFReader(path)
+def _parsed(path: str, mtime_ns: int, size: int) -> GGUFFile:
+    return read_gguf(path)
 
 
-def _config_from_reader(reader: GGUFReader) -> dict:
-    architecture = _field(reader, "general.architecture")
+def _config_from_reader(reader: GGUFFile) -> dict:
+    architecture = reader.metadata.get("general.architecture")
     if architecture not in ARCHITECTURES:
-        raise ValueError(
-            f"GGUF architecture {architecture!r} is not supported; quire loads "
-            f"{', '.join(sorted(ARCHITECTURES))}."
+        raise ModelFileError(
+            f"{reader.path}: GGUF architecture {architecture!r} is not supported; quire loads "
+            f"{', '.join(sorted(ARCHITECTURES))}"
         )
 
-    def arch_field(key: str, default: Any = None) -> Any:
-        return _field(reader, f"{architecture}.{key}", default)
+    def arch_field(key: str, default: Any = None, kind: type = int) -> Any:
+        return _field(reader, f"{architecture}.{key}", default, kind)
 
-    hidden_size = arch_field("embedding_length")
-    num_attention_heads = arch_field("attention.head_count")
+    hidden_size = arch_field("embedding_length", _REQUIRED)
+    num_attention_heads = arch_field("attention.head_count", _REQUIRED)
     head_dim = arch_field("attention.key_length") or arch_field("rope.dimension_count")
-    vocab_size = arch_field("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab_size = arch_field("vocab_size") or len(
+        _field(reader, "tokenizer.ggml.tokens", _REQUIRED, list)
+    )
     tensor_names = {tensor.name for tensor in reader.tensors}
     return {
         "architectures": [ARCHITECTURES[architecture]],
         "model_type": architecture,
         "hidden_size": hidden_size,
-        "intermediate_size": arch_field("feed_forward_length"),
-        "num_hidden_layers": arch_field("block_count"),
+        "intermediate_size": arch_field("feed_forward_length", _REQUIRED),
+        "num_hidden_layers": arch_field("block_count", _REQUIRED),
         "num_attention_heads": num_attention_heads,
         # llama.cpp omits the KV head count when it equals the head count (no GQA)
         "num_key_value_heads": arch_field("attention.head_count_kv", num_attention_heads),
         "head_dim": head_dim or hidden_size // num_attention_heads,
-        "rms_norm_eps": arch_field("attention.layer_norm_rms_epsilon"),
-        "rope_theta": arch_field("rope.freq_base", _DEFAULT_ROPE_THETA),
-        "max_position_embeddings": arch_field("context_length"),
+        "rms_norm_eps": arch_field("attention.layer_norm_rms_epsilon", _REQUIRED, float),
+        "rope_theta": arch_field("rope.freq_base", _DEFAULT_ROPE_THETA, float),
+        "max_position_embeddings": arch_field("context_length", _REQUIRED),
         "vocab_size": vocab_size,
         # llama.cpp writes output.weight only when it is not the embedding matrix
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": reader.metadata.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": reader.metadata.get("tokenizer.ggml.eos_token_id"),
         "torch_dtype": "bfloat16",
     }
 
 
-def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.get_field(key)
-    return default if field is None else field.contents()
+_REQUIRED = object()  # a _field default: the key must be there
+
+
+def _field(reader: GGUFFile, key: str, default: Any = None, kind: type = int) -> Any:
+    """The metadata value of `key`, checked to be a positive `kind` (an int, a float (ints too)
+    or a list); `default` where it is absent (ModelFileError if that is _REQUIRED)."""
+    if key not in reader.metadata:
+        if default is _REQUIRED:
+            raise ModelFileError(f"{reader.path}: the GGUF metadata has no {key}")
+        return default
+    value = reader.metadata[key]
+    allowed = (int, float) if kind is float else (kind,)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, allowed)
+        or (kind is not list and value <= 0)
+    ):
+        article = {int: "a positive integer", float: "a positive number", list: "a list"}[kind]
+        raise ModelFileError(
+            f"{reader.path}: the GGUF metadata's {key} must be {article}, not {value!r}"
+        )
+    return value
 
 
 def _hf_name(gguf_name: str) -> tuple[str, str]:
@@ -215,12 +237,18 @@ def _hf_name(gguf_name: str) -> tuple[str, str]:
     raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face name in quire's loader.")
 
 
-def _unpermute_rotary(weights: np.ndarray, num_heads: int) -> np.ndarray:
+def _unpermute_rotary(name: str, weights: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation, from halves-interleaved back to HF's rotate-half order.
 
     llama.cpp reshapes each head's rows as [2, head_dim // 2] and swaps the axes; this swaps them
     back. Works on a weight [num_heads * head_dim, hidden] and on a bias [num_heads * head_dim].
+    Raises ValueError when the rows do not split into `num_heads` heads (of an even size).
     """
+    if weights.shape[0] % (2 * num_heads):
+        raise ValueError(
+            f"Checkpoint tensor {name!r} has {weights.shape[0]} rows, which do not split into "
+            f"{num_heads} heads of an even size"
+        )
     half_head_dim = weights.shape[0] // num_heads // 2
     # [num_heads, head_dim // 2, 2, ...] -> [num_heads, 2, head_dim // 2, ...]
     per_head = weights.reshape(num_heads, half_head_dim, 2, *weights.shape[1:])

@@ -25,16 +25,33 @@ from quire.layers.quantized_linear import (
 )
 from quire.layers.rotary import RotaryEmbedding
 from quire.model.gguf_loader import iter_gguf_weights, load_gguf_config
-from quire.model.model_config import ModelConfig, architecture_of, read_hf_config
+from quire.model.model_config import (
+    ModelConfig,
+    ModelFileError,
+    architecture_of,
+    read_hf_config,
+)
 from quire.model.registry import get_model_class
 
 logger = logging.getLogger(__name__)
 
 
 def load_model_config(config: EngineConfig) -> ModelConfig:
+    """The checkpoint's ModelConfig. Raises FileNotFoundError, or ModelFileError naming the file
+    and what is wrong with it."""
     cfg = load_gguf_config(config.model) if config.is_gguf else read_hf_config(config.model)
-    get_model_class(architecture_of(cfg))  # unsupported: fail before reading other fields
-    return ModelConfig.from_dict(cfg)
+    try:
+        get_model_class(architecture_of(cfg))  # unsupported: fail before reading other fields
+        return ModelConfig.from_dict(cfg)
+    except ModelFileError:
+        raise
+    except ValueError as error:
+        raise ModelFileError(f"{_config_file(config.model)}: {error}") from None
+
+
+def _config_file(model: str) -> str:
+    """The file a checkpoint's config is read from."""
+    return model if model.endswith(".gguf") else os.path.join(model, "config.json")
 
 
 def iter_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -128,7 +145,8 @@ def load_model(
     # Built without initializing weights (the checkpoint overwrites them), then materialized.
     with torch.device("meta"), _default_dtype(dtype):
         model = model_class(model_config, max_position)
-    model.to_empty(device=config.device)
+    # what to_empty does, but torch.empty_like on the meta device imports sympy (0.5 s)
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=config.device))
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.build_cache()
@@ -141,7 +159,12 @@ def load_model(
         else iter_safetensors_weights(config.model)
     )
     with torch.no_grad():
-        model.load_weights(weights)
+        try:
+            model.load_weights(weights)
+        except ModelFileError:
+            raise
+        except ValueError as error:  # a tensor missing, of no place in the model, or misshapen
+            raise ModelFileError(f"{config.model}: {error}") from None
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
     if keep_quantized:

@@ -7,7 +7,22 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from quire.model.gguf_header import iter_gguf_scalars
+
+class ModelFileError(ValueError):
+    """A model file quire cannot use: the message is one line naming the file and what is wrong
+    with it (truncated, not the format it claims, a missing or ill-typed key or tensor)."""
+
+
+# config keys every model needs, and those it may give (with the type each must have)
+_REQUIRED_INTS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+_OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+_OPTIONAL_BOOLS = ("tie_word_embeddings", "attention_bias")
 
 
 @dataclass
@@ -40,6 +55,9 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Raises ValueError naming the first key that is missing, of the wrong type, or at
+        odds with the others."""
+        _check_keys(cfg)
         num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -65,8 +83,8 @@ class ModelConfig:
 @dataclass(frozen=True)
 class ModelShape:
     """The facts the engine's arguments are checked against before anything loads, read from
-    config.json or the GGUF header alone (gguf_header.py: tens of ms, where the full parse of
-    the default model takes seconds)."""
+    config.json or the GGUF header (gguf_loader.open_gguf: tens of ms, and the read the load
+    then uses)."""
 
     name: str  # the file or folder name, for messages
     num_attention_heads: int
@@ -77,7 +95,9 @@ class ModelShape:
     def read(cls, model: str) -> ModelShape:
         """The shape of `model`, a Hugging Face folder or a .gguf file."""
         if model.endswith(".gguf"):
-            metadata = dict(iter_gguf_scalars(model))
+            from quire.model.gguf_loader import open_gguf  # gguf_loader imports this file
+
+            metadata = open_gguf(model).metadata
             prefix = f"{metadata.get('general.architecture')}."
             if prefix + "attention.head_count" not in metadata:
                 raise ValueError(
@@ -96,12 +116,17 @@ class ModelShape:
             context = cfg.get("max_position_embeddings", 2048)  # as ModelConfig reads it
         return cls(os.path.basename(model.rstrip("/")), q, kv, context)
 
-    def check_tensor_parallel_size(self, tp: int) -> None:
-        """Raises ValueError, naming the sizes that work, when `tp` ranks cannot split the heads:
-        query heads divide by it, and KV heads by it or it by them (each then on several
-        ranks)."""
+    def tensor_parallel_sizes(self) -> list[int]:
+        """The rank counts that split the heads: query heads divide by it, and KV heads by it or
+        it by them (each KV head then on several ranks)."""
         q, kv = self.num_attention_heads, self.num_key_value_heads
-        sizes = [n for n in range(1, q + 1) if q % n == 0 and (kv % n == 0 or n % kv == 0)]
+        return [n for n in range(1, q + 1) if q % n == 0 and (kv % n == 0 or n % kv == 0)]
+
+    def check_tensor_parallel_size(self, tp: int) -> None:
+        """Raises ValueError, naming the sizes that work, when `tp` ranks cannot split the
+        heads."""
+        q, kv = self.num_attention_heads, self.num_key_value_heads
+        sizes = self.tensor_parallel_sizes()
         if tp not in sizes:
             raise ValueError(
                 f"tensor_parallel_size {tp} cannot split {self.name}'s {q} query heads and {kv} "
@@ -116,6 +141,36 @@ class ModelShape:
             )
 
 
+def _check_keys(cfg: dict[str, Any]) -> None:
+    for key in _REQUIRED_INTS:
+        if key not in cfg:
+            raise ValueError(f"{key} is missing (a positive integer)")
+    for key in (*_REQUIRED_INTS, *_OPTIONAL_INTS):
+        value = cfg.get(key)
+        if value is not None and (type(value) is not int or value < 1):
+            raise ValueError(f"{key} must be a positive integer, not {value!r}")
+    for key in _OPTIONAL_BOOLS:
+        if cfg.get(key) is not None and not isinstance(cfg[key], bool):
+            raise ValueError(f"{key} must be true or false, not {cfg[key]!r}")
+    eps = cfg.get("rms_norm_eps")
+    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, int | float) or eps <= 0):
+        raise ValueError(f"rms_norm_eps must be a positive number, not {eps!r}")
+    eos = cfg.get("eos_token_id")
+    eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(type(i) is int and i >= 0 for i in eos_ids):
+        raise ValueError(f"eos_token_id must be a token id or a list of them, not {eos!r}")
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or 0
+    if kv_heads and heads % kv_heads:
+        raise ValueError(
+            f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"
+        )
+    if not cfg.get("head_dim") and cfg["hidden_size"] % heads:
+        raise ValueError(
+            f"hidden_size ({cfg['hidden_size']}) is not a multiple of num_attention_heads "
+            f"({heads}) and no head_dim is given"
+        )
+
+
 def architecture_of(cfg: dict[str, Any]) -> str:
     """The model class name a config asks for (its first `architectures` entry)."""
     architectures = cfg.get("architectures") or []
@@ -123,6 +178,8 @@ def architecture_of(cfg: dict[str, Any]) -> str:
         raise ValueError(
             "The model config has no 'architectures' entry; cannot pick a model class."
         )
+    if not isinstance(architectures, list) or not isinstance(architectures[0], str):
+        raise ValueError(f"architectures must be a list of class names, not {architectures!r}")
     return architectures[0]
 
 
@@ -134,19 +191,32 @@ def read_hf_config(model_dir: str) -> dict[str, Any]:
             f"{model_dir!r} has no config.json: a Hugging Face model folder needs config.json, "
             "*.safetensors and tokenizer files."
         )
-    with open(path) as f:
-        cfg = json.load(f)
+    cfg = _read_json(path)
     generation_config = os.path.join(model_dir, "generation_config.json")
     if os.path.isfile(generation_config):
-        with open(generation_config) as f:
-            eos = json.load(f).get("eos_token_id")
+        eos = _read_json(generation_config).get("eos_token_id")
         if eos is not None:
             cfg["eos_token_id"] = eos
     return cfg
 
 
+def _read_json(path: str) -> dict[str, Any]:
+    """A JSON object from a file; ModelFileError naming the file when it is not one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ModelFileError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise ModelFileError(f"{path}: a JSON object is needed, not a {type(value).__name__}")
+    return value
+
+
 def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
     # transformers 5 writes `rope_parameters`; older configs have rope_theta + rope_scaling.
+    for key in ("rope_scaling", "rope_parameters"):
+        if not isinstance(cfg.get(key) or {}, dict):
+            raise ValueError(f"{key} must be an object, not {cfg[key]!r}")
     params = dict(cfg.get("rope_scaling") or {})
     params.update(cfg.get("rope_parameters") or {})
     rope_type = params.get("rope_type") or params.get("type") or "default"
@@ -154,8 +224,11 @@ def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
         raise ValueError(
             f"rope type {rope_type!r} is not supported; supported: default, linear, llama3."
         )
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:
+        raise ValueError(f"rope_theta must be a positive number, not {theta!r}")
     return RopeConfig(
-        theta=params.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+        theta=theta,
         rope_type=rope_type,
         factor=params.get("factor", 1.0),
         low_freq_factor=params.get("low_freq_factor", 1.0),

@@ -15,6 +15,7 @@ import ctypes
 import functools
 import logging
 import math
+import mmap
 import sys
 
 import torch
@@ -50,11 +51,19 @@ def _madvise():
 
 
 def arena(num_bytes: int, huge_pages: bool) -> torch.Tensor:
-    """`num_bytes` of uninitialized CPU memory (uint8) starting on a huge-page boundary and, with
-    `huge_pages` where `supported()`, advised to huge pages; not yet touched, so the first
-    writes fault them in."""
+    """`num_bytes` of zero-filled CPU memory (uint8) starting on a huge-page boundary and, with
+    `huge_pages` where `supported()`, advised to huge pages. It is a private anonymous mapping,
+    which the kernel fills with zeros page by page as each is first touched: no time goes to
+    zeroing it up front (seconds for the default 4 GiB KV pool), and pages never used take no
+    memory."""
     size = -(-num_bytes // HUGE_PAGE) * HUGE_PAGE
-    raw = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)
+    mapping = mmap.mmap(
+        -1,
+        size + HUGE_PAGE,
+        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+        prot=mmap.PROT_READ | mmap.PROT_WRITE,
+    )
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
     offset = -raw.data_ptr() % HUGE_PAGE
     buffer = raw[offset : offset + size]
     if huge_pages and supported() and _madvise()(buffer.data_ptr(), size, _MADV_HUGEPAGE) != 0:
@@ -82,24 +91,17 @@ def arena_bytes(specs: Specs) -> int:
 
 def carve(buffer: torch.Tensor, specs: Specs) -> list[torch.Tensor]:
     """Tensors of the given shapes and dtypes laid one after the other in `buffer` (uint8, from
-    `arena(arena_bytes(specs), ...)`), each starting on a cache line; uninitialized."""
+    `arena(arena_bytes(specs), ...)`), each starting on a cache line; what the buffer holds."""
     return [
         buffer[start : start + dtype.itemsize * math.prod(shape)].view(dtype).view(shape)
         for start, (shape, dtype) in zip(_offsets(specs)[0], specs, strict=True)
     ]
 
 
-def empty(specs: Specs, huge_pages: bool) -> list[torch.Tensor]:
-    """Uninitialized tensors of the given shapes and dtypes in one arena (on huge pages if asked)."""
-    return carve(arena(arena_bytes(specs), huge_pages), specs)
-
-
 def zeros(specs: Specs, huge_pages: bool) -> list[torch.Tensor]:
-    """Zero-filled tensors of the given shapes and dtypes in one arena (on huge pages if asked)."""
-    tensors = empty(specs, huge_pages)
-    for t in tensors:
-        t.zero_()
-    return tensors
+    """Zero-filled tensors of the given shapes and dtypes in one arena (on huge pages if asked),
+    its pages faulted in as first written."""
+    return carve(arena(arena_bytes(specs), huge_pages), specs)
 
 
 def _movable(t: torch.Tensor) -> bool:
@@ -140,7 +142,7 @@ def move_to_huge_pages(module: nn.Module) -> int:
                 found.setdefault(key, (t, []))[1].append((m, kind, name))
     if not found:
         return 0
-    copies = empty([(tuple(t.shape), t.dtype) for t, _ in found.values()], huge_pages=True)
+    copies = zeros([(tuple(t.shape), t.dtype) for t, _ in found.values()], huge_pages=True)
     moved = sum(t.nbytes for t, _ in found.values())
     # One tensor at a time, each original dropped once rebound, so that the peak is the weights
     # plus the largest tensor, not twice the weights (the arena's pages fault in as written).

@@ -234,7 +234,8 @@ class KVCache:
         huge_pages: bool = False,
     ) -> KVCache:
         """Zeroed tensors of `dtype` (kv_format.cache_dtype); on CPU all of them in one arena,
-        on huge pages if `huge_pages` (host_memory.py)."""
+        on huge pages if `huge_pages` (host_memory.py), whose zero pages are faulted in as
+        blocks are first written: allocating the pool costs no time, whatever its size."""
         shape = (num_blocks, block_size, num_kv_heads, kv_format.row_width(head_dim, dtype))
         specs = [(shape, dtype)] * (2 * num_layers)
         if torch.device(device).type == "cpu":

@@ -1,0 +1,57 @@
+"""What LLM() does to start, counted rather than timed (`quire bench startup` times it): the
+GGUF header is read once, by quire's reader, and the KV pool is not filled."""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import torch
+
+from quire.entrypoints.llm import LLM
+from quire.model import gguf_loader
+
+_POOL_BYTES = 4 << 30  # the default CPU KV pool (a quarter of memory at most)
+
+
+def test_llm_reads_the_gguf_header_once_and_never_with_ggufs_reader(default_model, monkeypatch):
+    reads: list[str] = []
+    read = gguf_loader.read_gguf
+    monkeypatch.setattr(gguf_loader, "read_gguf", lambda path: reads.append(path) or read(path))
+    constructed: list[str] = []
+    init = gguf.GGUFReader.__init__
+
+    def counting_init(self, path, *args, **kwargs):
+        constructed.append(str(path))
+        init(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", counting_init)
+    gguf_loader._parsed.cache_clear()
+    LLM(default_model, kv_cache_memory=_POOL_BYTES)
+    assert reads == [os.path.abspath(default_model)]
+    assert constructed == []
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_llm_does_not_fill_the_kv_pool(default_model, monkeypatch):
+    """No fill call on a tensor of a KV layer's size (4 GiB over 30 layers' K and V: 68 MiB
+    each), and the pool takes no memory until blocks are written."""
+    filled: list[int] = []
+    for name in ("zero_", "fill_"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _original=original, **kwargs):
+            filled.append(self.nbytes)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    before = _rss_bytes()
+    llm = LLM(default_model, kv_cache_memory=_POOL_BYTES)
+    # SmolLM2: 30 layers' K and V, 3 heads x 64 bf16 values each per token, 16 tokens a block
+    assert llm.engine.num_kv_blocks == _POOL_BYTES // (30 * 2 * 3 * 64 * 2 * 16)
+    assert [n for n in filled if n >= 64 << 20] == []
+    assert _rss_bytes() - before < _POOL_BYTES // 4
