@@ -263,3 +263,21 @@ def test_stream_tally_counts_text_events_across_chunk_boundaries_and_reads_usage
     assert tally.text_events == 2
     assert tally.usage == {"prompt_tokens": 5, "completion_tokens": 2}
     assert tally.first_at is not None and tally.end_at >= tally.first_at
+
+
+def test_stream_tally_strips_the_usage_report_the_router_asked_for():
+    """The router asks an instance for the usage report of every stream it relays (events
+    coalesce tokens when a reader falls behind, so only the report counts them); a client that
+    did not ask gets the stream without it, byte for byte otherwise."""
+    events = [
+        {"choices": [{"text": "a"}], "usage": None},
+        {"choices": [{"text": "bc"}], "usage": None},
+        {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}},
+    ]
+    encoded = [f"data: {json.dumps(e, separators=(',', ':'))}\n\n".encode() for e in events]
+    stream = b"".join(encoded) + b"data: [DONE]\n\n"
+    tally = StreamTally(strip_usage=True)
+    relayed = b"".join(tally.feed(stream[i : i + 5]) for i in range(0, len(stream), 5))
+    assert relayed == encoded[0] + encoded[1] + b"data: [DONE]\n\n"
+    assert tally.usage == {"prompt_tokens": 5, "completion_tokens": 3}
+    assert tally.text_events == 2

@@ -82,6 +82,18 @@ def test_greedy_completion_equals_collocated(instances, router, length):
     assert_all_blocks_free(prefill, decode)
 
 
+def test_a_stream_carries_the_usage_report_only_when_the_client_asks(instances, router):
+    # The router asks every instance for the report (it counts the tokens it learns from):
+    # a client that did not ask never sees it (streamed_text reads choices[0] of every event).
+    body = {"model": MODEL, "prompt": token_prompt(7, 3), "max_tokens": 6, "ignore_eos": True}
+    assert streamed_text(router.url, "/v1/completions", body)
+    asked = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", router.url + "/v1/completions", json=asked, timeout=60) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: {")]
+    report = json.loads(events[-1])
+    assert report["choices"] == [] and report["usage"]["completion_tokens"] == 6
+
+
 def test_streamed_chat_and_seeded_sampling_equal_collocated(instances, router):
     (_, prefill), (_, decode), (collocated, _) = instances
     body = {

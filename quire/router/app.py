@@ -298,6 +298,10 @@ class Router:
     ) -> Response:
         """`body` posted to the instance; a stream is returned once its first chunk came (an
         httpx.HTTPError before then: nothing has reached the client)."""
+        asked = bool((body.get("stream_options") or {}).get("include_usage"))
+        if body.get("stream") and not asked:  # the report counts tokens, the events may not
+            options = {**(body.get("stream_options") or {}), "include_usage": True}
+            body = {**body, "stream_options": options}
         request = self.client.build_request("POST", f"{instance.url}{path}", json=body)
         response = await self.client.send(request, stream=True)
         try:
@@ -312,17 +316,20 @@ class Router:
                     response.status_code,
                     media_type=response.headers.get("content-type", "application/json"),
                 )
-            tally = StreamTally()
+            tally = StreamTally(strip_usage=not asked)
             self.first.relaying(instance, origin, tally)
             chunks = response.aiter_raw()
             first = await anext(chunks, b"")
         except BaseException:
             await response.aclose()
             raise
-        tally.feed(first)
         return StreamingResponse(
             _relay(
-                response, first, chunks, tally, lambda: self.first.done(instance, origin, tally)
+                response,
+                tally.feed(first),
+                chunks,
+                tally,
+                lambda: self.first.done(instance, origin, tally),
             ),
             media_type=response.headers.get("content-type"),
         )
@@ -361,10 +368,12 @@ async def _relay(
 ) -> AsyncIterator[bytes]:
     """The stream's first chunk (already read and tallied), then the rest as it comes."""
     try:
-        yield first
+        if first:
+            yield first
         async for chunk in chunks:
-            tally.feed(chunk)
-            yield chunk
+            relayed = tally.feed(chunk)
+            if relayed:
+                yield relayed
     except httpx.HTTPError as error:  # the instance died mid-stream: say so in the stream
         body = {"error": {"message": f"The instance stopped mid-stream: {error!r}", "code": 502}}
         yield f"data: {json.dumps(body)}\n\n".encode()

@@ -256,28 +256,40 @@ class OutputLengthPredictor:
 
 class StreamTally:
     """Reads a relayed SSE stream as it passes: when its first text came, how many text events
-    it had, and the usage report if the stream carried one."""
+    it had, and the usage report if the stream carried one. A stream coalesces tokens into
+    fewer events when its reader falls behind, so the router asks the instance for the usage
+    report (`stream_options.include_usage`) and, with `strip_usage`, keeps that report, which
+    the client did not ask for, out of what it relays."""
 
-    def __init__(self) -> None:
+    def __init__(self, strip_usage: bool = False) -> None:
         self.first_at: float | None = None
         self.end_at: float | None = None
         self.text_events = 0
         self.usage: dict[str, int] | None = None
+        self.strip_usage = strip_usage
         self._pending = b""
 
-    def feed(self, chunk: bytes) -> None:
+    def feed(self, chunk: bytes) -> bytes:
+        """Tallies the chunk's complete events; returns what to relay: the chunk as it came, or
+        with `strip_usage` its complete events less the usage report (a part event waits for
+        its end)."""
         events = (self._pending + chunk).split(b"\n\n")
         self._pending = events.pop()
+        relayed = []
         for event in events:
-            if not event.startswith(b"data: {"):
-                continue
-            if b'"prompt_tokens"' in event:
-                self.usage = (json.loads(event[6:]).get("usage")) or self.usage
-            if _has_text(event):
-                self.text_events += 1
-                if self.first_at is None:
-                    self.first_at = time.monotonic()
+            if event.startswith(b"data: {"):
+                if b'"prompt_tokens"' in event:
+                    report = json.loads(event[6:])
+                    self.usage = report.get("usage") or self.usage
+                    if self.strip_usage and not report.get("choices"):
+                        continue
+                if _has_text(event):
+                    self.text_events += 1
+                    if self.first_at is None:
+                        self.first_at = time.monotonic()
+            relayed.append(event + b"\n\n")
         self.end_at = time.monotonic()
+        return b"".join(relayed) if self.strip_usage else chunk
 
     def output_tokens(self) -> int:
         return self.usage["completion_tokens"] if self.usage else self.text_events
