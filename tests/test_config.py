@@ -73,3 +73,8 @@ def test_an_unknown_quantization_is_refused_with_the_choices(tiny_llama):
         ValueError, match="quantization must be one of auto, none, int8; got 'int4'"
     ):
         EngineConfig(tiny_llama, quantization="int4")
+
+
+def test_a_negative_grammar_cache_bound_is_refused(tiny_llama):
+    with pytest.raises(ValueError, match=r"grammar_cache_bytes must be >= 0, got -1\."):
+        EngineConfig(tiny_llama, grammar_cache_bytes=-1)

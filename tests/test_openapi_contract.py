@@ -47,7 +47,7 @@ def contract_server(tiny_llama):
 def test_error_responses_are_documented_with_openais_error_body(contract_server):
     schema = httpx.get(contract_server.url + "/openapi.json").json()
     chat = schema["paths"]["/v1/chat/completions"]["post"]["responses"]
-    assert sorted(chat) == ["200", "400", "404", "413", "500", "503", "504"]
+    assert sorted(chat) == ["200", "400", "404", "408", "413", "500", "503", "504"]
     assert chat["400"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/ErrorResponse"
     }

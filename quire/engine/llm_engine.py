@@ -126,7 +126,10 @@ class LLMEngine:
         # Compiles structured outputs' grammars to validate them; the core shares its cache when
         # it runs in this process.
         self.grammar_compiler = GrammarCompiler(
-            lambda: self.tokenizer, model_config.vocab_size, model_config.eos_token_ids
+            lambda: self.tokenizer,
+            model_config.vocab_size,
+            model_config.eos_token_ids,
+            config.grammar_cache_bytes,
         )
         if config.engine_core_process:
             self.core = CoreProcessClient(config, model_config, self.dtype, max_model_len)

@@ -35,6 +35,10 @@ DEFAULT_REQUEST_BODY_TIMEOUT_S = 5.0
 # hundred tokens of a stream on a CPU; longer ones end with an error event.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
 
+# Seconds a structured-output constraint may take to compile before the request gets 400
+# (--grammar-compile-timeout): a 10,000-member enum compiles in a few seconds on 2 cores.
+DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+
 # Seconds a client is told to wait after a 503: the queue drains at the pace of the engine's
 # steps, so a second is many steps and not so long that a client sits idle.
 RETRY_AFTER_S = 1

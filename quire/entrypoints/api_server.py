@@ -48,6 +48,7 @@ from quire.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedEr
 from quire.engine.metrics import EngineMetrics
 from quire.entrypoints import openai_protocol as protocol
 from quire.entrypoints.admission import (
+    DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_REQUEST_BODY_TIMEOUT_S,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
@@ -130,8 +131,10 @@ class OpenAIServing:
         request_timeout: float | None = None,
         chat_template: str | None = None,
         auto_tool_parser: type[ToolParser] | None = None,
+        grammar_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
     ) -> None:
         self.engine = engine
+        self.grammar_compile_timeout = grammar_compile_timeout
         self.tokenizer = engine.tokenizer
         self.tokenizers = tokenizers
         self.model_name = model_name
@@ -235,15 +238,27 @@ class OpenAIServing:
 
     async def check_structured_outputs(self, params: SamplingParams, param: str | None) -> None:
         """Compiles the request's grammar on the tokenizer pool (cached: the engine then finds
-        it compiled); a schema, regex or grammar xgrammar rejects is a 400 naming `param`."""
+        it compiled); a schema, regex or grammar xgrammar rejects, or one with no finite
+        output, is a 400 naming `param`; so is one not compiled within grammar_compile_timeout
+        (its compile goes on, and a retry finds it cached)."""
         constraint = params.structured_outputs
         if constraint is None:
             return
         compiler = self.engine.engine.grammar_compiler
+        compiling = self.tokenizers.run(len(constraint.key[1]), compiler.compile, constraint)
         try:
-            await self.tokenizers.run(len(constraint.key[1]), compiler.compile, constraint)
+            await asyncio.wait_for(compiling, self.grammar_compile_timeout)
         except GrammarError as error:
             raise APIError(400, f"{param} is invalid: {error.detail}", param) from error
+        except TimeoutError:
+            raise APIError(
+                400,
+                f"{param} was not compiled within this server's limit of "
+                f"{self.grammar_compile_timeout:g} s (--grammar-compile-timeout): simplify it "
+                "(fewer enum members or alternatives, less nesting).",
+                param,
+                "grammar_compile_timeout",
+            ) from None
 
     # ---- engine requests -------------------------------------------------------------------
     async def add_requests(
@@ -673,11 +688,13 @@ def build_app(
     chat_template: str | None = None,
     tool_call_parser: str | None = None,
     request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT_S,
+    grammar_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
 ) -> FastAPI:
     """The FastAPI app serving `engine` under `served_model_name` (default: the model path).
 
     Bodies over `max_request_bytes` get 413, bodies not received within `request_body_timeout`
-    seconds 408. At most max_num_seqs + `max_queued_requests`
+    seconds 408; a structured-output constraint not compiled within `grammar_compile_timeout`
+    seconds 400. At most max_num_seqs + `max_queued_requests`
     requests are in at once, more get 503; the default queue holds as many full-context prompts
     as the KV pool does, and at least one batch (max_num_seqs): deeper, a request would wait
     for more than the pool can start. `request_timeout` seconds after arrival a request is
@@ -697,6 +714,10 @@ def build_app(
         raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout}.")
     if not request_body_timeout > 0:
         raise ValueError(f"request_body_timeout must be > 0 seconds, got {request_body_timeout}.")
+    if not grammar_compile_timeout > 0:
+        raise ValueError(
+            f"grammar_compile_timeout must be > 0 seconds, got {grammar_compile_timeout}."
+        )
     if chat_template is not None:
         check_chat_template(engine.tokenizer, chat_template)
     tokenizers = TokenizerPool(engine.tokenizer, engine.max_model_len)
@@ -707,6 +728,7 @@ def build_app(
         request_timeout,
         chat_template,
         TOOL_PARSERS[tool_call_parser] if tool_call_parser else None,
+        grammar_compile_timeout,
     )
     admission = Admission(config.max_num_seqs + max_queued_requests)
 
@@ -872,6 +894,7 @@ def serve(
     tool_call_parser: str | None = None,
     request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT_S,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+    grammar_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
 ) -> None:
     """Loads the model and serves it until SIGTERM or SIGINT (`build_app` says what the limits
     and the chat options mean; quire.entrypoints.shutdown what the signals do, with
@@ -898,6 +921,7 @@ def serve(
             chat_template,
             tool_call_parser,
             request_body_timeout,
+            grammar_compile_timeout,
         )
         config = uvicorn.Config(app, host=host, port=port, log_config=None)
         server = GracefulServer(config, engine, app.state.admission, shutdown_timeout)

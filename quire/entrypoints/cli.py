@@ -81,6 +81,7 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     from quire.entrypoints.admission import (
+        DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
         DEFAULT_MAX_REQUEST_BYTES,
         DEFAULT_REQUEST_BODY_TIMEOUT_S,
         DEFAULT_SHUTDOWN_TIMEOUT_S,
@@ -131,6 +132,13 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="requests that may wait beyond --max-num-seqs; more get 503 with Retry-After "
         "(default: as many full-context prompts as the KV pool holds, at least --max-num-seqs)",
+    )
+    server.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
+        help="seconds a request's JSON schema, regex or grammar may take to compile; longer "
+        "gets 400 (default: %(default)s)",
     )
     server.add_argument(
         "--shutdown-timeout",
@@ -216,6 +224,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
         request_body_timeout=args.request_body_timeout,
         shutdown_timeout=args.shutdown_timeout,
+        grammar_compile_timeout=args.grammar_compile_timeout,
         chat_template=chat_template,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )

@@ -3,8 +3,19 @@
 A constraint (`StructuredOutputsParams`) becomes an xgrammar `CompiledGrammar` for the model's
 tokenizer: the token masks of every grammar state are precomputed over the vocabulary, so the
 first use of a schema costs milliseconds and later ones a dictionary lookup. The cache is an
-LRU of `MAX_CACHED_GRAMMARS` entries keyed by the constraint's kind and text; xgrammar's own
-cache is off so that one bound holds.
+LRU bounded by the compiled grammars' bytes (`max_cache_bytes`, xgrammar's `memory_size_bytes`:
+a 100,000-member enum alone takes hundreds of MB), keyed by the constraint's kind and text; a
+grammar larger than the whole bound is used and not kept. xgrammar's own cache is off so that
+one bound holds.
+
+A grammar whose root can never end (a JSON schema's `$ref` cycle with no way out: finite.py) is
+refused like one xgrammar cannot compile.
+
+Compiling never slows the engine's steps: xgrammar compiles on one thread per compile
+(`max_threads=1`; its default of eight took every core of a small host), on `_COMPILE_THREADS`
+threads of this compiler's own, at a lower CPU priority (nice `_COMPILE_NICE`), so the engine's
+threads win the cores whenever they have work. xgrammar releases the GIL while it compiles, so a
+niced compile never holds the event loop or the engine's Python.
 
 The vocabulary is the model's logits width (`vocab_size`), which can exceed the tokenizer's:
 ids past the tokenizer's are never allowed. The model's EOS ids are the grammar's stop tokens: a
@@ -20,7 +31,9 @@ grammars up. xgrammar is imported, and the tokenizer's vocabulary read, on the f
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -28,12 +41,15 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from quire.sampling_params import StructuredOutputsParams
+from quire.structured_output.finite import has_finite_output
 
 if TYPE_CHECKING:
     import xgrammar
     from transformers import PreTrainedTokenizerBase
 
-MAX_CACHED_GRAMMARS = 256
+_COMPILE_THREADS = 2  # a large grammar's compile leaves one for the rest
+_COMPILE_NICE = 10  # about a tenth of a core's time against a busy engine thread
+DEFAULT_GRAMMAR_CACHE_BYTES = 512 * 2**20  # --grammar-cache-bytes' default (engine_args.py)
 _XGRAMMAR_LOCATION = re.compile(r"^\[[^\]]*\] \S+:\d+: ")  # "[14:00:40] /path/file.cc:83: "
 
 
@@ -52,13 +68,23 @@ class GrammarCompiler:
         load_tokenizer: Callable[[], PreTrainedTokenizerBase],
         vocab_size: int,
         eos_token_ids: Iterable[int],
+        max_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES,
     ) -> None:
+        if max_cache_bytes < 0:
+            raise ValueError(f"max_cache_bytes must be >= 0, got {max_cache_bytes}.")
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size  # the model's logits width
         self._eos_token_ids = set(eos_token_ids)
+        self.max_cache_bytes = max_cache_bytes
         self._compiler: xgrammar.GrammarCompiler | None = None
-        self._cache: OrderedDict[tuple[str, str], xgrammar.CompiledGrammar] = OrderedDict()
+        # key -> (grammar, its bytes), least recently used first
+        self._cache: OrderedDict[tuple[str, str], tuple[xgrammar.CompiledGrammar, int]]
+        self._cache = OrderedDict()
+        self.cache_bytes = 0  # the cached grammars' memory_size_bytes, summed
         self._lock = threading.Lock()
+        self._threads = concurrent.futures.ThreadPoolExecutor(
+            _COMPILE_THREADS, "quire-grammar", initializer=_lower_priority
+        )
         self.num_compiled = 0  # cache misses, since start
         self.num_hits = 0
 
@@ -67,19 +93,22 @@ class GrammarCompiler:
         Raises GrammarError when xgrammar rejects the schema, regex or grammar."""
         key = params.key
         with self._lock:
-            compiled = self._cache.get(key)
-            if compiled is not None:
+            cached = self._cache.get(key)
+            if cached is not None:
                 self._cache.move_to_end(key)
                 self.num_hits += 1
-                return compiled
+                return cached[0]
             compiler = self._xgrammar_compiler()
-        compiled = _compile(compiler, params)
+        compiled = self._threads.submit(_compile, compiler, params).result()
+        size = compiled.memory_size_bytes
         with self._lock:
-            self._cache[key] = compiled
-            self._cache.move_to_end(key)
-            while len(self._cache) > MAX_CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
             self.num_compiled += 1
+            if key not in self._cache and size <= self.max_cache_bytes:
+                self._cache[key] = (compiled, size)
+                self.cache_bytes += size
+                while self.cache_bytes > self.max_cache_bytes:
+                    _, (_, evicted) = self._cache.popitem(last=False)
+                    self.cache_bytes -= evicted
         return compiled
 
     def _xgrammar_compiler(self) -> xgrammar.GrammarCompiler:
@@ -93,8 +122,13 @@ class GrammarCompiler:
             info = xgrammar.TokenizerInfo.from_huggingface(
                 tokenizer, vocab_size=self.vocab_size, stop_token_ids=sorted(stop_ids)
             )
-            self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
+            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
+
+
+def _lower_priority() -> None:
+    """Lowers this thread's CPU priority (Linux: a thread is a task of its own)."""
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _COMPILE_NICE)
 
 
 def _compile(
@@ -104,17 +138,26 @@ def _compile(
     try:
         if kind == "json":
             schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
-            return compiler.compile_json_schema(schema, any_whitespace=False)
-        if kind == "json_object":
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-        if kind == "regex":
-            return compiler.compile_regex(params.regex)
-        if kind == "choice":
-            return compiler.compile_grammar(choice_grammar(params.choice))
-        return compiler.compile_grammar(params.grammar)
+            compiled = compiler.compile_json_schema(schema, any_whitespace=False)
+        elif kind == "json_object":
+            compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        elif kind == "regex":
+            compiled = compiler.compile_regex(params.regex)
+        elif kind == "choice":
+            compiled = compiler.compile_grammar(choice_grammar(params.choice))
+        else:
+            compiled = compiler.compile_grammar(params.grammar)
     except (RuntimeError, ValueError, TypeError) as error:  # xgrammar's parse/convert errors
         detail = _XGRAMMAR_LOCATION.sub("", str(error).strip().splitlines()[0])
         raise GrammarError(kind, detail) from None
+    if not has_finite_output(str(compiled.grammar)):
+        what = "schema's $refs" if kind == "json" else "grammar's rules"
+        raise GrammarError(
+            kind,
+            f"no finite output matches it: the {what} refer to each other with no way to "
+            "end (a required self-reference, or a cycle); make the recursion optional.",
+        )
+    return compiled
 
 
 def choice_grammar(choices: list[str]) -> str:
