@@ -108,24 +108,27 @@ def test_a_small_request_stays_fast_while_a_large_grammar_compiles(served):
 
 
 def test_a_grammar_that_min_tokens_keeps_from_ending_stops_with_an_openai_reason(served):
+    """After "a" the grammar allows only EOS, which min_tokens bans: nothing is allowed, and the
+    output stops with "stop"; the forbidden token that ends it has a logprob of -inf, sent as
+    vLLM's -9999.0 (JSON has no infinity)."""
     server, engine = served
-    body = {
-        "prompt": "Hi",
+    constrained = {
         "max_tokens": 8,
-        "min_tokens": 3,  # bans EOS, the only token the grammar allows after "a"
+        "min_tokens": 3,
         "temperature": 0,
         "structured_outputs": {"grammar": 'root ::= "a"'},
     }
-    for path, request in [
-        ("/v1/completions", body),
-        (
-            "/v1/chat/completions",
-            {**body, "prompt": None, "messages": [{"role": "user", "content": "Hi"}]},
-        ),
-    ]:
-        response = server.post(path, json={k: v for k, v in request.items() if v is not None})
-        assert response.status_code == 200, response.text
-        (choice,) = response.json()["choices"]
-        assert choice["finish_reason"] == "stop"
-        assert choice.get("text", choice.get("message", {}).get("content")) == "a"
+    completion = server.post("/v1/completions", json={"prompt": "Hi", "logprobs": 0, **constrained})
+    assert completion.status_code == 200, completion.text
+    (choice,) = completion.json()["choices"]
+    assert (choice["text"], choice["finish_reason"]) == ("a", "stop")
+    assert choice["logprobs"]["token_logprobs"][-1] == -9999.0
+    chat = server.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, **constrained},
+    )
+    assert chat.status_code == 200, chat.text
+    (choice,) = chat.json()["choices"]
+    assert (choice["message"]["content"], choice["finish_reason"]) == ("a", "stop")
+    assert choice["logprobs"]["content"][-1]["logprob"] == -9999.0
     assert wait_until(lambda: not engine.engine.has_unfinished_requests())

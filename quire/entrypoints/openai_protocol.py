@@ -35,6 +35,7 @@ from quire.sampling_params import MAX_LOGIT_BIAS, SamplingParams, StructuredOutp
 # OpenAI caps top_logprobs at 20; completions' `logprobs` follows (OpenAI's own cap there is 5).
 MAX_LOGPROBS = 20
 MAX_N = 128  # OpenAI's cap on choices per request
+MIN_LOGPROB = -9999.0  # what vLLM's server sends for a logprob of -inf
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # a seed's range (OpenAI's and torch's)
 
 # The published schema states every rule that validation enforces (the contract that
@@ -484,6 +485,12 @@ def model_card(name: str, root: str, max_model_len: int) -> dict[str, Any]:
     }
 
 
+def json_logprob(logprob: float) -> float:
+    """A logprob as JSON can carry it: -inf (a token a grammar forbade, emitted only as the
+    stop of an output nothing could continue) becomes vLLM's -9999.0."""
+    return max(logprob, MIN_LOGPROB)
+
+
 def completion_logprobs(
     token_ids: list[int],
     positions: list[PositionLogprobs | None],
@@ -505,9 +512,9 @@ def completion_logprobs(
             token_logprobs.append(None)
             top_logprobs.append(None)
             continue
-        token_logprobs.append(chosen.logprob)
+        token_logprobs.append(json_logprob(chosen.logprob))
         top = {
-            _token_text(tid, lp, decode): lp.logprob
+            _token_text(tid, lp, decode): json_logprob(lp.logprob)
             for tid, lp in position.items()
             if lp.rank <= num_top or tid == token_id
         }
@@ -537,7 +544,11 @@ def chat_logprobs(
 
 def _chat_token(logprob: Logprob) -> dict[str, Any]:
     text = logprob.decoded_token or ""
-    return {"token": text, "logprob": logprob.logprob, "bytes": list(text.encode("utf-8"))}
+    return {
+        "token": text,
+        "logprob": json_logprob(logprob.logprob),
+        "bytes": list(text.encode("utf-8")),
+    }
 
 
 def _by_rank(logprob: Logprob) -> int:

@@ -238,8 +238,10 @@ def apply_penalties(
     """Repetition penalty, then frequency and presence penalties, as in vLLM.
 
     Repetition: a token seen in the prompt or the output has its logit divided by the penalty if
-    positive, multiplied if not. Frequency subtracts penalty * (times the token was generated);
-    presence subtracts penalty once if it was generated at all.
+    positive, multiplied if not (a quotient past the float range stays the largest float, so a
+    tiny penalty favours the token as much as can be, and softmax stays a distribution).
+    Frequency subtracts penalty * (times the token was generated); presence subtracts penalty
+    once if it was generated at all.
     """
     if not (batch.any_repetition_penalty or batch.any_presence_frequency_penalty):
         return logits
@@ -250,6 +252,7 @@ def apply_penalties(
         in_prompt = token_counts(batch.prompt_token_ids, vocab_size, logits.device) > 0
         penalty = torch.where(in_prompt | in_output, batch.repetition_penalty[:, None], 1.0)
         logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = logits.clamp_max(torch.finfo(logits.dtype).max)
     if batch.any_presence_frequency_penalty:
         logits = (
             logits
