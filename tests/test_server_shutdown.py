@@ -167,3 +167,23 @@ def test_serve_parses_the_shutdown_timeout():
     assert build_parser().parse_args(["serve"]).shutdown_timeout == 5.0
     args = build_parser().parse_args(["serve", "--shutdown-timeout", "0.5"])
     assert args.shutdown_timeout == 0.5
+
+
+def test_sigterm_while_a_large_grammar_compiles_exits_within_the_timeout(serve):
+    server = serve("--shutdown-timeout", "1")
+    large = {"prompt": "Hi", "guided_json": {"enum": [f"member-{i}" for i in range(50000)]}}
+    answers = []
+    thread = threading.Thread(
+        target=lambda: answers.append(
+            httpx.post(server.url + "/v1/completions", json=large, timeout=60)
+        ),
+        daemon=True,
+    )
+    thread.start()
+    time.sleep(2)  # parsed and compiling (tens of seconds for 50,000 members)
+    start = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(timeout=30) == 0
+    assert time.monotonic() - start < 15
+    thread.join(timeout=30)
+    assert answers[0].status_code == 503

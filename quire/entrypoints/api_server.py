@@ -135,6 +135,7 @@ class OpenAIServing:
     ) -> None:
         self.engine = engine
         self.grammar_compile_timeout = grammar_compile_timeout
+        self.stopped = asyncio.Event()  # set by a stopping server (quire.entrypoints.shutdown)
         self.tokenizer = engine.tokenizer
         self.tokenizers = tokenizers
         self.model_name = model_name
@@ -237,20 +238,28 @@ class OpenAIServing:
                 )
 
     async def check_structured_outputs(self, params: SamplingParams, param: str | None) -> None:
-        """Compiles the request's grammar on the tokenizer pool (cached: the engine then finds
-        it compiled); a schema, regex or grammar xgrammar rejects, or one with no finite
+        """Compiles the request's grammar on the compiler's threads (cached: the engine then
+        finds it compiled); a schema, regex or grammar xgrammar rejects, or one with no finite
         output, is a 400 naming `param`; so is one not compiled within grammar_compile_timeout
-        (its compile goes on, and a retry finds it cached)."""
+        (a compile already running goes on, and a retry finds it cached). Once the server has
+        stopped (`stopped` set), a request still waiting for its compile gets 503."""
         constraint = params.structured_outputs
         if constraint is None:
             return
-        compiler = self.engine.engine.grammar_compiler
-        compiling = self.tokenizers.run(len(constraint.key[1]), compiler.compile, constraint)
+        compiling = asyncio.wrap_future(self.engine.engine.grammar_compiler.submit(constraint))
+        stopped = asyncio.ensure_future(self.stopped.wait())
         try:
-            await asyncio.wait_for(compiling, self.grammar_compile_timeout)
-        except GrammarError as error:
-            raise APIError(400, f"{param} is invalid: {error.detail}", param) from error
-        except TimeoutError:
+            await asyncio.wait(
+                {compiling, stopped},
+                timeout=self.grammar_compile_timeout,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            stopped.cancel()
+        if not compiling.done():
+            compiling.cancel()
+            if stopped.done():
+                raise APIError(503, "The server is shutting down: retry the request elsewhere.")
             raise APIError(
                 400,
                 f"{param} was not compiled within this server's limit of "
@@ -258,7 +267,11 @@ class OpenAIServing:
                 "(fewer enum members or alternatives, less nesting).",
                 param,
                 "grammar_compile_timeout",
-            ) from None
+            )
+        try:
+            compiling.result()
+        except GrammarError as error:
+            raise APIError(400, f"{param} is invalid: {error.detail}", param) from error
 
     # ---- engine requests -------------------------------------------------------------------
     async def add_requests(
@@ -924,7 +937,9 @@ def serve(
             grammar_compile_timeout,
         )
         config = uvicorn.Config(app, host=host, port=port, log_config=None)
-        server = GracefulServer(config, engine, app.state.admission, shutdown_timeout)
+        server = GracefulServer(
+            config, engine, app.state.admission, app.state.serving.stopped, shutdown_timeout
+        )
         logger.info("Serving %s at http://%s:%d/v1", name, host, port)
         server.run()
     finally:

@@ -4,7 +4,8 @@
   routes elsewhere while the listener stays open), then lets the requests in flight finish for
   up to `shutdown_timeout` seconds (vLLM's --shutdown-timeout).
 - When they have finished, or the time is up, the engine shuts down: every request still live
-  ends with an error (a stream gets an error event, then `[DONE]`; a waiting client a 503),
+  ends with an error (a stream gets an error event, then `[DONE]`; a waiting client, one whose
+  grammar is still compiling included, a 503),
   uvicorn closes the connections once their responses are sent, and the process exits 0.
 - A second SIGTERM, or a SIGINT (Ctrl-C) at any time, skips the wait: the live requests end
   with the error event at once.
@@ -42,12 +43,14 @@ class GracefulServer(uvicorn.Server):
         config: uvicorn.Config,
         engine: AsyncLLM,
         admission: Admission,
+        stopped: asyncio.Event,
         shutdown_timeout: float,
     ) -> None:
         config.timeout_graceful_shutdown = _FLUSH_S
         super().__init__(config)
         self.engine = engine
         self.admission = admission
+        self.stopped = stopped  # set once the live requests have been ended
         self.shutdown_timeout = shutdown_timeout
         self._drain: asyncio.Task | None = None
         self._stopping = False
@@ -102,4 +105,5 @@ class GracefulServer(uvicorn.Server):
             logger.warning("%s: ending %d requests", why, self.admission.num_admitted)
         reason = f"{why}: the request was ended before it finished; retry it."
         await asyncio.get_running_loop().run_in_executor(None, self.engine.shutdown, None, reason)
+        self.stopped.set()  # requests still waiting for a grammar's compile: 503
         self.should_exit = True

@@ -13,9 +13,11 @@ refused like one xgrammar cannot compile.
 
 Compiling never slows the engine's steps: xgrammar compiles on one thread per compile
 (`max_threads=1`; its default of eight took every core of a small host), on `_COMPILE_THREADS`
-threads of this compiler's own, at a lower CPU priority (nice `_COMPILE_NICE`), so the engine's
-threads win the cores whenever they have work. xgrammar releases the GIL while it compiles, so a
-niced compile never holds the event loop or the engine's Python.
+daemon threads of this compiler's own, at a lower CPU priority (nice `_COMPILE_NICE`; on Linux a
+thread is a task of its own), so the engine's threads win the cores whenever they have work.
+xgrammar releases the GIL while it compiles, so a niced compile never holds the event loop or the
+engine's Python; the server awaits `submit`'s future, and the process exits without waiting for
+a compile.
 
 The vocabulary is the model's logits width (`vocab_size`), which can exceed the tokenizer's:
 ids past the tokenizer's are never allowed. The model's EOS ids are the grammar's stop tokens: a
@@ -25,8 +27,9 @@ JSON is generated compact (`any_whitespace=False`: ", " and ": " between items, 
 which is vLLM's `disable_any_whitespace`: a small model given free whitespace can pad a JSON
 value with newlines until max_tokens.
 
-Thread-safe: the server compiles on its tokenizer pool's threads while the engine thread looks
-grammars up. xgrammar is imported, and the tokenizer's vocabulary read, on the first compile.
+Thread-safe: the server submits compiles from the event loop while the engine thread looks
+grammars up. xgrammar is imported, and the tokenizer's vocabulary read, on the first compile
+(on a compile thread).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import queue
 import re
 import threading
 from collections import OrderedDict
@@ -82,24 +86,67 @@ class GrammarCompiler:
         self._cache = OrderedDict()
         self.cache_bytes = 0  # the cached grammars' memory_size_bytes, summed
         self._lock = threading.Lock()
-        self._threads = concurrent.futures.ThreadPoolExecutor(
-            _COMPILE_THREADS, "quire-grammar", initializer=_lower_priority
-        )
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # (params, future) to compile
+        self._threads: list[threading.Thread] = []  # started on the first compile
         self.num_compiled = 0  # cache misses, since start
         self.num_hits = 0
 
     def compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
         """The compiled grammar of `params`, from the cache when it was compiled before.
         Raises GrammarError when xgrammar rejects the schema, regex or grammar."""
-        key = params.key
+        return self.submit(params).result()
+
+    def submit(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
+        """The compiled grammar of `params` as a future: done at once from the cache, else
+        compiled on the compiler's threads (its exception a GrammarError when xgrammar rejects
+        the constraint). Cancelling it drops a compile that has not started."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        cached = self._lookup(params.key)
+        if cached is not None:
+            future.set_result(cached)
+            return future
+        with self._lock:
+            if not self._threads:
+                self._threads = [
+                    threading.Thread(target=self._work, name="quire-grammar", daemon=True)
+                    for _ in range(_COMPILE_THREADS)
+                ]
+                for thread in self._threads:
+                    thread.start()
+        self._queue.put((params, future))
+        return future
+
+    def _lookup(self, key: tuple[str, str]) -> xgrammar.CompiledGrammar | None:
         with self._lock:
             cached = self._cache.get(key)
-            if cached is not None:
-                self._cache.move_to_end(key)
-                self.num_hits += 1
-                return cached[0]
+            if cached is None:
+                return None
+            self._cache.move_to_end(key)
+            self.num_hits += 1
+            return cached[0]
+
+    def _work(self) -> None:
+        """A compile thread: daemon (a compile never holds up the process's exit), niced."""
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _COMPILE_NICE)
+        while True:
+            params, future = self._queue.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                compiled = self._compile_and_keep(params)
+            except BaseException as error:
+                future.set_exception(error)
+            else:
+                future.set_result(compiled)
+
+    def _compile_and_keep(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
+        key = params.key
+        cached = self._lookup(key)  # queued twice: compiled by the first
+        if cached is not None:
+            return cached
+        with self._lock:
             compiler = self._xgrammar_compiler()
-        compiled = self._threads.submit(_compile, compiler, params).result()
+        compiled = _compile(compiler, params)
         size = compiled.memory_size_bytes
         with self._lock:
             self.num_compiled += 1
@@ -124,11 +171,6 @@ class GrammarCompiler:
             )
             self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
-
-
-def _lower_priority() -> None:
-    """Lowers this thread's CPU priority (Linux: a thread is a task of its own)."""
-    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _COMPILE_NICE)
 
 
 def _compile(
