@@ -181,6 +181,13 @@ class EngineArgs:
         serving=True,
         help="seconds a decode instance waits for a prefill instance to answer a pull",
     )
+    grammar_cache_bytes: int = _knob(
+        512 * 2**20,
+        metavar="BYTES",
+        help="bytes of compiled structured-output grammars kept for reuse, least recently used "
+        "out (xgrammar's own measure: one schema with a 100,000-member enum takes hundreds of "
+        "MB; default: 512 MiB)",
+    )
     # The CPU kernel choices: on where they run, each can be turned off to compare against
     # the path it replaces (README, "CPU"). Defaults from quire/envs.py.
     cpu_kernels: bool = _knob(

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
 _GREEDY_EPS = 1e-5
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 _STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
@@ -89,6 +92,9 @@ class SamplingParams:
     tokens (> 1 discourages repeats). `logprobs=k` returns the k most likely tokens' logprobs at
     each sampled position (plus the sampled token's); `prompt_logprobs=k` the same for the prompt.
     `structured_outputs` constrains the output to a JSON schema, regex, choice or grammar.
+    `logit_bias` maps token ids to a bias in [-100, 100] added to their logits before the
+    penalties and sampling (OpenAI's meaning: -100 all but bans a token, 100 all but forces it);
+    returned logprobs stay those of the raw logits.
     """
 
     n: int = 1
@@ -110,6 +116,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
     # Prefill/decode disaggregation (vLLM's field): {"do_remote_decode": true, "transfer_id": ..}
     # on a prefill instance, {"do_remote_prefill": true, "transfer_id": .., "remote_host": ..,
     # "remote_port": ..} on a decode instance. Set by the router, not by users.
@@ -125,6 +132,8 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if not self.logit_bias:
+            self.logit_bias = None
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -169,6 +178,8 @@ class SamplingParams:
             raise ValueError("stop must be a string or a list of non-empty strings.")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of non-negative integers.")
+        if self.logit_bias is not None:
+            _validate_logit_bias(self.logit_bias)
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):
@@ -193,8 +204,13 @@ class SamplingParams:
     @property
     def argmax_only(self) -> bool:
         """Whether the token is the argmax of the raw logits (when no token is banned): greedy,
-        unpenalized, no logprobs. A grammar's mask, where it applies, comes first."""
-        return self.is_greedy and self.logprobs is None and not self.uses_penalties
+        unpenalized, unbiased, no logprobs. A grammar's mask, where it applies, comes first."""
+        return (
+            self.is_greedy
+            and self.logprobs is None
+            and not self.uses_penalties
+            and self.logit_bias is None
+        )
 
     def clone(self) -> SamplingParams:
         copy = SamplingParams.__new__(SamplingParams)
@@ -203,3 +219,25 @@ class SamplingParams:
         copy.stop_token_ids = list(self.stop_token_ids)
         copy.all_stop_token_ids = set(self.all_stop_token_ids)
         return copy
+
+
+def _validate_logit_bias(logit_bias: Any) -> None:
+    if not isinstance(logit_bias, dict):
+        raise ValueError(
+            f"logit_bias must map token ids to biases, got {type(logit_bias).__name__}."
+        )
+    for token_id, bias in logit_bias.items():
+        if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+            raise ValueError(
+                f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}."
+            )
+        if (
+            not isinstance(bias, numbers.Real)
+            or isinstance(bias, bool)
+            or not math.isfinite(bias)
+            or abs(bias) > MAX_LOGIT_BIAS
+        ):
+            raise ValueError(
+                f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
+                f"{MAX_LOGIT_BIAS:g}], got {bias!r} for token {token_id}."
+            )

@@ -71,3 +71,29 @@ def test_greedy_decoding_without_a_penalty_repeats_tokens(greedy):
 def test_a_large_penalty_forbids_repeated_tokens(client, penalty):  # noqa: F811
     _, tokens = completion(client, temperature=0.0, **penalty)
     assert len(tokens) == len(set(tokens)) == MAX_TOKENS
+
+
+def test_logit_bias_of_100_forces_its_token_on_both_endpoints(client, server):  # noqa: F811
+    forced = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=3,
+        temperature=0.0,
+        logit_bias={"1234": 100},
+        extra_body=IGNORE_EOS,
+    )
+    token = (
+        client.completions.create(model=MODEL, prompt=[1234], max_tokens=1, echo=True, logprobs=0)
+        .choices[0]
+        .logprobs.tokens[0]
+    )
+    assert forced.choices[0].text == token * 3
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=3,
+        temperature=0.0,
+        logit_bias={"1234": 100},
+        extra_body=IGNORE_EOS,
+    )
+    assert chat.choices[0].message.content == token * 3

@@ -525,7 +525,9 @@ UNKNOWN_NAMED = {"type": "function", "function": {"name": "get_time"}}
         (COMPLETIONS, {"prompt": 5}, "prompt"),
         (COMPLETIONS, {"prompt": "x", "unknown_field": 1}, "unknown_field"),
         (COMPLETIONS, {"prompt": "x", "logprobs": 50}, "logprobs"),
-        (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+        (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 100.5}}, "logit_bias"),
+        (COMPLETIONS, {"prompt": "x", "logit_bias": {"49152": 1}}, "logit_bias"),
+        (CHAT, {"messages": HI, "logit_bias": {"token": 1}}, "logit_bias.token"),
         (COMPLETIONS, {"prompt": "x", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
         (COMPLETIONS, {"prompt": "word " * 1100}, "prompt"),
         (COMPLETIONS, {"prompt": ""}, "prompt"),
@@ -538,6 +540,19 @@ UNKNOWN_NAMED = {"type": "function", "function": {"name": "get_time"}}
             CHAT,
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "messages.0.content",
+        ),
+        (CHAT, {"messages": [{"role": "tool", "content": "22 C"}]}, "messages.0.tool_call_id"),
+        (CHAT, {"messages": [{"role": "tool", "tool_call_id": "c1"}]}, "messages.0.content"),
+        (
+            CHAT,
+            {"messages": [{"role": "tool", "tool_call_id": "c1", "content": None}]},
+            "messages.0.content",
+        ),
+        (COMPLETIONS, {"prompt": "x", "guided_choice": []}, "guided_choice"),
+        (
+            COMPLETIONS,
+            {"prompt": "x", "structured_outputs": {"choice": []}},
+            "structured_outputs.choice",
         ),
         (CHAT, {"messages": HI, "max_completion_tokens": 0}, "max_completion_tokens"),
         (CHAT, {"messages": HI, "top_logprobs": 2}, "top_logprobs"),
@@ -570,6 +585,26 @@ def test_malformed_bodies_get_400(server, raw):
     assert response.json()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": "x", "temperature": Infinity}',
+        b'{"prompt": "x", "temperature": -Infinity}',
+        b'{"prompt": "x", "top_p": NaN}',
+        b'{"prompt": "x", "temperature": 1e999}',
+        b'{"prompt": "x", "guided_json": {"type": "number", "maximum": Infinity}}',
+    ],
+)
+def test_numbers_that_are_not_finite_get_400_anywhere_in_the_body(server, raw):
+    headers = {**AUTH, "Content-Type": "application/json"}
+    response = httpx.post(server.url + COMPLETIONS, content=raw, headers=headers)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["message"].startswith("The request body is not valid JSON: ")
+    assert error["message"].endswith(": send finite numbers")
+
+
 def test_openai_client_raises_bad_request_with_the_param(client):
     with pytest.raises(openai.BadRequestError) as raised:
         client.completions.create(model=MODEL, prompt="x", temperature=-1)
@@ -596,6 +631,22 @@ def test_missing_api_key_gets_401_on_every_api_route(server):
         response = httpx.request(method, server.url + path, json={"prompt": "x"})
         assert response.status_code == 401
         assert response.json()["error"]["code"] == "invalid_api_key"
+        assert response.headers["WWW-Authenticate"] == "Bearer"
+
+
+@pytest.mark.parametrize("scheme", ["bearer", "BEARER", "Bearer"])
+def test_the_auth_scheme_is_case_insensitive(server, scheme):
+    headers = {"Authorization": f"{scheme} {API_KEY}"}
+    assert httpx.get(server.url + "/v1/models", headers=headers).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "authorization", [f"Basic {API_KEY}", API_KEY, f"Bearer {API_KEY}x", "Bearer", ""]
+)
+def test_another_scheme_or_key_gets_401(server, authorization):
+    response = httpx.get(server.url + "/v1/models", headers={"Authorization": authorization})
+    assert response.status_code == 401
+    assert response.headers["WWW-Authenticate"] == "Bearer"
 
 
 def test_openapi_documents_the_api_key_on_every_route_that_needs_it(server):

@@ -76,6 +76,11 @@ def test_an_unknown_quantization_is_refused_with_the_choices(tiny_llama):
         EngineConfig(tiny_llama, quantization="int4")
 
 
+def test_a_negative_grammar_cache_bound_is_refused(tiny_llama):
+    with pytest.raises(ValueError, match=r"grammar_cache_bytes must be >= 0, got -1\."):
+        EngineConfig(tiny_llama, grammar_cache_bytes=-1)
+
+
 # ---- what needs no model is refused before anything loads (EngineConfig loads nothing) ------
 def test_a_max_model_len_beyond_the_gguf_context_is_refused_from_its_header(default_model):
     with pytest.raises(ValueError) as error:

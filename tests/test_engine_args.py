@@ -50,6 +50,7 @@ EXPECTED_FLAGS = {
     "--kv-port": "kv_port",
     "--kv-lease-timeout": "kv_lease_timeout",
     "--kv-transfer-timeout": "kv_transfer_timeout",
+    "--grammar-cache-bytes": "grammar_cache_bytes",
     "--num-kv-blocks": "num_kv_blocks",
     "--cpu-kernels": "cpu_kernels",
     "--no-cpu-kernels": "cpu_kernels",
@@ -315,3 +316,9 @@ def test_kv_transfer_config_is_vllms_spelling_of_the_disaggregation_flags(tiny_l
         EngineArgs(
             model=tiny_llama, kv_transfer_config={"kv_role": "kv_leader"}
         ).create_engine_config()
+
+
+def test_the_grammar_cache_bound_is_a_flag_with_a_512_mib_default() -> None:
+    assert EngineArgs().grammar_cache_bytes == 512 * 2**20
+    args = engine_parser().parse_args(["--grammar-cache-bytes", "1000"])
+    assert EngineArgs.from_cli_args(args).grammar_cache_bytes == 1000

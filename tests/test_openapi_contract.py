@@ -1,7 +1,8 @@
 """The API contract: /openapi.json tells the truth. schemathesis generates requests from the
 document (valid and invalid ones) against a live server and runs every check: no 5xx, only
 documented status codes, content types and headers, schema-valid requests accepted and invalid
-ones rejected, 405 with Allow. Rules no schema can state are declared in tests/schemathesis/."""
+ones rejected, 405 with Allow. Rules no schema can state are declared in tests/schemathesis/
+(hooks.py), which the repository root's schemathesis.toml names."""
 
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ from quire.entrypoints.api_server import build_app
 from quire.entrypoints.chat_template import load_chat_template
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = os.path.join(ROOT, "tests", "schemathesis", "schemathesis.toml")
 HERMES_TEMPLATE = os.path.join(ROOT, "examples", "tool_chat_template_hermes.jinja")
 MAX_MODEL_LEN = 32
 
@@ -47,7 +47,7 @@ def contract_server(tiny_llama):
 def test_error_responses_are_documented_with_openais_error_body(contract_server):
     schema = httpx.get(contract_server.url + "/openapi.json").json()
     chat = schema["paths"]["/v1/chat/completions"]["post"]["responses"]
-    assert sorted(chat) == ["200", "400", "404", "413", "500", "503", "504"]
+    assert sorted(chat) == ["200", "400", "404", "408", "413", "500", "503", "504"]
     assert chat["400"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/ErrorResponse"
     }
@@ -61,6 +61,15 @@ def test_documented_limits_match_the_model(contract_server):
     assert schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] == 1
     token = schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]
     assert (token["minimum"], token["maximum"]) == (0, 49151)
+
+
+def test_lists_the_server_needs_non_empty_say_min_items_1(contract_server):
+    schemas = httpx.get(contract_server.url + "/openapi.json").json()["components"]["schemas"]
+    for request in ("CompletionRequest", "ChatCompletionRequest"):
+        (choices, _) = schemas[request]["properties"]["guided_choice"]["anyOf"]
+        assert (choices["minItems"], choices["items"]["minLength"]) == (1, 1)
+    (choices, _) = schemas["StructuredOutputsRequest"]["properties"]["choice"]["anyOf"]
+    assert (choices["minItems"], choices["items"]["minLength"]) == (1, 1)
 
 
 def test_a_405_names_the_allowed_methods(contract_server):
@@ -80,7 +89,8 @@ def test_schemathesis_finds_no_failure_with_every_check(contract_server, tiny_ll
         "QUIRE_CONTRACT_CHAT_TEMPLATE": HERMES_TEMPLATE,
         "NO_COLOR": "1",
     }
-    command = [st, "--config-file", CONFIG, "run", contract_server.url + "/openapi.json"]
+    # As a user runs it from the repository root: schemathesis finds ./schemathesis.toml.
+    command = [st, "run", contract_server.url + "/openapi.json"]
     command += ["--checks", "all", "--output-sanitize", "false"]
     with contextlib.chdir(ROOT):
         result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)

@@ -401,3 +401,12 @@ def test_sampled_token_is_allowed_and_has_a_finite_logprob(
             assert token == processed[row].argmax().item()
     if out.sampled_logprobs is not None:
         assert torch.isfinite(out.sampled_logprobs).all()
+
+
+def test_a_tiny_repetition_penalty_favours_the_seen_token_without_overflowing() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, 3.0]])
+    batch = make_batch([SamplingParams(repetition_penalty=5e-324)], prompts=[[2]])
+    penalized = apply_penalties(logits, batch)
+    assert penalized.tolist() == [[2.0, -2.0, torch.finfo(torch.float32).max, 3.0]]
+    torch.manual_seed(0)
+    assert Sampler()(logits, batch).sampled_token_ids.tolist() == [2]

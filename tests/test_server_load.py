@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -240,6 +241,34 @@ def test_a_body_at_the_limit_is_served(serving):
     assert response.status_code == 200
 
 
+def test_a_body_not_received_within_the_timeout_gets_408_and_is_dropped(engine, serving):
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 100\r\n\r\n"
+    )
+    with serving(request_body_timeout=0.5) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            start = time.monotonic()
+            sock.sendall(head + b'{"prompt": "hi"')  # 15 of the 100 bytes it declared
+            answer = b""
+            while chunk := sock.recv(65536):  # until the server closes the connection
+                answer += chunk
+            elapsed = time.monotonic() - start
+    status, _, rest = answer.partition(b"\r\n")
+    assert status == b"HTTP/1.1 408 Request Timeout"
+    assert json.loads(rest.partition(b"\r\n\r\n")[2])["error"] == {
+        "message": "The request body was not received within this server's limit of 0.5 s "
+        "(--request-body-timeout): send the whole body at once, as long as its Content-Length "
+        "says.",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "request_timeout",
+    }
+    assert 0.5 <= elapsed < 5
+    assert_idle_with_all_blocks_free(engine)
+
+
 # ---- the admission queue -------------------------------------------------------------------
 def test_a_full_queue_gets_503_with_retry_after_and_not_ready(engine, serving):
     capacity = MAX_NUM_SEQS + 1
@@ -323,16 +352,18 @@ def test_a_timeout_that_is_not_positive_gets_400(serving):
 def test_serve_parses_the_load_limits():
     args = build_parser().parse_args(
         ["serve", "--max-request-bytes", "1000", "--max-queued-requests", "3"]
-        + ["--request-timeout", "2.5"]
+        + ["--request-timeout", "2.5", "--request-body-timeout", "1.5"]
     )
     assert (args.max_request_bytes, args.max_queued_requests, args.request_timeout) == (
         1000,
         3,
         2.5,
     )
+    assert args.request_body_timeout == 1.5
     defaults = build_parser().parse_args(["serve"])
     assert (defaults.max_request_bytes, defaults.max_queued_requests) == (4 * 2**20, None)
     assert defaults.request_timeout is None
+    assert defaults.request_body_timeout == 5.0
 
 
 # ---- the soak ------------------------------------------------------------------------------

@@ -190,3 +190,89 @@ def test_the_bitmask_leaves_exactly_the_allowed_tokens_of_the_masked_rows(kernel
         keep[allowed_ids] = 0.0
         expected[logits_row] += keep
     assert torch.equal(apply_token_bitmask(logits, bitmask, [2, 0]), expected)
+
+
+# ---- grammars with no finite output, and the cache's byte bound -----------------------------
+@pytest.mark.parametrize(
+    ("params", "detail"),
+    [
+        (
+            StructuredOutputsParams(
+                json={"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+            ),
+            "schema's $refs",
+        ),
+        (
+            StructuredOutputsParams(
+                json={
+                    "$ref": "#/$defs/a",
+                    "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                }
+            ),
+            "schema's $refs",
+        ),
+        (
+            StructuredOutputsParams(
+                json={"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}
+            ),
+            "schema's $refs",
+        ),
+        (
+            StructuredOutputsParams(json={"type": "array", "items": {"$ref": "#"}, "minItems": 1}),
+            "schema's $refs",
+        ),
+        (StructuredOutputsParams(grammar='root ::= root "a"'), "grammar's rules"),
+        (StructuredOutputsParams(grammar='root ::= x\nx ::= "a" x'), "grammar's rules"),
+    ],
+)
+def test_a_constraint_with_no_finite_output_is_refused(compiler, params, detail):
+    with pytest.raises(GrammarError) as raised:
+        compiler.compile(params)
+    assert raised.value.detail == (
+        f"no finite output matches it: the {detail} refer to each other with no way to end (a "
+        "required self-reference, or a cycle); make the recursion optional."
+    )
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        StructuredOutputsParams(json={"type": "object", "properties": {"x": {"$ref": "#"}}}),
+        StructuredOutputsParams(json={"type": "array", "items": {"$ref": "#"}}),
+        StructuredOutputsParams(json_object=True),
+        StructuredOutputsParams(grammar='root ::= "a" root | "b"'),
+        StructuredOutputsParams(grammar='root ::= "a" x{2,3} [^\\]a-z]*\nx ::= "c"+ x? "d"*'),
+        StructuredOutputsParams(regex="(ab|c){2,}[0-9]?"),
+        StructuredOutputsParams(
+            json={"type": "object", "properties": {"s": {"type": "string", "pattern": "a+"}}}
+        ),
+    ],
+)
+def test_a_recursion_with_a_way_out_compiles(compiler, params):
+    assert compiler.compile(params) is not None
+
+
+def enum_schema(index: int, num_members: int = 400) -> StructuredOutputsParams:
+    return StructuredOutputsParams(json={"enum": [f"v{index}-{i}" for i in range(num_members)]})
+
+
+def test_the_cache_stays_within_its_byte_bound_least_recently_used_out(tokenizer):
+    size = GrammarCompiler(lambda: tokenizer, VOCAB_SIZE, [EOS]).compile(enum_schema(0))
+    max_bytes = 3 * size.memory_size_bytes + size.memory_size_bytes // 2  # three such grammars
+    compiler = GrammarCompiler(lambda: tokenizer, VOCAB_SIZE, [EOS], max_cache_bytes=max_bytes)
+    for index in range(12):
+        compiler.compile(enum_schema(index))
+        assert 0 < compiler.cache_bytes <= max_bytes
+    assert compiler.num_compiled == 12
+    compiler.compile(enum_schema(11))  # among the three most recent: kept
+    assert compiler.num_hits == 1
+    compiler.compile(enum_schema(8))  # the fourth most recent: evicted
+    assert (compiler.num_hits, compiler.num_compiled) == (1, 13)
+
+
+def test_a_grammar_larger_than_the_whole_bound_is_compiled_and_not_kept(tokenizer):
+    compiler = GrammarCompiler(lambda: tokenizer, VOCAB_SIZE, [EOS], max_cache_bytes=1000)
+    assert compiler.compile(enum_schema(0)) is not None
+    assert compiler.cache_bytes == 0
+    compiler.compile(enum_schema(0))
+    assert (compiler.num_hits, compiler.num_compiled) == (0, 2)

@@ -296,7 +296,7 @@ BAD_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type
         ({"response_format": {"type": "json_schema"}}, "response_format", "needs json_schema"),
         ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs", "Regex parsing error"),
         ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs", "EBNF parser"),
-        ({"structured_outputs": {"choice": []}}, "structured_outputs", "non-empty list"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "at least 1 item"),
         (
             {"structured_outputs": {"regex": "a", "choice": ["a"]}},
             "structured_outputs",

@@ -86,7 +86,9 @@ class _Abort:
     request_ids: list[str]
 
 
-_SHUTDOWN = object()
+@dataclass
+class _Shutdown:
+    reason: str  # the error that live requests end with
 
 
 class AsyncLLM:
@@ -174,10 +176,12 @@ class AsyncLLM:
         if ids:
             self._commands.put(_Abort(ids))
 
-    def shutdown(self, timeout: float | None = 10.0) -> None:
+    def shutdown(
+        self, timeout: float | None = 10.0, reason: str = "The engine was shut down."
+    ) -> None:
         """Stops the step loop and the engine's processes; live requests end with
-        EngineDeadError."""
-        self._commands.put(_SHUTDOWN)
+        EngineDeadError(reason)."""
+        self._commands.put(_Shutdown(reason))
         self._thread.join(timeout)
 
     async def _iterate(
@@ -208,6 +212,8 @@ class AsyncLLM:
 
     def _check_alive(self) -> None:
         if not self.is_running:
+            if isinstance(self._dead, EngineDeadError):  # shut down: its reason says why
+                raise EngineDeadError(str(self._dead))
             raise EngineDeadError(f"The engine has stopped: {self._dead!r}")
 
     # ---- the step loop (engine thread) ---------------------------------------------------
@@ -230,16 +236,17 @@ class AsyncLLM:
             return
         ready.set_result(None)
         try:
-            while self._handle_commands(block=not self._has_work()):
+            while (shutdown := self._handle_commands(block=not self._has_work())) is None:
                 if self._has_work():
                     self._step()
                 self.metrics.log_stats_if_due(self.engine, time.monotonic())
         except BaseException as error:
             logger.exception("The engine loop died")
             self._dead = error
+            self._end_all_streams(EngineDeadError(f"The engine has stopped: {error!r}"))
         else:
-            self._dead = EngineDeadError("the engine was shut down")
-        self._end_all_streams(EngineDeadError(f"The engine has stopped: {self._dead!r}"))
+            self._dead = EngineDeadError(shutdown.reason)
+            self._end_all_streams(self._dead)
         self.engine.shutdown()  # its core and worker processes, if any
 
     def _has_work(self) -> bool:
@@ -258,19 +265,19 @@ class AsyncLLM:
             if isinstance(command, _AddRequest):
                 _call_soon(command.stream.loop, _settle, command.added, error)
 
-    def _handle_commands(self, block: bool) -> bool:
-        """Runs queued commands (waiting for one if `block`); False once told to shut down."""
+    def _handle_commands(self, block: bool) -> _Shutdown | None:
+        """Runs queued commands (waiting for one if `block`); the shutdown once told to."""
         try:
             if block:
                 command = self._commands.get(timeout=self.metrics.log_stats_interval_s)
             else:
                 command = self._commands.get_nowait()
         except queue.Empty:
-            return True
+            return None
         aborted: list[str] = []
         while True:
-            if command is _SHUTDOWN:
-                return False
+            if isinstance(command, _Shutdown):
+                return command
             if isinstance(command, _AddRequest):
                 self._add(command)
             else:
@@ -282,7 +289,7 @@ class AsyncLLM:
         if aborted:
             self._abort(aborted)
         self.metrics.update_gauges(self.engine)
-        return True
+        return None
 
     def _add(self, command: _AddRequest) -> None:
         try:

@@ -113,6 +113,7 @@ class EngineCore:
                 functools.partial(load_tokenizer, config.model, config.tokenizer),
                 model_config.vocab_size,
                 model_config.eos_token_ids,
+                config.grammar_cache_bytes,
             )
         num_spec = spec_config.num_speculative_tokens if spec_config else 0
         self.structured_output = StructuredOutputManager(

@@ -122,7 +122,10 @@ class LLMEngine:
         # Compiles structured outputs' grammars to validate them; the core shares its cache when
         # it runs in this process.
         self.grammar_compiler = GrammarCompiler(
-            lambda: self.tokenizer, model_config.vocab_size, model_config.eos_token_ids
+            lambda: self.tokenizer,
+            model_config.vocab_size,
+            model_config.eos_token_ids,
+            config.grammar_cache_bytes,
         )
         if config.engine_core_process:
             self.core = CoreProcessClient(config, model_config, self.dtype, max_model_len)
@@ -201,6 +204,13 @@ class LLMEngine:
             )
         prompt_text, token_ids = self.tokenize_prompt(prompt)
         self._validate_prompt(token_ids)
+        if params.logit_bias is not None:
+            vocab_size = self.model_config.vocab_size
+            if max(params.logit_bias) >= vocab_size:
+                raise ValueError(
+                    f"logit_bias keys must be token ids in [0, {vocab_size}), got "
+                    f"{max(params.logit_bias)}."
+                )
         if params.structured_outputs is not None:
             self.grammar_compiler.compile(params.structured_outputs)  # GrammarError if invalid
         params.all_stop_token_ids |= self.eos_token_ids

@@ -535,15 +535,17 @@ class Scheduler:
 def _check_grammar(request: Request, token_id: int) -> RequestStatus | None:
     """Advances the request's matcher: it stops when the grammar is complete (its stop token
     accepted). A token the grammar forbids can only come from a row with nothing allowed (a
-    grammar that needs EOS while min_tokens bans it): the request is aborted."""
+    grammar that needs EOS while min_tokens bans it): the request stops there, the token taken
+    as its stop token (not text), and finishes "stop", one of OpenAI's finish reasons."""
     grammar = request.grammar
     if not grammar.accept_token(token_id):
         logger.warning(
-            "Request %s: token %d is not allowed by its grammar; aborting it.",
+            "Request %s: token %d is not allowed by its grammar (nothing was: min_tokens bans "
+            "the end it needs); stopping it.",
             request.request_id,
             token_id,
         )
-        return RequestStatus.FINISHED_ABORTED
+        return RequestStatus.FINISHED_STOPPED
     if grammar.is_terminated:
         return RequestStatus.FINISHED_STOPPED
     return None

@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import re
 import secrets
 import time
@@ -36,6 +37,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -46,7 +48,10 @@ from quire.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedEr
 from quire.engine.metrics import EngineMetrics
 from quire.entrypoints import openai_protocol as protocol
 from quire.entrypoints.admission import (
+    DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
     DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_REQUEST_BODY_TIMEOUT_S,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
     Admission,
     AdmissionGate,
     BodySizeLimit,
@@ -126,8 +131,11 @@ class OpenAIServing:
         request_timeout: float | None = None,
         chat_template: str | None = None,
         auto_tool_parser: type[ToolParser] | None = None,
+        grammar_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
     ) -> None:
         self.engine = engine
+        self.grammar_compile_timeout = grammar_compile_timeout
+        self.stopped = asyncio.Event()  # set by a stopping server (quire.entrypoints.shutdown)
         self.tokenizer = engine.tokenizer
         self.tokenizers = tokenizers
         self.model_name = model_name
@@ -230,14 +238,38 @@ class OpenAIServing:
                 )
 
     async def check_structured_outputs(self, params: SamplingParams, param: str | None) -> None:
-        """Compiles the request's grammar on the tokenizer pool (cached: the engine then finds
-        it compiled); a schema, regex or grammar xgrammar rejects is a 400 naming `param`."""
+        """Compiles the request's grammar on the compiler's threads (cached: the engine then
+        finds it compiled); a schema, regex or grammar xgrammar rejects, or one with no finite
+        output, is a 400 naming `param`; so is one not compiled within grammar_compile_timeout
+        (a compile already running goes on, and a retry finds it cached). Once the server has
+        stopped (`stopped` set), a request still waiting for its compile gets 503."""
         constraint = params.structured_outputs
         if constraint is None:
             return
-        compiler = self.engine.engine.grammar_compiler
+        compiling = asyncio.wrap_future(self.engine.engine.grammar_compiler.submit(constraint))
+        stopped = asyncio.ensure_future(self.stopped.wait())
         try:
-            await self.tokenizers.run(len(constraint.key[1]), compiler.compile, constraint)
+            await asyncio.wait(
+                {compiling, stopped},
+                timeout=self.grammar_compile_timeout,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            stopped.cancel()
+        if not compiling.done():
+            compiling.cancel()
+            if stopped.done():
+                raise APIError(503, "The server is shutting down: retry the request elsewhere.")
+            raise APIError(
+                400,
+                f"{param} was not compiled within this server's limit of "
+                f"{self.grammar_compile_timeout:g} s (--grammar-compile-timeout): simplify it "
+                "(fewer enum members or alternatives, less nesting).",
+                param,
+                "grammar_compile_timeout",
+            )
+        try:
+            compiling.result()
         except GrammarError as error:
             raise APIError(400, f"{param} is invalid: {error.detail}", param) from error
 
@@ -590,24 +622,73 @@ def _json(body: Any) -> str:
 
 # ---- the app --------------------------------------------------------------------------------
 class APIKeyMiddleware:
-    """401 unless `Authorization: Bearer <key>`; /health, /metrics and /version stay open."""
+    """401 unless `Authorization: Bearer <key>` (the scheme in any case, as HTTP says);
+    /health, /ready, /metrics and /version stay open. A 401 says `WWW-Authenticate: Bearer`."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in _PUBLIC_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
+            scheme, _, key = given.strip().partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(
+                key.strip(), self.expected
+            ):
                 error = APIError(
                     401,
                     "Missing or incorrect API key: send the header Authorization: Bearer <key>.",
                     code="invalid_api_key",
                 )
-                await error.response()(scope, receive, send)
+                response = error.response()
+                response.headers["WWW-Authenticate"] = "Bearer"
+                await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class _NonFiniteNumber(ValueError):
+    """NaN, Infinity or a number too large for a float: not JSON's numbers."""
+
+
+def _reject_constant(name: str) -> float:
+    raise _NonFiniteNumber(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NonFiniteNumber(f"{text} is out of a 64-bit float's range")
+    return value
+
+
+class _FiniteJSONRequest(Request):
+    """A request whose JSON body holds finite numbers only: `NaN`, `Infinity` (which Python's
+    json reads) and numbers past a double's range are malformed JSON, answered 400."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            text = (await self.body()).decode()
+            try:
+                self._json = json.loads(
+                    text, parse_constant=_reject_constant, parse_float=_finite_float
+                )
+            except _NonFiniteNumber as error:
+                raise json.JSONDecodeError(f"{error}: send finite numbers", text, 0) from None
+        return self._json
+
+
+class _FiniteJSONRoute(APIRoute):
+    """Routes that parse their body with _FiniteJSONRequest."""
+
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        handler = super().get_route_handler()
+
+        async def finite_json_handler(request: Request) -> Response:
+            return await handler(_FiniteJSONRequest(request.scope, request.receive))
+
+        return finite_json_handler
 
 
 def build_app(
@@ -619,10 +700,14 @@ def build_app(
     request_timeout: float | None = None,
     chat_template: str | None = None,
     tool_call_parser: str | None = None,
+    request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT_S,
+    grammar_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
 ) -> FastAPI:
     """The FastAPI app serving `engine` under `served_model_name` (default: the model path).
 
-    Bodies over `max_request_bytes` get 413. At most max_num_seqs + `max_queued_requests`
+    Bodies over `max_request_bytes` get 413, bodies not received within `request_body_timeout`
+    seconds 408; a structured-output constraint not compiled within `grammar_compile_timeout`
+    seconds 400. At most max_num_seqs + `max_queued_requests`
     requests are in at once, more get 503; the default queue holds as many full-context prompts
     as the KV pool does, and at least one batch (max_num_seqs): deeper, a request would wait
     for more than the pool can start. `request_timeout` seconds after arrival a request is
@@ -640,6 +725,12 @@ def build_app(
         raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}.")
     if request_timeout is not None and request_timeout <= 0:
         raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout}.")
+    if not request_body_timeout > 0:
+        raise ValueError(f"request_body_timeout must be > 0 seconds, got {request_body_timeout}.")
+    if not grammar_compile_timeout > 0:
+        raise ValueError(
+            f"grammar_compile_timeout must be > 0 seconds, got {grammar_compile_timeout}."
+        )
     if chat_template is not None:
         check_chat_template(engine.tokenizer, chat_template)
     tokenizers = TokenizerPool(engine.tokenizer, engine.max_model_len)
@@ -650,6 +741,7 @@ def build_app(
         request_timeout,
         chat_template,
         TOOL_PARSERS[tool_call_parser] if tool_call_parser else None,
+        grammar_compile_timeout,
     )
     admission = Admission(config.max_num_seqs + max_queued_requests)
 
@@ -659,11 +751,17 @@ def build_app(
         tokenizers.shutdown()
 
     app = FastAPI(title="quire", version=__version__, lifespan=lifespan)
+    app.router.route_class = _FiniteJSONRoute
     app.state.serving = serving
     app.state.admission = admission
     install_openapi(app, engine.max_model_len, engine.engine.model_config.vocab_size, bool(api_key))
     # Starlette runs the last added outermost: key check, then admission, then the body limit.
-    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes, error_response=_error_response)
+    app.add_middleware(
+        BodySizeLimit,
+        max_bytes=max_request_bytes,
+        timeout=request_body_timeout,
+        error_response=_error_response,
+    )
     app.add_middleware(
         AdmissionGate, admission=admission, paths=_WORK_PATHS, error_response=_error_response
     )
@@ -717,6 +815,8 @@ def build_app(
     async def ready() -> Response:
         if not engine.is_running:
             return APIError(503, "The engine has stopped.").response()
+        if admission.closing:
+            return APIError(503, "The server is shutting down.").response()
         if not admission.has_room:
             return APIError(503, "The server is at its --max-queued-requests limit.").response()
         return Response(status_code=200)
@@ -805,11 +905,19 @@ def serve(
     request_timeout: float | None = None,
     chat_template: str | None = None,
     tool_call_parser: str | None = None,
+    request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT_S,
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+    grammar_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
 ) -> None:
-    """Loads the model and serves it until interrupted (`build_app` says what the limits and
-    the chat options mean)."""
+    """Loads the model and serves it until SIGTERM or SIGINT (`build_app` says what the limits
+    and the chat options mean; quire.entrypoints.shutdown what the signals do, with
+    `shutdown_timeout` seconds for the requests in flight after a SIGTERM)."""
     import uvicorn
 
+    from quire.entrypoints.shutdown import GracefulServer
+
+    if not shutdown_timeout >= 0:
+        raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {shutdown_timeout}.")
     name = served_model_name or DEFAULT_MODEL_NAME
     metrics = EngineMetrics(
         name, log_requests=log_requests, log_stats_interval_s=10.0 if log_stats else None
@@ -825,8 +933,14 @@ def serve(
             request_timeout,
             chat_template,
             tool_call_parser,
+            request_body_timeout,
+            grammar_compile_timeout,
+        )
+        config = uvicorn.Config(app, host=host, port=port, log_config=None)
+        server = GracefulServer(
+            config, engine, app.state.admission, app.state.serving.stopped, shutdown_timeout
         )
         logger.info("Serving %s at http://%s:%d/v1", name, host, port)
-        uvicorn.run(app, host=host, port=port, log_config=None)
+        server.run()
     finally:
         engine.shutdown()

@@ -110,7 +110,12 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:
-    from quire.entrypoints.admission import DEFAULT_MAX_REQUEST_BYTES
+    from quire.entrypoints.admission import (
+        DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
+        DEFAULT_MAX_REQUEST_BYTES,
+        DEFAULT_REQUEST_BODY_TIMEOUT_S,
+        DEFAULT_SHUTDOWN_TIMEOUT_S,
+    )
 
     p = subparsers.add_parser(
         "serve",
@@ -157,6 +162,28 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="requests that may wait beyond --max-num-seqs; more get 503 with Retry-After "
         "(default: as many full-context prompts as the KV pool holds, at least --max-num-seqs)",
+    )
+    server.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
+        help="seconds a request's JSON schema, regex or grammar may take to compile; longer "
+        "gets 400 (default: %(default)s)",
+    )
+    server.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        help="after SIGTERM, seconds the requests in flight get to finish before they are "
+        "ended with an error; a second SIGTERM or a SIGINT ends them at once "
+        "(default: %(default)s)",
+    )
+    server.add_argument(
+        "--request-body-timeout",
+        type=float,
+        default=DEFAULT_REQUEST_BODY_TIMEOUT_S,
+        help="seconds a client has to send its whole request body; slower ones get 408 and "
+        "are disconnected (default: %(default)s)",
     )
     server.add_argument(
         "--request-timeout",
@@ -241,6 +268,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         max_queued_requests=args.max_queued_requests,
         request_timeout=args.request_timeout,
+        request_body_timeout=args.request_body_timeout,
+        shutdown_timeout=args.shutdown_timeout,
+        grammar_compile_timeout=args.grammar_compile_timeout,
         chat_template=chat_template,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )

@@ -30,11 +30,12 @@ from quire.entrypoints.tool_parsers import (
     tool_call_json,
 )
 from quire.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from quire.sampling_params import SamplingParams, StructuredOutputsParams
+from quire.sampling_params import MAX_LOGIT_BIAS, SamplingParams, StructuredOutputsParams
 
 # OpenAI caps top_logprobs at 20; completions' `logprobs` follows (OpenAI's own cap there is 5).
 MAX_LOGPROBS = 20
 MAX_N = 128  # OpenAI's cap on choices per request
+MIN_LOGPROB = -9999.0  # what vLLM's server sends for a logprob of -inf
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # a seed's range (OpenAI's and torch's)
 
 # The published schema states every rule that validation enforces (the contract that
@@ -56,10 +57,17 @@ def _int(**bounds: int) -> Any:
 
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+NonEmptyStrs = Annotated[list[NonEmptyStr], Field(min_length=1)]
 TokenId = _int(ge=0)
 PositiveInt = _int(ge=1)
 NumLogprobs = _int(ge=0, le=MAX_LOGPROBS)
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+TokenIdKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,8})$")]  # a token id, in decimal
+LogitBias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
+# Keys that are not token ids are errors: the schema says so beside its patternProperties.
+LogitBiases = Annotated[
+    dict[TokenIdKey, LogitBias], Field(json_schema_extra={"additionalProperties": False})
+]
 
 
 class _Strict(BaseModel):
@@ -106,7 +114,7 @@ class StructuredOutputsRequest(_Strict):
         None, alias="json", description="A JSON schema (or its text) the output validates under."
     )
     regex: str | None = Field(None, description="A regular expression the output fully matches.")
-    choice: list[str] | None = Field(None, description="The output is one of these strings.")
+    choice: NonEmptyStrs | None = Field(None, description="The output is one of these strings.")
     grammar: str | None = Field(
         None, description="An EBNF grammar (xgrammar's GBNF syntax, start rule `root`)."
     )
@@ -134,7 +142,8 @@ class _SamplingRequest(_Strict):
     seed: _int(ge=INT64_MIN, le=INT64_MAX) | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
+    # OpenAI's: token ids (as JSON object keys) -> a bias in [-100, 100] added to the logit.
+    logit_bias: LogitBiases | None = None
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None  # only with stream: true
@@ -165,19 +174,12 @@ class _SamplingRequest(_Strict):
     guided_regex: str | None = Field(
         None, description="Deprecated: structured_outputs.regex.", json_schema_extra=_DEPRECATED
     )
-    guided_choice: list[str] | None = Field(
+    guided_choice: NonEmptyStrs | None = Field(
         None, description="Deprecated: structured_outputs.choice.", json_schema_extra=_DEPRECATED
     )
     guided_grammar: str | None = Field(
         None, description="Deprecated: structured_outputs.grammar.", json_schema_extra=_DEPRECATED
     )
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported; leave it out or pass {}")
-        return value
 
     @property
     def include_usage(self) -> bool:
@@ -248,6 +250,11 @@ class _SamplingRequest(_Strict):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=structured_outputs,
+            logit_bias=(
+                None
+                if self.logit_bias is None
+                else {int(token_id): bias for token_id, bias in self.logit_bias.items()}
+            ),
             kv_transfer_params=self.kv_transfer_params,
         )
 
@@ -305,17 +312,40 @@ class ToolCallMessage(_Open):
 
 
 class ChatMessage(_Open):
+    """A system, developer, user or assistant message."""
+
     # Extra keys (refusal, audio: None ...) come back when a client sends a response message
     # back as history; they do not change the prompt.
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None  # an assistant's
-    tool_call_id: str | None = None  # a tool's answer to that call
 
     def to_template_dict(self) -> dict[str, Any]:
         """The message as `render_chat` takes it (it joins text parts itself)."""
         return self.model_dump(exclude_none=True)
+
+
+class ToolMessage(ChatMessage):
+    """A tool's answer to an assistant's call: as on OpenAI, it names the call it answers and
+    has content."""
+
+    role: Literal["tool"]
+    content: str | list[ContentPart]
+    tool_call_id: str
+
+
+def _message_kind(message: Any) -> str:
+    if isinstance(message, dict) and message.get("role") == "tool":
+        return "ToolMessage"
+    return "ChatMessage"
+
+
+# A message whose role is "tool" is a ToolMessage: errors then name its fields.
+Message = Annotated[
+    Annotated[ChatMessage, Tag("ChatMessage")] | Annotated[ToolMessage, Tag("ToolMessage")],
+    Discriminator(_message_kind),
+]
 
 
 class FunctionDefinition(_Strict):
@@ -340,7 +370,7 @@ class NamedToolChoice(_Strict):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
+    messages: list[Message] = Field(json_schema_extra={"minItems": 1})
     # deprecated by OpenAI for max_completion_tokens; both work
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None
@@ -354,7 +384,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @field_validator("messages")
     @classmethod
-    def _not_empty(cls, value: list[ChatMessage]) -> list[ChatMessage]:
+    def _not_empty(cls, value: list[Message]) -> list[Message]:
         if not value:
             raise ValueError("messages must contain at least one message")
         return value
@@ -380,7 +410,7 @@ class TokenizeCompletionRequest(_Strict):
 
 class TokenizeChatRequest(_Strict):
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1)
     tools: list[ChatCompletionTool] | None = None
     add_generation_prompt: bool = True
 
@@ -455,6 +485,12 @@ def model_card(name: str, root: str, max_model_len: int) -> dict[str, Any]:
     }
 
 
+def json_logprob(logprob: float) -> float:
+    """A logprob as JSON can carry it: -inf (a token a grammar forbade, emitted only as the
+    stop of an output nothing could continue) becomes vLLM's -9999.0."""
+    return max(logprob, MIN_LOGPROB)
+
+
 def completion_logprobs(
     token_ids: list[int],
     positions: list[PositionLogprobs | None],
@@ -476,9 +512,9 @@ def completion_logprobs(
             token_logprobs.append(None)
             top_logprobs.append(None)
             continue
-        token_logprobs.append(chosen.logprob)
+        token_logprobs.append(json_logprob(chosen.logprob))
         top = {
-            _token_text(tid, lp, decode): lp.logprob
+            _token_text(tid, lp, decode): json_logprob(lp.logprob)
             for tid, lp in position.items()
             if lp.rank <= num_top or tid == token_id
         }
@@ -508,7 +544,11 @@ def chat_logprobs(
 
 def _chat_token(logprob: Logprob) -> dict[str, Any]:
     text = logprob.decoded_token or ""
-    return {"token": text, "logprob": logprob.logprob, "bytes": list(text.encode("utf-8"))}
+    return {
+        "token": text,
+        "logprob": json_logprob(logprob.logprob),
+        "bytes": list(text.encode("utf-8")),
+    }
 
 
 def _by_rank(logprob: Logprob) -> int:

@@ -1,8 +1,9 @@
 """The server's OpenAPI document (/openapi.json), made to say what the server really does.
 
 FastAPI's generated document describes pydantic's 422 and JSON everywhere. This server answers
-bad input with 400 and OpenAI's error body, may answer 401 (API key), 404 (unknown model), 413
-(a body over --max-request-bytes), 500 (the engine failed the request), 503 (the engine
+bad input with 400 and OpenAI's error body, may answer 401 (API key, with WWW-Authenticate),
+404 (unknown model), 408 (a body not received within --request-body-timeout), 413 (a body over
+--max-request-bytes), 500 (the engine failed the request), 503 (the engine
 stopped, or the admission queue is full), 504 (the request's deadline passed), streams
 text/event-stream,
 answers /health with an empty body and /metrics in Prometheus' text format. Limits that depend
@@ -35,6 +36,7 @@ _DESCRIPTIONS = {
     400: "Invalid request: malformed JSON, a field out of range, or a request the model cannot serve",
     401: "Missing or wrong API key",
     404: "The model named is not the one served",
+    408: "The request body was not received within the server's --request-body-timeout",
     413: "The request body is larger than the server's --max-request-bytes",
     500: "The engine failed the request",
     503: "The engine has stopped, the request was aborted, or the server's queue is full "
@@ -91,7 +93,7 @@ def _correct_responses(path: str, operation: dict[str, Any], api_key: bool) -> N
     responses.pop("422", None)
     statuses = []
     if "requestBody" in operation:
-        statuses += [400, 413]
+        statuses += [400, 408, 413]
     if api_key and path not in _PUBLIC:
         statuses.append(401)
         operation["security"] = [{"bearer": []}]
@@ -119,6 +121,10 @@ def _correct_responses(path: str, operation: dict[str, Any], api_key: bool) -> N
             "content": {
                 "application/json": {"schema": {"$ref": _REF.format(model="ErrorResponse")}}
             },
+        }
+    if "401" in responses:
+        responses["401"]["headers"] = {
+            "WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}
         }
 
 

@@ -1,7 +1,7 @@
 """The sampler: one engine step's logits -> one token per sequence, plus the logprobs asked for.
 
 Rows of a batch have independent SamplingParams; every step is batched over rows. Per row, in order:
-banned tokens -> repetition penalty -> frequency and presence penalties -> greedy rows take the
+banned tokens -> logit bias -> repetition penalty -> frequency and presence penalties -> greedy rows take the
 argmax; random rows divide by their temperature, then apply top-k, top-p and min-p, and draw with
 the exponential race `argmax(probs / q)`, q ~ Exp(1). A seeded row draws its noise from a generator
 seeded with a key of (seed, completion index, position of the token): the noise for a position
@@ -46,6 +46,7 @@ class SamplingBatch:
     output_token_ids: list[list[int]]  # generated so far, per row (all penalties)
     prompt_token_ids: list[list[int]]  # per row (repetition penalty, with the output)
     banned_token_ids: list[list[int]]  # per row, never sampled (e.g. EOS below min_tokens)
+    logit_biases: list[dict[int, float] | None]  # per row: token id -> bias added to its logit
     max_num_logprobs: int | None  # max over rows of params.logprobs; None if no row wants them
     all_greedy: bool
     all_random: bool
@@ -55,6 +56,7 @@ class SamplingBatch:
     any_repetition_penalty: bool
     any_presence_frequency_penalty: bool
     any_banned: bool
+    any_logit_bias: bool
     device: torch.device | str = "cpu"
 
     def _tensor(self, values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -105,6 +107,7 @@ class SamplingBatch:
         min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
         num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
         repetition = [p.repetition_penalty for p in params]
+        logit_biases = [p.logit_bias for p in params]
         presence = [p.presence_penalty for p in params]
         frequency = [p.frequency_penalty for p in params]
         return cls(
@@ -119,6 +122,7 @@ class SamplingBatch:
             output_token_ids=output_token_ids,
             prompt_token_ids=prompt_token_ids,
             banned_token_ids=banned_token_ids,
+            logit_biases=logit_biases,
             max_num_logprobs=max(num_logprobs, default=None),
             all_greedy=all(greedy),
             all_random=not any(greedy),
@@ -130,6 +134,7 @@ class SamplingBatch:
                 p != 0.0 or f != 0.0 for p, f in zip(presence, frequency)
             ),
             any_banned=any(banned_token_ids),
+            any_logit_bias=any(b is not None for b in logit_biases),
             device=device,
         )
 
@@ -176,10 +181,31 @@ def banned_token_ids(params: SamplingParams, num_output_tokens: int) -> list[int
 def penalize(
     logits: torch.Tensor,  # [S, V]
     batch: SamplingBatch,
-) -> torch.Tensor:  # [S, V]: banned tokens at -inf, then the penalties
+) -> torch.Tensor:  # [S, V]: banned tokens at -inf, then the logit biases and the penalties
     if batch.any_banned:
         logits = apply_banned_tokens(logits, batch.banned_token_ids)
+    if batch.any_logit_bias:
+        logits = apply_logit_bias(logits, batch.logit_biases)
     return apply_penalties(logits, batch)
+
+
+def apply_logit_bias(
+    logits: torch.Tensor,  # [S, V]
+    logit_biases: list[dict[int, float] | None],
+) -> torch.Tensor:  # [S, V]: each row's biases added to their tokens' logits
+    entries = [
+        (row, token_id, bias)
+        for row, biases in enumerate(logit_biases)
+        if biases is not None
+        for token_id, bias in biases.items()
+    ]
+    rows, token_ids, biases = zip(*entries)
+    index = (
+        torch.tensor(rows, device=logits.device),
+        torch.tensor(token_ids, device=logits.device),
+    )
+    values = torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+    return logits.index_put(index, values, accumulate=True)
 
 
 def token_counts(
@@ -212,8 +238,10 @@ def apply_penalties(
     """Repetition penalty, then frequency and presence penalties, as in vLLM.
 
     Repetition: a token seen in the prompt or the output has its logit divided by the penalty if
-    positive, multiplied if not. Frequency subtracts penalty * (times the token was generated);
-    presence subtracts penalty once if it was generated at all.
+    positive, multiplied if not (a quotient past the float range stays the largest float, so a
+    tiny penalty favours the token as much as can be, and softmax stays a distribution).
+    Frequency subtracts penalty * (times the token was generated); presence subtracts penalty
+    once if it was generated at all.
     """
     if not (batch.any_repetition_penalty or batch.any_presence_frequency_penalty):
         return logits
@@ -224,6 +252,7 @@ def apply_penalties(
         in_prompt = token_counts(batch.prompt_token_ids, vocab_size, logits.device) > 0
         penalty = torch.where(in_prompt | in_output, batch.repetition_penalty[:, None], 1.0)
         logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = logits.clamp_max(torch.finfo(logits.dtype).max)
     if batch.any_presence_frequency_penalty:
         logits = (
             logits

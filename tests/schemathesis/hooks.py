@@ -109,7 +109,8 @@ def _within_budget(body: dict[str, Any], num_prompts: int, max_tokens: Any) -> b
 
 
 def _sampling_rules(body: dict[str, Any], max_tokens: Any) -> bool:
-    """stream_options only with stream; min_tokens at most max_tokens. (And the seed within
+    """stream_options only with stream; min_tokens at most max_tokens; logit_bias keys in the
+    vocabulary. (And the seed within
     int64, as the schema says: the coverage phase rounds 2**63 - 1 through a float and sends
     2**63 + 191 as a valid seed.)"""
     if body.get("stream_options") is not None and body.get("stream") is not True:
@@ -119,6 +120,12 @@ def _sampling_rules(body: dict[str, Any], max_tokens: Any) -> bool:
         return False
     min_tokens = body.get("min_tokens", 0)
     if _is_int(max_tokens) and _is_int(min_tokens) and min_tokens > max_tokens:
+        return False
+    # logit_bias' keys are token ids of the vocabulary (a schema's key pattern cannot say so).
+    logit_bias = body.get("logit_bias")
+    if isinstance(logit_bias, dict) and any(
+        key.isdigit() and int(key) >= len(_tokenizer()) for key in logit_bias
+    ):
         return False
     # A request's own `timeout` must leave time to serve it, or it is aborted by design (504,
     # the deadline the client asked for); how long serving takes no schema can say.
