@@ -99,15 +99,11 @@ def time_phases(phases: dict[str, float]) -> None:
     kv_cache.KVCache.allocate = classmethod(timed("kv_pool_s", kv_cache.KVCache.allocate.__func__))
 
 
-def _child_env() -> dict[str, str]:
-    return {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-
-
 def _run_llm(checkout: str, model: str | None, phases: bool) -> dict[str, float]:
     kwargs = {} if model is None else {"model": model}
     argv = [sys.executable, "-c", _LLM_CHILD, json.dumps(kwargs), "phases" if phases else "-"]
     argv.append(str(_MAX_TOKENS))
-    done = subprocess.run(argv, cwd=checkout, env=_child_env(), capture_output=True, text=True)
+    done = subprocess.run(argv, cwd=checkout, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"LLM() in {checkout} failed:\n{done.stderr[-2000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -125,7 +121,7 @@ def _run_generate(checkout: str, model: str | None) -> float:
     argv = [*_CLI, "generate", "Hello", "--max-tokens", str(_MAX_TOKENS)]
     argv += [] if model is None else ["--model", model]
     start = time.perf_counter()
-    done = subprocess.run(argv, cwd=checkout, env=_child_env(), capture_output=True, text=True)
+    done = subprocess.run(argv, cwd=checkout, capture_output=True, text=True)
     elapsed = time.perf_counter() - start
     if done.returncode != 0:
         raise RuntimeError(f"quire generate in {checkout} failed:\n{done.stderr[-2000:]}")
@@ -144,7 +140,7 @@ def _run_serve(checkout: str, model: str | None) -> float:
     with tempfile.TemporaryFile() as log:
         start = time.perf_counter()
         server = subprocess.Popen(
-            argv, cwd=checkout, env=_child_env(), stdout=subprocess.DEVNULL, stderr=log
+            argv, cwd=checkout, stdout=subprocess.DEVNULL, stderr=log
         )
         try:
             while time.perf_counter() - start < _READY_TIMEOUT_S and server.poll() is None:
