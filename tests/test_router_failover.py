@@ -147,7 +147,8 @@ def test_a_refused_instance_is_retried_elsewhere_then_left_out(instances, router
     down, retry = [r for r in caplog.records if r.name.startswith("quire.router")]
     assert (down.levelname, retry.levelname) == ("WARNING", "INFO")
     assert re.fullmatch(
-        f"The decode instance {dead.url} is down \\((ConnectError|RemoteProtocolError): .+\\): "
+        f"The decode instance {dead.url} is down \\((ConnectError|RemoteProtocolError|ReadError): "
+        ".*\\): "
         "routing around it until its /load answers",
         down.getMessage(),
     )
