@@ -398,9 +398,9 @@ class CpuStepRunner:
         too."""
         num_seqs = input_ids.shape[0]
         if not self._step_fits(metadata, num_seqs):
+            bound = "" if self._group is None else f" of at most {self._max_group_rows} sequences"
             raise ValueError(
-                f"CpuStepRunner runs decode-only steps of 1.."
-                f"{self._max_group_rows} sequences, "
+                f"CpuStepRunner runs decode-only steps{bound}, "
                 f"got {num_seqs} tokens for {metadata.num_seqs} sequences"
             )
         slots = _as(metadata.slot_mapping, torch.int64)
