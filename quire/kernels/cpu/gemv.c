@@ -1,8 +1,10 @@
 // bf16 matmul for CPUs: y = x W^T (+ bias) for any number of rows of x, written for a decode
 // step's projections (memory-bound on reading W at a few rows, compute-bound from ~16), and bit
-// for bit what oneDNN's packed bf16 matmul gives on two rows or more. Every row is summed in the
-// same order whatever the number of rows, so a row's result does not depend on the rest of the
-// batch (oneDNN's does: a lone row of K > 1024 it sums in blocks of 512, not 1024).
+// for bit what oneDNN's packed bf16 matmul gives on two rows or more where oneDNN runs AVX-512
+// (on AMX tiles it does not block K alike, and every call goes to matmul_amx.c instead, see
+// gemv_bf16_set_amx). Every row is summed in the same order whatever the number of rows, so a
+// row's result does not depend on the rest of the batch (oneDNN's does: a lone row of K > 1024 it
+// sums in blocks of 512, not 1024).
 //
 // W is packed once at load time in oneDNN's own VNNI order, panels of GEMV_PANEL output columns:
 //   packed[N_pad / 32][K / 2][32][2]   (N padded to a multiple of 32 with zero rows)
