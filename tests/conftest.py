@@ -31,6 +31,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
         f"quire kernels: {cpu}; bf16 matmul {gemv.path()}, GGUF blocks {qmatmul.path()}"
     )
 
+
 # Shapes chosen to cover GQA ratios, head_dim != hidden / heads, tied and untied embeddings.
 TINY_CONFIGS = {
     "llama": dict(

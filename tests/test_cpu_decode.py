@@ -14,7 +14,7 @@ from quire import LLM, SamplingParams
 from quire.attention.forward_context import forward_context
 from quire.kernels.cpu import gemv
 from quire.layers.linear import packed_linear_supported
-from quire.worker.model_runner import ModelRunner
+from quire.worker.model_forward import ModelForward
 
 pytestmark = pytest.mark.skipif(
     not (gemv.available() and packed_linear_supported("cpu", torch.bfloat16)),
@@ -30,16 +30,16 @@ def make_llm(model_dir: str, **kwargs) -> LLM:
     return LLM(model_dir, **kwargs)
 
 
-def model_of(llm: LLM) -> ModelRunner:
-    """The runner of the LLM's in-process worker: its model, KV cache and CPU step path."""
-    return llm.engine.core.executor.worker.runner
+def model_of(llm: LLM) -> ModelForward:
+    """The target model of the LLM's in-process worker: its model, KV cache and CPU step path."""
+    return llm.engine.core.executor.worker.runner.target
 
 
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
-def stored_kv(runner: ModelRunner, slots: torch.Tensor) -> list[torch.Tensor]:
+def stored_kv(runner: ModelForward, slots: torch.Tensor) -> list[torch.Tensor]:
     """Every layer's K and V at `slots`, copied."""
     kv = []
     for layer in runner.kv_cache.layers:
@@ -48,7 +48,7 @@ def stored_kv(runner: ModelRunner, slots: torch.Tensor) -> list[torch.Tensor]:
     return kv
 
 
-def check_each_fused_step(runner: ModelRunner, monkeypatch) -> list[int]:
+def check_each_fused_step(runner: ModelForward, monkeypatch) -> list[int]:
     """Wraps `runner.cpu_step.forward` and `argmax_tokens` so that each step they run is run
     again through the module path on the same inputs: the hidden states, the K/V the fused step
     stored, and (argmax_tokens) the tokens, the argmax of the module path's logits, must be equal
@@ -96,7 +96,7 @@ def check_each_fused_step(runner: ModelRunner, monkeypatch) -> list[int]:
     return steps
 
 
-def record_takes(runner: ModelRunner, monkeypatch) -> list[tuple[int, int, int, bool]]:
+def record_takes(runner: ModelForward, monkeypatch) -> list[tuple[int, int, int, bool]]:
     """Wraps `runner.cpu_step.takes`: (num_tokens, num_decodes, num_seqs, taken) of every step.
     A step is taken exactly when it is decode only (asserted before the fused path would run a
     step it cannot)."""

@@ -191,8 +191,8 @@ def test_an_engine_with_cpu_kernels_off_runs_without_the_library(tiny_llama, ker
     llm = LLM(tiny_llama, dtype="bfloat16", num_kv_blocks=16, cpu_kernels=False)
     assert cpu_kernels.load_library() is None
     runner = llm.engine.core.executor.worker.runner
-    model = runner.model
-    assert runner.cpu_step is None
+    model = runner.target.model
+    assert runner.target.cpu_step is None
     assert all(m.gemv_weight is None for m in model.modules() if isinstance(m, PackedLinear))
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     (output,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)

@@ -7,6 +7,8 @@ backend (in the interpreter without CUDA). The tests marked `gpu` capture and re
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -45,8 +47,8 @@ def greedy_tokens(llm: LLM) -> list[list[int]]:
 
 
 def runner_of(llm: LLM):
-    """The model runner of the LLM's in-process worker."""
-    return llm.engine.core.executor.worker.runner
+    """The target's ModelForward in the LLM's in-process worker."""
+    return llm.engine.core.executor.worker.runner.target
 
 
 # Triton runs on CPU tensors only in its interpreter, which conftest turns on where there is no
@@ -251,12 +253,22 @@ def test_gpu_kv_budget_is_the_utilization_share_minus_memory_in_use_and_profiled
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: baseline)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: peak)
     model_config = llm.engine.model_config
+    config = dataclasses.replace(
+        llm.engine.config,
+        device="cuda",
+        block_size=16,
+        kv_cache_memory=None,
+        gpu_memory_utilization=0.9,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+    )
+    block_bytes = kv_cache.bytes_per_block(model_config, 16, torch.float32)
+    target = runner_of(llm)
     num_blocks = kv_cache.num_kv_blocks(
-        model_config, 16, torch.float32, "cuda", None, 0.9, 64,
-        model=runner_of(llm).model, backend=runner_of(llm).backend, max_num_seqs=8,
-    )  # fmt: skip
+        config, torch.float32, block_bytes, target.model, target.backend
+    )
     budget = 900 * mib - 300 * mib - 50 * mib  # share - in use - (peak - baseline)
-    assert num_blocks == budget // kv_cache.bytes_per_block(model_config, 16, torch.float32)
+    assert num_blocks == budget // block_bytes
 
 
 # ---- real graphs -----------------------------------------------------------------------------

@@ -48,11 +48,11 @@ def test_packed_engine_outputs_equal_unpacked(tiny_models, arch) -> None:
     for pack in (True, False):
         llm = LLM(tiny_models[arch], dtype="bfloat16", num_kv_blocks=64, pack_weights=pack)
         runner = llm.engine.core.executor.worker.runner
-        model = runner.model
+        model = runner.target.model
         packed = any(isinstance(m, PackedLinear) for m in model.modules())
         assert packed == pack
         assert not pack or not any(isinstance(m, nn.Linear) for m in model.modules())
-        assert (runner.cpu_step is not None) == (pack and gemv.available())
+        assert (runner.target.cpu_step is not None) == (pack and gemv.available())
         results[pack] = [
             (out.outputs[0].token_ids, out.outputs[0].cumulative_logprob)
             for out in llm.generate(

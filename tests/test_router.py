@@ -338,12 +338,14 @@ def test_pd_profile_measures_the_instances_and_the_cost_model_router_uses_it(ins
     try:
         prompt = token_prompt(CHUNK + 3, 11)
         expected = completion(collocated_server.url, prompt, ignore_eos=True)["choices"][0]
-        assert completion(server.url, prompt, ignore_eos=True)["choices"][0]["text"] == (
-            expected["text"]
+        assert (
+            completion(server.url, prompt, ignore_eos=True)["choices"][0]["text"]
+            == (expected["text"])
         )
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0}
-        assert streamed_text(server.url, "/v1/completions", {**body, "ignore_eos": True}) == (
-            expected["text"]
+        assert (
+            streamed_text(server.url, "/v1/completions", {**body, "ignore_eos": True})
+            == (expected["text"])
         )
         state = httpx.get(server.url + "/load").json()["policy_state"]
     finally:

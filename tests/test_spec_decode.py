@@ -111,11 +111,11 @@ def oracle(bf16_reference, monkeypatch):
     must not be)."""
     prompt, reference = PROMPTS[1], bf16_reference[1][1][0]
 
-    def propose(self, req_id: str, token_ids: list[int], k: int) -> list[int]:
+    def lookup(self, req_id: str, token_ids: list[int], k: int) -> list[int]:
         done = len(token_ids) - len(prompt)
         return reference[done : done + k]
 
-    monkeypatch.setattr(NgramProposer, "propose", propose)
+    monkeypatch.setattr(NgramProposer, "lookup", lookup)
     # Inside a run: output 2-4, 6-8, ...; the first of those new to the output.
     stop_at = next(i for i in range(2, 24) if i % 4 != 1 and reference[i] not in reference[:i])
     return prompt, reference, stop_at

@@ -44,13 +44,13 @@ def test_ngram_proposal_is_cut_at_the_end_of_the_tokens():
 
 
 def test_ngram_proposer_follows_a_growing_request():
-    proposer = NgramProposer(1, 3)
+    proposer = NgramProposer(1, 3, k=2)
     tokens = [1, 2, 3, 9]
-    assert proposer.propose("a", tokens, 2) == []
+    assert proposer.lookup("a", tokens, 2) == []
     tokens += [1, 2]  # appended since: the buffer takes only the new tokens
-    assert proposer.propose("a", tokens, 2) == [3, 9]
+    assert proposer.lookup("a", tokens, 2) == [3, 9]
     tokens += list(range(100, 400)) + [3]  # past the buffer's first capacity
-    assert proposer.propose("a", tokens, 2) == [9, 1]
+    assert proposer.lookup("a", tokens, 2) == [9, 1]
     proposer.drop({"a"})
     assert proposer.req_ids == set()
 

@@ -123,7 +123,7 @@ def own_draft_run(plain_llama, own_draft_llm):
     params = SamplingParams(temperature=0.0, max_tokens=1 + 5 * (K + 1), ignore_eos=True)
     reference = generate(plain_llama, params)
     llm = own_draft_llm
-    drafter = llm.engine.core.executor.worker.runner.drafter
+    drafter = llm.engine.core.executor.worker.runner.proposer.draft  # its ModelForward
     rows = []
 
     def counted(run):
@@ -319,7 +319,7 @@ def test_auto_with_a_useless_draft_backs_off_to_no_draft(tiny_models, plain_llam
         "num_speculative_tokens": "auto",
     }
     llm = LLM(tiny_models["llama"], speculative_config=spec, **BF16)
-    drafter = llm.engine.core.executor.worker.runner.drafter
+    drafter = llm.engine.core.executor.worker.runner.proposer
     proposed = []
     propose = drafter.propose
     drafter.propose = lambda *args: proposed.append(propose(*args)) or proposed[-1]

@@ -132,7 +132,7 @@ def test_rows_after_proposals_then_rollback(compiler, tokenizer):
     assert grammar.accept_token(yes[0])
 
 
-def test_fill_bitmask_rows_per_sampled_position(compiler, tokenizer):
+def test_bitmask_rows_per_sampled_position(compiler, tokenizer):
     class Req:
         def __init__(self, grammar, num_computed, num_tokens):
             self.grammar = grammar
@@ -157,17 +157,16 @@ def test_fill_bitmask_rows_per_sampled_position(compiler, tokenizer):
         scheduled_spec_decode_tokens={"spec": yes},
     )
     manager = StructuredOutputManager(compiler, max_rows=8)
-    manager.fill_bitmask(output, requests)
-    assert output.structured_output_request_ids == {"spec": 0, "decode": 2, "fork": 3}
-    assert output.grammar_bitmask.shape == (4, VOCAB_SIZE // 32)
-    assert [allowed(row) == {EOS} for row in output.grammar_bitmask] == [False, True, False, False]
+    bitmask, first_rows = manager.bitmask(output, requests)
+    assert first_rows == {"spec": 0, "decode": 2, "fork": 3}
+    assert bitmask.shape == (4, VOCAB_SIZE // 32)
+    assert [allowed(row) == {EOS} for row in bitmask] == [False, True, False, False]
 
 
 def test_no_grammar_in_the_step_leaves_no_bitmask(compiler):
     output = SchedulerOutput([], [], {"a": 1}, 1)
-    StructuredOutputManager(compiler, max_rows=4).fill_bitmask(output, {"a": _Plain()})
-    assert output.grammar_bitmask is None
-    assert output.structured_output_request_ids == {}
+    manager = StructuredOutputManager(compiler, max_rows=4)
+    assert manager.bitmask(output, {"a": _Plain()}) == (None, {})
 
 
 class _Plain:

@@ -56,7 +56,7 @@ def _run_rank(model: str, tokenizer: str, **engine_args) -> dict:
     from test_cpu_decode import check_each_fused_step
 
     llm = LLM(model, dtype="bfloat16", num_kv_blocks=64, tokenizer=tokenizer, **engine_args)
-    runner = llm.engine.core.executor.worker.runner
+    runner = llm.engine.core.executor.worker.runner.target
     kept = {m.qtype for m in runner.model.modules() if isinstance(m, QuantizedLinear)}
     result = {"cpu_step": runner.cpu_step is not None, "steps": [], "tokens": [], "kept": kept}
     if runner.cpu_step is None:

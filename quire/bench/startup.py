@@ -139,9 +139,7 @@ def _run_serve(checkout: str, model: str | None) -> float:
     argv = [*_CLI, "serve", *([] if model is None else [model]), "--port", str(port)]
     with tempfile.TemporaryFile() as log:
         start = time.perf_counter()
-        server = subprocess.Popen(
-            argv, cwd=checkout, stdout=subprocess.DEVNULL, stderr=log
-        )
+        server = subprocess.Popen(argv, cwd=checkout, stdout=subprocess.DEVNULL, stderr=log)
         try:
             while time.perf_counter() - start < _READY_TIMEOUT_S and server.poll() is None:
                 try:

@@ -1,10 +1,10 @@
 """EngineCore: schedule -> executor.execute_model -> scheduler.update, and nothing else.
 
-With speculative decoding on, a Speculator (spec_decode/speculator.py) gives running decodes
-their proposed tokens before each schedule and counts what the worker accepted after it. With
-structured outputs, a StructuredOutputManager (structured_output/manager.py) gives a request its
-grammar matcher when it is added, cuts proposals its grammar rejects, and fills the step's
-bitmask rows after the schedule.
+The scheduler writes each step's SchedulerOutput, asking the Speculator (spec_decode/
+speculator.py) which proposals to verify and the StructuredOutputManager (structured_output/
+manager.py) for the grammar bitmask; the core gives a request its grammar matcher when it is
+added, and after the step hands the speculator the step's output (accepted tokens, the worker's
+proposals for the next step) and time.
 
 It takes tokenized `Request`s and gives back, per step, plain `EngineCoreOutput`s (new token ids,
 logprobs, finish status) for each sequence that made progress. Text (tokenizing, detokenizing,
@@ -96,6 +96,17 @@ class EngineCore:
         )
         spec_config = config.speculative_config
         self.speculator = Speculator(spec_config) if spec_config is not None else None
+        if grammar_compiler is None:
+            grammar_compiler = GrammarCompiler(
+                functools.partial(load_tokenizer, config.model, config.tokenizer),
+                model_config.vocab_size,
+                model_config.eos_token_ids,
+                config.grammar_cache_bytes,
+            )
+        num_spec = spec_config.num_speculative_tokens if spec_config else 0
+        self.structured_output = StructuredOutputManager(
+            grammar_compiler, config.max_num_seqs * (1 + num_spec)
+        )
         self.scheduler = Scheduler(
             self.kv_manager,
             config.max_num_seqs,
@@ -107,17 +118,8 @@ class EngineCore:
                 if config.disaggregation_mode is not None
                 else None
             ),
-        )
-        if grammar_compiler is None:
-            grammar_compiler = GrammarCompiler(
-                functools.partial(load_tokenizer, config.model, config.tokenizer),
-                model_config.vocab_size,
-                model_config.eos_token_ids,
-                config.grammar_cache_bytes,
-            )
-        num_spec = spec_config.num_speculative_tokens if spec_config else 0
-        self.structured_output = StructuredOutputManager(
-            grammar_compiler, config.max_num_seqs * (1 + num_spec)
+            speculator=self.speculator,
+            structured_output=self.structured_output,
         )
         self.num_steps = 0
 
@@ -167,16 +169,10 @@ class EngineCore:
         """One iteration; an output for every sequence that made progress (none when nothing
         could be scheduled)."""
         start = time.perf_counter()
-        if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
-            self.structured_output.trim_spec_tokens(self.scheduler.running)
         kv_work = self.scheduler.has_kv_work
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty and not (kv_work or self.scheduler.has_kv_work):
             return []
-        if self.speculator is not None:
-            scheduler_output.num_draft_tokens = self.speculator.draft_lengths
-        self.structured_output.fill_bitmask(scheduler_output, self.scheduler.requests)
         runner_output = self.executor.execute_model(scheduler_output)
         if not scheduler_output.is_empty:
             self.num_steps += 1

@@ -56,6 +56,8 @@ from quire.messages import (
     SchedulerOutput,
     TopLogprobs,
 )
+from quire.spec_decode.speculator import Speculator
+from quire.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +88,15 @@ class Scheduler:
         max_model_len: int,
         num_lookahead_tokens: int = 0,
         kv_connector: KVConnectorScheduler | None = None,
+        speculator: Speculator | None = None,
+        structured_output: StructuredOutputManager | None = None,
     ):
+        """`speculator`: the proposals to verify and the draft lengths each step asks;
+        `structured_output`: the step's grammar bitmask. The scheduler asks both while it
+        writes the step's SchedulerOutput, its only author."""
         self.kv_manager = kv_manager
+        self.speculator = speculator
+        self.structured_output = structured_output
         # Prefill/decode disaggregation (kv_transfer/scheduler_connector.py): requests waiting
         # for their prompt's K/V (decode instance), finished requests whose blocks are leased
         # until a decode instance has pulled them, by transfer id (prefill instance).
@@ -169,6 +178,8 @@ class Scheduler:
                     "KV lease %s ran out before a decode instance pulled it", transfer_id
                 )
                 self.kv_manager.free(self.leased.pop(transfer_id))
+        if self.speculator is not None:
+            self._set_spec_tokens()
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         forked: list[tuple[Request, Request]] = []  # (child, parent)
@@ -215,6 +226,16 @@ class Scheduler:
         if num_computed_after < request.num_tokens or request.num_forks_pending:
             return 0
         return max(min(self.num_lookahead_tokens, self.max_model_len - num_computed_after), 0)
+
+    def _set_spec_tokens(self) -> None:
+        """Gives every running request the speculator's proposals for this step (none: no
+        proposals), cut at the first its grammar rejects."""
+        proposals = self.speculator.proposals(self.running)
+        for request in self.running:
+            spec = proposals.get(request.request_id, [])
+            if spec and request.grammar is not None:
+                del spec[request.grammar.num_valid_tokens(spec) :]
+            request.spec_token_ids = spec
 
     def _trim_spec_tokens(self, request: Request, budget: int) -> int:
         """Cuts the request's speculative tokens to what the budget, max_model_len and its
@@ -434,7 +455,7 @@ class Scheduler:
             )
             forks.append(ForkedRequestData(child.request_id, parent.request_id, child.index))
         finished_ids, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(
+        output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=num_scheduled,
@@ -448,6 +469,13 @@ class Scheduler:
             if self.kv_connector is None
             else self.kv_connector.metadata(),
         )
+        if self.speculator is not None:
+            output.num_draft_tokens = self.speculator.draft_lengths
+        if self.structured_output is not None:
+            output.grammar_bitmask, output.structured_output_request_ids = (
+                self.structured_output.bitmask(output, self.requests)
+            )
+        return output
 
     def _block_table_delta(self, request_id: str, sent: _SentState) -> tuple[int, list[int]]:
         """(first changed index, the table from there on) since `sent`; updates `sent`. Tables

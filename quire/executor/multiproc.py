@@ -156,10 +156,19 @@ def _worker_main(
     max_model_len: int,
     placement: RankPlacement,
 ) -> None:
+    from quire.executor.plugins import make_kv_connector, make_proposer
     from quire.worker.worker import Worker
 
     try:
-        worker = Worker(config, model_config, dtype, max_model_len, placement)
+        worker = Worker(
+            config,
+            model_config,
+            dtype,
+            max_model_len,
+            placement,
+            proposer=make_proposer(config, dtype, max_model_len),
+            kv_connector=make_kv_connector(config),
+        )
     except BaseException:
         pipe.send(("error", traceback.format_exc()))
         return

@@ -6,6 +6,7 @@ import torch
 
 from quire.config import EngineConfig
 from quire.executor.base import Executor
+from quire.executor.plugins import make_kv_connector, make_proposer
 from quire.messages import ModelRunnerOutput, SchedulerOutput
 from quire.model.model_config import ModelConfig
 from quire.worker.worker import Worker
@@ -19,7 +20,14 @@ class UniprocExecutor(Executor):
         dtype: torch.dtype,
         max_model_len: int,
     ):
-        self.worker = Worker(config, model_config, dtype, max_model_len)
+        self.worker = Worker(
+            config,
+            model_config,
+            dtype,
+            max_model_len,
+            proposer=make_proposer(config, dtype, max_model_len),
+            kv_connector=make_kv_connector(config),
+        )
         self.num_kv_blocks = self.worker.num_kv_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import xxhash
 
+from quire.attention import kv_format
 from quire.kv_transfer.transport import KVClient, KVLayout, KVServer, Lease, PulledKV
 from quire.messages import (
     ForkedRequestData,
@@ -45,19 +46,33 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 
 
 class KVConnectorWorker:
-    def __init__(
-        self,
-        kv_cache: KVCache,
-        layout: KVLayout,
-        host: str,
-        port: int,
-        transfer_timeout_s: float,
-    ):
-        self.kv_cache = kv_cache
-        self.server = KVServer(host, port, layout, self._read_blocks)
-        self.client = KVClient(layout, kv_cache.dtype, transfer_timeout_s)
+    """Implements worker/protocols.py's KVConnector. Built by the executor with its endpoint;
+    serves and pulls blocks once the worker registers its cache."""
+
+    def __init__(self, host: str, port: int, tensor_parallel_size: int, transfer_timeout_s: float):
+        self.host, self.port = host, port
+        self.tensor_parallel_size = tensor_parallel_size
+        self.transfer_timeout_s = transfer_timeout_s
         self._pool = ThreadPoolExecutor(_PULL_THREADS, thread_name_prefix="kv-pull")
         self._pulls: dict[str, tuple[KVLoadSpec, Future[PulledKV]]] = {}
+        self.server: KVServer | None = None  # from register_kv_cache on
+        self.client: KVClient | None = None
+
+    def register_kv_cache(self, kv_cache: KVCache, model: torch.nn.Module) -> None:
+        """Starts serving `kv_cache`'s blocks, and pulling into them, under the layout of this
+        cache and `model`'s weights."""
+        self.kv_cache = kv_cache
+        layout = KVLayout(
+            model=weights_fingerprint(model),
+            num_layers=kv_cache.num_layers,
+            block_size=kv_cache.block_size,
+            num_kv_heads=kv_cache.num_kv_heads,
+            head_dim=kv_cache.head_dim,
+            dtype=kv_format.name(kv_cache.dtype),
+            tensor_parallel_size=self.tensor_parallel_size,
+        )
+        self.server = KVServer(self.host, self.port, layout, self._read_blocks)
+        self.client = KVClient(layout, kv_cache.dtype, self.transfer_timeout_s)
 
     def _read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         with torch.inference_mode():
@@ -147,8 +162,9 @@ class KVConnectorWorker:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self.server.close()
-        self.client.close()
+        if self.server is not None:
+            self.server.close()
+            self.client.close()
 
 
 def _first_row(top: TopLogprobs | None) -> dict | None:

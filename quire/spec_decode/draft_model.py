@@ -2,8 +2,9 @@
 vocabulary proposes k tokens per running request, sampled from its own processed distribution q,
 which the worker keeps until the target verifies them (sample/rejection_sampler.py).
 
-It lives in the worker beside the target and owns the draft's weights and KV cache. The draft's
-KV tensors are indexed by the same block ids as the target's: a block holds the same tokens at
+It runs in the worker after each step's sampling (worker/protocols.py's Proposer, built by the
+executor) and owns the draft's ModelForward: its weights, KV cache and fast path, the same class
+that runs the target (worker/model_forward.py). The draft's KV tensors are indexed by the same block ids as the target's: a block holds the same tokens at
 the same positions in both caches, so the scheduler's block tables, slot mapping, prefix-cache
 hits, copy-on-write and the rollback of rejected slots serve both, with no allocator of its own.
 Each step:
@@ -13,11 +14,11 @@ Each step:
    final exactly when the target's is; what it wrote past that (rejected proposals, step 2's
    scratch) is overwritten before anything reads it, as the target's is. In a step of decodes
    only, a position the draft's own proposing wrote last step, with the same token into the same
-   slot, is already final and is skipped (`rows_to_catch_up`): with every proposal accepted
+   slot, is already final and is skipped (`_catch_up`): with every proposal accepted
    that leaves one position a request (the last proposal), with a rejection none. The rest ride
    along in the first forward of step 2, so a step costs the draft k forwards, not k + 1. A step
-   with prompt chunks runs the draft over all the step's inputs first (`catch_up`).
-2. `propose`, for each request that sampled, decodes k tokens one position at a time from its
+   with prompt chunks runs the draft over all the step's inputs first.
+2. Proposing (`_propose`), for each request that sampled, decodes k tokens one position at a time from its
    last token, into the lookahead slots the scheduler reserves past a sampling request's tokens
    (never past its allocated blocks or max_model_len). Each proposal is drawn from q with the
    request's sampling parameters (penalties see the proposals before it, min_tokens bans stop
@@ -34,15 +35,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import torch
 
-from quire.attention.backend import AttentionBackend, AttentionMetadata
-from quire.attention.forward_context import forward_context
+from quire.attention.backend import AttentionMetadata
 from quire.config import EngineConfig
-from quire.model.loader import load_model, load_model_config
+from quire.model.loader import load_model_config
 from quire.model.model_config import ModelConfig
 from quire.sample.sampler import (
     STREAM_DRAFT,
@@ -53,9 +53,11 @@ from quire.sample.sampler import (
     noise_seed,
     sampling_probs,
 )
+from quire.sample.step_sampler import Draft
 from quire.sampling_params import SamplingParams
-from quire.worker import kv_cache
-from quire.worker.cpu_step import CpuStepRunner
+from quire.worker.model_forward import ModelForward, make_backend
+from quire.worker.protocols import SampledStep
+from quire.worker.step_inputs import decode_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -63,14 +65,6 @@ logger = logging.getLogger(__name__)
 def draft_engine_config(config: EngineConfig) -> EngineConfig:
     """The target's engine config with the draft model in place of the target."""
     return dataclasses.replace(config, model=config.speculative_config.model, tokenizer=None)
-
-
-@dataclasses.dataclass
-class Draft:
-    """One request's proposals and, for a sampling request, q at each of them."""
-
-    token_ids: list[int]
-    probs: torch.Tensor | None  # [len(token_ids), V] float32; None for greedy requests
 
 
 @dataclasses.dataclass
@@ -98,6 +92,9 @@ class _Proposing:
 
 
 class DraftModelProposer:
+    """Implements worker/protocols.py's Proposer with a draft model: a ModelForward of its
+    own, over a KV cache indexed by the target's block ids."""
+
     def __init__(self, config: EngineConfig, dtype: torch.dtype, max_model_len: int):
         draft_config = draft_engine_config(config)
         self.model_config: ModelConfig = load_model_config(draft_config)
@@ -106,48 +103,86 @@ class DraftModelProposer:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         # Proposals reach k positions past the last token the target may verify.
-        self.model = load_model(draft_config, self.model_config, dtype, max_model_len + self.k)
-        self.kv_cache: kv_cache.KVCache | None = None
-        self.cpu_step: CpuStepRunner | None = None
-        self.drafts: dict[str, Draft] = {}
+        self.draft = ModelForward.load(
+            draft_config,
+            self.model_config,
+            dtype,
+            max_model_len + self.k,
+            make_backend(config.attention_backend),
+        )
+        self._drafts: dict[str, Draft] = {}
         self._written: dict[str, _Written] = {}  # by the last step's proposing
         self._valid: dict[str, int] = {}  # per request: positions whose draft K/V is final
 
-    def allocate(self, num_blocks: int, kv_dtype: torch.dtype, huge_pages: bool) -> None:
+    # ---- the Proposer protocol ---------------------------------------------------------------
+    def kv_block_bytes(self, block_size: int, kv_dtype: torch.dtype) -> int:
+        return self.draft.kv_block_bytes(block_size, kv_dtype)
+
+    def allocate_kv(
+        self, num_blocks: int, block_size: int, kv_dtype: torch.dtype, huge_pages: bool
+    ) -> None:
         """The draft's KV cache, as many blocks as the target's (the same block ids), in the
         target's KV dtype (quantized with it: the pool is sized for both alike)."""
-        cfg = self.model_config
-        self.kv_cache = kv_cache.KVCache.allocate(
-            cfg.num_hidden_layers,
-            num_blocks,
-            self.block_size,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            kv_dtype,
-            self.device,
-            huge_pages,
-        )
-        self.cpu_step = CpuStepRunner.for_model(self.model, self.kv_cache)
+        self.draft.allocate_kv(num_blocks, block_size, kv_dtype, huge_pages)
 
-    def drop(self, req_ids: list[str]) -> None:
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        self.draft.copy_blocks(copies)
+
+    @property
+    def drafts(self) -> Mapping[str, Draft]:
+        return self._drafts
+
+    def drop(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
-            self.drafts.pop(req_id, None)
+            self._drafts.pop(req_id, None)
             self._written.pop(req_id, None)
             self._valid.pop(req_id, None)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        metadata: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        if self.cpu_step is not None and self.cpu_step.takes(metadata, input_ids.shape[0]):
-            return self.cpu_step.forward(input_ids, positions, metadata)
-        with forward_context(metadata, self.kv_cache.layers, backend):
-            return self.model(input_ids, positions)
+    def propose(self, sampled: SampledStep) -> dict[str, list[int]]:
+        """The draft catches up on the step's final tokens, then proposes for every request that
+        sampled this step, after its new tokens; none for a fork or its parent this step (they
+        share a partial block the proposals would write into)."""
+        inputs, num_draft = sampled.inputs, sampled.num_draft_tokens
+        computed = not inputs.decode_only  # prompt chunks: all rows at once
+        if not computed and num_draft is not None and not any(num_draft.values()):
+            # "auto" chose k = 0 for every request: no draft row to compute or keep up.
+            return self._propose_nothing(sampled.sampled, sampled.forking)
+        with torch.inference_mode():  # entered only when the draft computes: ~20 us each way
+            if computed:  # the draft over all the step's inputs, in the target's slots
+                self.draft.forward(inputs.input_ids, inputs.positions, inputs.metadata)
+            ids = inputs.input_ids.tolist()
+            entries = []
+            for (s, n), first in zip(sampled.step, inputs.first_rows):
+                tokens = sampled.sampled.get(s.req_id)
+                num_final = n  # less the rejected proposals, past the accepted ones
+                if tokens is not None:
+                    num_final -= len(s.spec_token_ids) + 1 - len(tokens)
+                final = ids[first : first + num_final]
+                entries.append((s.req_id, s.row, s.num_computed_tokens, s.token_ids, final))
+            keep_up = None if num_draft is None else {r for r, k in num_draft.items() if k}
+            pending = self._catch_up(entries, sampled.block_table, keep_up, computed)
+            proposing = []
+            for req_id, token_ids in sampled.sampled.items():
+                if req_id in sampled.forking:
+                    self._drafts.pop(req_id, None)
+                    continue
+                s = sampled.requests[req_id]
+                proposing.append(
+                    self._proposing(
+                        req_id,
+                        s.row,
+                        int(sampled.num_blocks[s.row]),
+                        s.prompt_token_ids,
+                        s.token_ids + token_ids,
+                        s.sampling_params,
+                        s.index,
+                        self.k if num_draft is None else num_draft.get(req_id, 0),
+                    )
+                )
+            return self._propose(proposing, pending, sampled.block_table)
 
-    def catch_up(
+    # ---- catch-up and proposing ------------------------------------------------------------
+    def _catch_up(
         self,
         entries: list[tuple[str, int, int, list[int], list[int]]],
         block_table: np.ndarray,  # [rows, width] int32, the InputBatch's
@@ -159,9 +194,9 @@ class DraftModelProposer:
         `entries`: per request (req_id, row, first position, its known tokens, the step's final
         tokens). `keep_up`: the requests whose draft K/V must be final after this step (those
         that propose next); None: all. `computed`: the draft already ran over all the step's
-        inputs (`forward_step`). A request's K/V is final up to `_valid`; a position the
-        proposing wrote last step, with the same token into the same slot, is final too; a
-        request not kept up is skipped, and catches up from `_valid` when it proposes again."""
+        inputs. A request's K/V is final up to `_valid`; a position the proposing wrote last
+        step, with the same token into the same slot, is final too; a request not kept up is
+        skipped, and catches up from `_valid` when it proposes again."""
         written, self._written = self._written, {}
         pending = []
         for req_id, row, start, known, final in entries:
@@ -184,8 +219,8 @@ class DraftModelProposer:
             self._valid[req_id] = end
         return pending
 
-    def propose_nothing(self, req_ids: Iterable[str], forking: set[str]) -> dict[str, list[int]]:
-        """What `catch_up` and `propose` leave when no request proposes this step and none is
+    def _propose_nothing(self, req_ids: Iterable[str], forking: set[str]) -> dict[str, list[int]]:
+        """What `_catch_up` and `_propose` leave when no request proposes this step and none is
         kept up (every k 0, decodes only), without building their rows: an empty proposal for
         each request that sampled (none for a fork or its parent), and no position trusted as
         written by last step's proposals."""
@@ -193,22 +228,11 @@ class DraftModelProposer:
         proposals = {}
         for req_id in req_ids:
             if req_id in forking:
-                self.drafts.pop(req_id, None)
+                self._drafts.pop(req_id, None)
                 continue
-            self.drafts[req_id] = Draft([], None)
+            self._drafts[req_id] = Draft([], None)
             proposals[req_id] = []
         return proposals
-
-    def forward_step(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        metadata: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> None:
-        """The draft over all the step's inputs, in the target's slots (a step with prompt
-        chunks; see the module doc)."""
-        self.forward(input_ids, positions, metadata, backend)
 
     def _slots(self, table: np.ndarray, start: int, num: int) -> list[int]:
         """The cache slots of positions start..start+num-1 under this block table row."""
@@ -216,12 +240,11 @@ class DraftModelProposer:
         blocks = table[positions // self.block_size].astype(np.int64)
         return (blocks * self.block_size + positions % self.block_size).tolist()
 
-    def propose(
+    def _propose(
         self,
         requests: list[_Proposing],
-        pending: list[tuple[int, int, int]],  # (row, position, token id), `rows_to_catch_up`
+        pending: list[tuple[int, int, int]],  # (row, position, token id), from `_catch_up`
         block_table: np.ndarray,  # [rows, width] int32, the InputBatch's
-        backend: AttentionBackend,
     ) -> dict[str, list[int]]:
         """Up to k proposals for each request (fewer where its slots run out); keeps q. The
         pending catch-up rows go through the first forward with the first proposals."""
@@ -233,14 +256,14 @@ class DraftModelProposer:
             positions = np.array(
                 [pos for _, pos, _ in pending] + [len(r.token_ids) - 1 for r in active], np.int64
             )
-            metadata = self._decode_metadata(block_table[rows], positions)
+            metadata = decode_metadata(block_table[rows], positions, self.block_size, self.device)
             ids = [token_id for _, _, token_id in pending] + [r.token_ids[-1] for r in active]
             ids = torch.tensor(ids, device=self.device)
             pos = torch.from_numpy(positions).to(self.device)
             if not active:
-                self.forward(ids, pos, metadata, backend)
+                self.draft.forward(ids, pos, metadata)
                 break
-            sampled = self._sample(active, ids, pos, metadata, backend, len(pending))
+            sampled = self._sample(active, ids, pos, metadata, len(pending))
             for r, token_id in zip(active, sampled):
                 r.token_ids.append(token_id)
             pending = []
@@ -249,7 +272,7 @@ class DraftModelProposer:
             num = min(r.num_slots, self.k)
             proposal = r.token_ids[len(r.token_ids) - num :] if num else []
             probs = torch.stack(r.probs) if r.probs else None
-            self.drafts[r.req_id] = Draft(proposal, probs)
+            self._drafts[r.req_id] = Draft(proposal, probs)
             proposals[r.req_id] = proposal
             if num:  # the tokens fed: the last known one and every proposal but the last
                 start = len(r.token_ids) - num - 1
@@ -265,18 +288,18 @@ class DraftModelProposer:
         ids: torch.Tensor,
         positions: torch.Tensor,
         metadata: AttentionMetadata,
-        backend: AttentionBackend,
         skip: int,
     ) -> list[int]:
         """Each request's next proposal from the draft's processed distribution; the first
         `skip` rows (catch-up) are computed and not sampled."""
         banned = [banned_token_ids(r.params, len(r.token_ids) - r.prompt_len) for r in active]
         argmax_only = all(r.params.argmax_only for r in active) and not any(banned)
-        if argmax_only and self.cpu_step is not None:
-            if self.cpu_step.takes_argmax(metadata, ids.shape[0]):
-                return self.cpu_step.argmax_tokens(ids, positions, metadata)[skip:]
-        hidden = self.forward(ids, positions, metadata, backend)[skip:]
-        logits = self.model.compute_logits(hidden)
+        if argmax_only:
+            token_ids = self.draft.argmax_tokens(ids, positions, metadata)
+            if token_ids is not None:
+                return token_ids[skip:]
+        hidden = self.draft.forward(ids, positions, metadata)[skip:]
+        logits = self.draft.compute_logits(hidden)
         if argmax_only:
             return greedy(logits).tolist()
         batch = SamplingBatch.from_params(
@@ -294,32 +317,7 @@ class DraftModelProposer:
                 r.probs.append(probs[i])
         return token_ids
 
-    def _decode_metadata(
-        self,
-        block_tables: np.ndarray,  # [R, width]
-        positions: np.ndarray,  # [R]
-    ) -> AttentionMetadata:
-        """One decode token per request at `positions`."""
-        n, block_size, dev = len(positions), self.block_size, self.device
-        slots = block_tables[np.arange(n), positions // block_size] * block_size
-        slots = slots.astype(np.int64) + positions % block_size
-        seq_lens = (positions + 1).astype(np.int32)
-        width = int(-(-seq_lens.max() // block_size))
-        query_start_loc = list(range(n + 1))
-        return AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
-            seq_lens=torch.from_numpy(seq_lens).to(dev),
-            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables[:, :width])).to(dev),
-            max_query_len=1,
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=query_start_loc,
-            seq_lens_cpu=seq_lens.tolist(),
-            num_decodes=n,
-            num_decode_tokens=n,
-        )
-
-    def proposing(
+    def _proposing(
         self,
         req_id: str,
         row: int,

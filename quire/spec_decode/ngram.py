@@ -17,7 +17,13 @@ new tokens, not the whole context.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 import numpy as np
+import torch
+
+from quire.sample.step_sampler import Draft
+from quire.worker.protocols import SampledStep
 
 _EMPTY = np.empty(0, np.int64)
 
@@ -67,20 +73,50 @@ class _TokenBuffer:
 
 
 class NgramProposer:
-    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int):
+    """Implements worker/protocols.py's Proposer by prompt lookup: after each step, up to k
+    tokens for every request that sampled, from its tokens and the step's new ones. Every rank
+    proposes alike from its own copy of the batch. Proposals are point masses (no q) and keep
+    no KV cache."""
+
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, k: int):
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
+        self.k = k
         self._buffers: dict[str, _TokenBuffer] = {}
 
-    def propose(self, req_id: str, token_ids: list[int], k: int) -> list[int]:
+    def kv_block_bytes(self, block_size: int, kv_dtype: torch.dtype) -> int:
+        return 0
+
+    def allocate_kv(
+        self, num_blocks: int, block_size: int, kv_dtype: torch.dtype, huge_pages: bool
+    ) -> None:
+        pass
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        pass
+
+    @property
+    def drafts(self) -> Mapping[str, Draft]:
+        return {}
+
+    def propose(self, sampled: SampledStep) -> dict[str, list[int]]:
+        """k tokens (the most "auto" verifies: the engine chooses how many of them to verify)
+        for each request that sampled."""
+        requests = sampled.requests
+        return {
+            req_id: self.lookup(req_id, requests[req_id].token_ids + token_ids, self.k)
+            for req_id, token_ids in sampled.sampled.items()
+        }
+
+    def lookup(self, req_id: str, token_ids: list[int], k: int) -> list[int]:
         """Up to k proposed tokens to follow `token_ids` (the request's prompt and output)."""
         buffer = self._buffers.get(req_id)
         if buffer is None:
             buffer = self._buffers[req_id] = _TokenBuffer()
         return find_ngram_proposal(buffer.sync(token_ids), self.min_n, self.max_n, k).tolist()
 
-    def drop(self, req_ids: set[str]) -> None:
-        """Forgets these requests' buffers (finished)."""
+    def drop(self, req_ids: Iterable[str]) -> None:
+        """Forgets these requests' buffers (finished or preempted)."""
         for req_id in req_ids:
             self._buffers.pop(req_id, None)
 

@@ -1,11 +1,16 @@
-"""Speculator: the engine core's side of speculative decoding. Before each step it gives every
-running decode its proposed tokens (`Request.spec_token_ids`, which the scheduler trims to the
-budget and sends): the n-gram proposer's, or those a draft model made in the worker during the
-last step (`ModelRunnerOutput.draft_token_ids`). After the step it counts what the worker
-accepted and, with adaptive speculation, feeds the step's time to the cost model. With a draft
-model and adaptive speculation it also says how many tokens the draft proposes after the step
-for each request (`draft_lengths`, sent as `SchedulerOutput.num_draft_tokens`): 0 runs no draft
-for it.
+"""Speculator: the engine core's side of speculative decoding. The proposers run in the worker
+(after each step's sampling, worker/protocols.py) and their proposals come back with the step's
+output (`ModelRunnerOutput.draft_token_ids`); the speculator says which of them the next step
+verifies, and keeps statistics:
+
+- `proposals`: before each schedule, every running decode ready for proposals gets its proposal
+  from the last step, or with adaptive speculation ("auto") the prefix of it the cost model
+  chooses (adaptive.py; n-gram proposals are made at the most "auto" verifies, and measure
+  acceptance whether verified or not). With a draft model and "auto" it also says how many
+  tokens the draft proposes after the step for each request (`draft_lengths`, sent as
+  `SchedulerOutput.num_draft_tokens`): 0 runs no draft for it.
+- `record_step`: after the step, counts what the worker accepted and, with "auto", feeds the
+  step's time to the cost model.
 
 A request is a decode ready for proposals when all its known tokens but the last are computed:
 a request still in its prompt, or replaying its tokens after a preemption, gets none.
@@ -19,7 +24,6 @@ from typing import TYPE_CHECKING
 from quire.config import SpeculativeConfig
 from quire.messages import ModelRunnerOutput, SchedulerOutput
 from quire.spec_decode.adaptive import AdaptiveSpeculation
-from quire.spec_decode.ngram import NgramProposer
 
 if TYPE_CHECKING:
     from quire.engine.request import Request
@@ -51,59 +55,44 @@ class SpecDecodingStats:
 class Speculator:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
-        # A draft model proposes in the worker: its proposals come back with each step's output.
-        self.proposer = (
-            NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-            if config.method == "ngram"
-            else None
-        )
-        self._draft_token_ids: dict[str, list[int]] = {}
+        drafted = config.method == "draft_model"
+        self._draft_token_ids: dict[str, list[int]] = {}  # the last step's proposals
         self.adaptive = (
-            AdaptiveSpeculation(config.num_speculative_tokens, drafted=self.proposer is None)
+            AdaptiveSpeculation(config.num_speculative_tokens, drafted=drafted)
             if config.adaptive
             else None
         )
         self.draft_lengths: dict[str, int] | None = None  # this step's, with a draft and "auto"
         self.stats = SpecDecodingStats(config.num_speculative_tokens)
         self._ready: set[str] = set()  # this step's decodes ready for proposals
-        self._running: set[str] = set()  # last step's running requests (draft and "auto")
+        self._running: set[str] = set()  # last step's running requests ("auto")
 
-    def propose(self, running: list[Request]) -> None:
-        """Sets the proposals of every running decode ready for them."""
+    def proposals(self, running: list[Request]) -> dict[str, list[int]]:
+        """The tokens to verify next step, per running decode ready for them."""
         ready = [
             r for r in running if r.num_prompt_tokens <= r.num_computed_tokens == r.num_tokens - 1
         ]
         self._ready = {r.request_id for r in ready}
-        if self.proposer is None:
-            drafts = self._draft_token_ids
-            for r in ready:
-                r.spec_token_ids = list(drafts.get(r.request_id, ()))
-            if self.adaptive is not None:
-                ids = [r.request_id for r in running]
-                self.adaptive.drop(self._running - set(ids))
-                self._running = set(ids)
-                self.draft_lengths = dict(zip(ids, self.adaptive.draft_lengths(ids)))
-            return
-        gone = self.proposer.req_ids - {r.request_id for r in running}
-        self.proposer.drop(gone)
+        drafts = self._draft_token_ids
         adaptive = self.adaptive
         if adaptive is None:
-            k = self.config.num_speculative_tokens
-            for r in ready:
-                r.spec_token_ids = self.proposer.propose(r.request_id, r.token_ids, k)
-            return
-        adaptive.drop(gone)
+            return {r.request_id: list(drafts.get(r.request_id, ())) for r in ready}
+        ids = [r.request_id for r in running]
+        adaptive.drop(self._running - set(ids))
+        self._running = set(ids)
+        if adaptive.drafted:
+            self.draft_lengths = dict(zip(ids, adaptive.draft_lengths(ids)))
+            return {r.request_id: list(drafts.get(r.request_id, ())) for r in ready}
         for r in ready:
             adaptive.observe(r.request_id, r.token_ids)
+        proposals = {}
         for r, k in zip(ready, adaptive.choose([r.request_id for r in ready])):
-            measure = adaptive.wants_measurement(r.request_id, k)
-            if not (k or measure):
-                continue
-            num = adaptive.max_k if measure else k
-            proposal = self.proposer.propose(r.request_id, r.token_ids, num)
-            if measure:
+            proposal = drafts.get(r.request_id, [])
+            if adaptive.wants_measurement(r.request_id, k):
                 adaptive.start_measurement(r.request_id, r.num_tokens, proposal)
-            r.spec_token_ids = proposal[:k]
+            if k:
+                proposals[r.request_id] = proposal[:k]
+        return proposals
 
     def record_step(
         self, output: SchedulerOutput, runner_output: ModelRunnerOutput, seconds: float
@@ -117,7 +106,7 @@ class Speculator:
             if sampled is None:
                 continue
             num_accepted = len(sampled) - 1
-            if self.adaptive is not None and self.proposer is None:
+            if self.adaptive is not None and self.adaptive.drafted:
                 self.adaptive.record_verified(req_id, num_accepted, len(proposal))
             stats.num_drafts += 1
             stats.num_draft_tokens += len(proposal)

@@ -7,18 +7,18 @@ is a lookup). Its matcher advances only with accepted tokens (`Scheduler.update`
 `accept_token` for each token it keeps), so a preempted request, whose generated tokens are
 recomputed but not re-sampled, keeps its matcher as it was.
 
-Each step, `fill_bitmask` writes one row per sampled position of the scheduled requests that have
-a grammar, into `SchedulerOutput.grammar_bitmask` (the worker masks the logits rows with it). A
-request verifying k speculative tokens gets k + 1 rows: the row for its next token, then the
-matcher is advanced through the proposals, a row after each, and rolled back. Before the
-schedule, `trim_spec_tokens` cuts a request's proposals at the first one its grammar rejects (or
-that would end it), so every row is filled from a state the matcher reached.
+Each step, `bitmask` gives the scheduler one row per sampled position of the scheduled requests
+that have a grammar, for `SchedulerOutput.grammar_bitmask` (the worker masks the logits rows
+with it). A request verifying k speculative tokens gets k + 1 rows: the row for its next token,
+then the matcher is advanced through the proposals, a row after each, and rolled back. Before
+that the scheduler cuts a request's proposals at the first one its grammar rejects (or that
+would end it: `RequestGrammar.num_valid_tokens`), so every row is filled from a state the
+matcher reached.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -99,18 +99,12 @@ class StructuredOutputManager:
             return None
         return RequestGrammar(self.compiler.compile(params.structured_outputs))
 
-    def trim_spec_tokens(self, requests: Iterable) -> None:
-        """Cuts each constrained request's proposals at the first its grammar rejects."""
-        for request in requests:
-            if request.grammar is not None and request.spec_token_ids:
-                del request.spec_token_ids[
-                    request.grammar.num_valid_tokens(request.spec_token_ids) :
-                ]
-
-    def fill_bitmask(self, output: SchedulerOutput, requests: dict) -> None:
-        """Sets the step's `grammar_bitmask` and `structured_output_request_ids` for the
-        scheduled requests with a grammar that sample this step (in the layout order, forks
-        last); leaves them empty when none does."""
+    def bitmask(
+        self, output: SchedulerOutput, requests: dict
+    ) -> tuple[np.ndarray | None, dict[str, int]]:
+        """The step's `grammar_bitmask` and `structured_output_request_ids`: a row per sampled
+        position of the scheduled requests with a grammar that sample this step (in the layout
+        order, forks last); (None, {}) when none does."""
         first_rows: dict[str, int] = {}
         num_rows = 0
         for req_id, num_new in output.num_scheduled_tokens.items():
@@ -129,6 +123,5 @@ class StructuredOutputManager:
                 first_rows[fork.req_id] = num_rows
                 num_rows += child.grammar.fill_rows(self._bitmask, num_rows, [])
         if not first_rows:
-            return
-        output.grammar_bitmask = self._bitmask[:num_rows].copy()  # the buffer is reused
-        output.structured_output_request_ids = first_rows
+            return None, {}
+        return self._bitmask[:num_rows].copy(), first_rows  # the buffer is reused

@@ -22,6 +22,7 @@ from torch import nn
 from quire.attention import kv_format
 from quire.attention.backend import AttentionBackend, AttentionMetadata
 from quire.attention.forward_context import forward_context
+from quire.config import EngineConfig
 from quire.layers.rotary import RotaryEmbedding
 from quire.model.model_config import ModelConfig
 from quire.sample.sampler import Sampler, SamplingBatch
@@ -147,40 +148,34 @@ def run_dummy_step(
 
 
 def num_kv_blocks(
-    model_config: ModelConfig,
-    block_size: int,
+    config: EngineConfig,
     dtype: torch.dtype,
-    device: str,
-    kv_cache_memory: int | None,
-    gpu_memory_utilization: float,
-    max_num_batched_tokens: int,
+    block_bytes: int,
     model: nn.Module | None = None,
     backend: AttentionBackend | None = None,
-    max_num_seqs: int = 256,
-    draft_model_config: ModelConfig | None = None,
-    kv_dtype: torch.dtype | None = None,
 ) -> int:
-    """Blocks that fit the budget (in the target's cache and, with a draft model, the draft's):
-    `kv_cache_memory` if given; on CUDA, what
-    `gpu_memory_utilization` leaves after the loaded `model` and the activations of its largest
-    step, profiled (a heuristic per batched token when no model is given); on CPU, a fixed share
-    of physical memory. Blocks are of `kv_dtype` (default: `dtype`, the model's)."""
-    if kv_cache_memory is not None:
-        budget = kv_cache_memory
-    elif device == "cuda":
+    """Blocks of `block_bytes` (one block of every cache the pool's block ids index: the target's
+    and, with a draft model, the draft's) that fit the budget: `kv_cache_memory` if given; on
+    CUDA, what `gpu_memory_utilization` leaves after the loaded `model` and the activations of
+    its largest step, profiled (a heuristic per batched token when no model is given); on CPU, a
+    fixed share of physical memory."""
+    if config.kv_cache_memory is not None:
+        budget = config.kv_cache_memory
+    elif config.device == "cuda":
         if model is None:
-            activations = max_num_batched_tokens * _GPU_ACTIVATION_BYTES_PER_TOKEN
+            activations = config.max_num_batched_tokens * _GPU_ACTIVATION_BYTES_PER_TOKEN
         else:
             activations = profile_activation_bytes(
-                model, backend, block_size, dtype, max_num_batched_tokens, max_num_seqs
+                model,
+                backend,
+                config.block_size,
+                dtype,
+                config.max_num_batched_tokens,
+                config.max_num_seqs,
             )
-        budget = gpu_kv_bytes(gpu_memory_utilization, activations, device)
+        budget = gpu_kv_bytes(config.gpu_memory_utilization, activations, config.device)
     else:
         budget = default_cpu_kv_bytes()
-    kv_dtype = dtype if kv_dtype is None else kv_dtype
-    block_bytes = bytes_per_block(model_config, block_size, kv_dtype)
-    if draft_model_config is not None:  # a draft model's cache, indexed by the same block ids
-        block_bytes += bytes_per_block(draft_model_config, block_size, kv_dtype)
     num_blocks = budget // block_bytes
     if num_blocks < 1:
         raise ValueError(

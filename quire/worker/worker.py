@@ -12,6 +12,7 @@ from quire.distributed.parallel_state import RankPlacement, init_tensor_parallel
 from quire.messages import ModelRunnerOutput, SchedulerOutput
 from quire.model.model_config import ModelConfig
 from quire.worker.model_runner import ModelRunner
+from quire.worker.protocols import KVConnector, Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +25,10 @@ class Worker:
         dtype: torch.dtype,
         max_model_len: int,
         placement: RankPlacement | None = None,
+        proposer: Proposer | None = None,
+        kv_connector: KVConnector | None = None,
     ):
+        """`proposer`, `kv_connector`: the plug-ins the executor built (executor/plugins.py)."""
         placement = placement or RankPlacement()
         self.rank = placement.rank
         if placement.world_size > 1:
@@ -41,7 +45,9 @@ class Worker:
                 shm_bytes=rows * model_config.hidden_size * max(dtype.itemsize, 4),
             )
         torch.manual_seed(config.seed)  # the unseeded sampling noise: the same on every rank
-        self.runner = ModelRunner(config, model_config, dtype, max_model_len)
+        self.runner = ModelRunner(
+            config, model_config, dtype, max_model_len, proposer, kv_connector
+        )
 
     @property
     def num_kv_blocks(self) -> int:

@@ -1,0 +1,156 @@
+"""ModelForward: one model, its KV cache, and the fastest way to run a step on it.
+
+The target model and a draft model are two instances. Each is loaded, given its KV cache
+(`allocate_kv`), and from then on runs a prepared step with one call: `forward` gives the hidden
+states of the step's rows, `compute_logits` the LM head over some of them. Where the step can go
+through a faster path than the modules, the path is chosen once, when the cache exists:
+
+- the C decode step (worker/cpu_step.py) for decode-only steps on a CPU, which can also take
+  each row's argmax in the same call (`argmax_tokens`);
+- CUDA graphs (worker/cuda_graph.py) for decode-only batches on a GPU (the target only: its
+  `max_num_seqs` ladder);
+- the model's modules, in a forward context of the step's attention metadata, for every other
+  step.
+
+Under tensor parallelism every rank must take the same path at every step (their collectives pair
+up), so the ranks agree on the C step once, when it is chosen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from torch import nn
+
+from quire.attention.backend import AttentionBackend, AttentionMetadata
+from quire.attention.forward_context import forward_context
+from quire.config import EngineConfig
+from quire.distributed.parallel_state import all_ranks_agree, tp_size
+from quire.model.loader import load_model
+from quire.model.model_config import ModelConfig
+from quire.worker import host_memory, kv_cache
+from quire.worker.cpu_step import CpuStepRunner
+from quire.worker.cuda_graph import CUDAGraphRunner
+
+logger = logging.getLogger(__name__)
+
+
+def make_backend(name: str) -> AttentionBackend:
+    if name == "triton":
+        from quire.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    from quire.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend()
+
+
+class ModelForward:
+    def __init__(self, model: nn.Module, model_config: ModelConfig, backend: AttentionBackend):
+        self.model = model
+        self.model_config = model_config
+        self.backend = backend
+        first = model.attention_layers[0]
+        self.num_heads = first.num_heads  # this rank's share (all of them with one rank)
+        self.num_kv_heads = first.num_kv_heads
+        self.kv_cache: kv_cache.KVCache | None = None
+        self.cpu_step: CpuStepRunner | None = None
+        self.cuda_graphs: CUDAGraphRunner | None = None
+
+    @classmethod
+    def load(
+        cls,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        dtype: torch.dtype,
+        max_position: int,
+        backend: AttentionBackend,
+    ) -> ModelForward:
+        """Loads `config.model`'s weights (this rank's share) for positions below
+        `max_position`."""
+        model = load_model(config, model_config, dtype, max_position)
+        if config.device == "cpu" and config.huge_pages:
+            host_memory.move_to_huge_pages(model)
+        return cls(model, model_config, backend)
+
+    def kv_block_bytes(self, block_size: int, kv_dtype: torch.dtype) -> int:
+        """Bytes of one KV block of this model on this rank."""
+        rank_config = dataclasses.replace(self.model_config, num_key_value_heads=self.num_kv_heads)
+        return kv_cache.bytes_per_block(rank_config, block_size, kv_dtype)
+
+    def allocate_kv(
+        self,
+        num_blocks: int,
+        block_size: int,
+        kv_dtype: torch.dtype,
+        huge_pages: bool,
+        cuda_graphs: tuple[EngineConfig, int] | None = None,
+    ) -> None:
+        """Allocates this model's KV cache and chooses its fast path. `cuda_graphs`: (config,
+        max_model_len) to capture decode graphs over the cache."""
+        param = next(self.model.parameters())
+        self.kv_cache = kv_cache.KVCache.allocate(
+            self.model_config.num_hidden_layers,
+            num_blocks,
+            block_size,
+            self.num_kv_heads,
+            self.model_config.head_dim,
+            kv_dtype,
+            param.device,
+            huge_pages,
+        )
+        self.cpu_step = CpuStepRunner.for_model(self.model, self.kv_cache)
+        if tp_size() > 1 and param.device.type == "cpu":
+            if not all_ranks_agree(self.cpu_step is not None):
+                self.cpu_step = None
+                logger.info(
+                    "The C decode step is off under tensor parallelism (it needs bf16 GEMV "
+                    "weights and the shared-memory all-reduce on every rank; gloo alone has no "
+                    "C side); decode steps run the modules"
+                )
+        if cuda_graphs is not None:
+            config, max_model_len = cuda_graphs
+            self.cuda_graphs = CUDAGraphRunner(
+                self.model, self.kv_cache.layers, self.backend, config, max_model_len
+            )
+
+    @property
+    def path(self) -> str:
+        """The fast path chosen for decode-only steps: "c_step", "cuda_graphs" or "modules"."""
+        if self.cpu_step is not None:
+            return "c_step"
+        return "cuda_graphs" if self.cuda_graphs is not None else "modules"
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
+        if self.cpu_step is not None and self.cpu_step.takes(metadata, input_ids.shape[0]):
+            return self.cpu_step.forward(input_ids, positions, metadata)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(metadata):
+            return self.cuda_graphs.run(input_ids, positions, metadata)
+        with forward_context(metadata, self.kv_cache.layers, self.backend):
+            return self.model(input_ids, positions)
+
+    def argmax_tokens(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        metadata: AttentionMetadata,
+    ) -> list[int] | None:
+        """Each row's argmax token in one call, where the fast path fuses the forward, the LM
+        head and the argmax for this step (a decode-only step through the C step); None where
+        it does not: then `forward` and `compute_logits` give the logits."""
+        if self.cpu_step is None or not self.cpu_step.takes_argmax(metadata, input_ids.shape[0]):
+            return None
+        return self.cpu_step.argmax_tokens(input_ids, positions, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
+        return self.model.compute_logits(hidden)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        self.kv_cache.copy_blocks(copies)
