@@ -25,12 +25,12 @@ import logging
 import numpy as np
 import torch
 
-from quire.attention import kv_format
 from quire.attention.backend import AttentionBackend, AttentionMetadata
 from quire.attention.forward_context import forward_context
 from quire.config import EngineConfig
 from quire.distributed.parallel_state import all_ranks_agree, tp_size
 from quire.kernels import cpu as cpu_kernels
+from quire.kernels import kv_format
 from quire.kv_transfer.transport import KVLayout
 from quire.kv_transfer.worker_connector import KVConnectorWorker, weights_fingerprint
 from quire.messages import ModelRunnerOutput, SchedulerOutput, TopLogprobs
