@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from quire.layers.rotary import RopeConfig
+
 
 class ModelFileError(ValueError):
     """A model file quire cannot use: the message is one line naming the file and what is wrong
@@ -23,16 +25,6 @@ _REQUIRED_INTS = (
 )
 _OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 _OPTIONAL_BOOLS = ("tie_word_embeddings", "attention_bias")
-
-
-@dataclass
-class RopeConfig:
-    theta: float = 10000.0
-    rope_type: str = "default"  # "default" | "linear" | "llama3"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
 
 
 @dataclass
