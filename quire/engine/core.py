@@ -25,7 +25,7 @@ from quire.config import EngineConfig
 from quire.engine.kv_manager import KVCacheManager
 from quire.engine.request import Request, RequestStatus
 from quire.engine.scheduler import Scheduler
-from quire.executor.base import make_executor
+from quire.executor import make_executor
 from quire.kv_transfer.scheduler_connector import KVConnectorScheduler, KVTransferStats
 from quire.messages import TopLogprobs
 from quire.model.model_config import ModelConfig
