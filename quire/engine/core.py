@@ -1,6 +1,6 @@
 """EngineCore: schedule -> executor.execute_model -> scheduler.update, and nothing else.
 
-With speculative decoding on, a Speculator (spec_decode/speculator.py) gives running decodes
+With speculative decoding on, a Speculator (engine/speculator.py) gives running decodes
 their proposed tokens before each schedule and counts what the worker accepted after it. With
 structured outputs, a StructuredOutputManager (structured_output/manager.py) gives a request its
 grammar matcher when it is added, cuts proposals its grammar rejects, and fills the step's
@@ -25,12 +25,12 @@ from quire.config import EngineConfig
 from quire.engine.kv_manager import KVCacheManager
 from quire.engine.request import Request, RequestStatus
 from quire.engine.scheduler import Scheduler
+from quire.engine.speculator import SpecDecodingStats, Speculator
 from quire.executor import make_executor
 from quire.kv_transfer.scheduler_connector import KVConnectorScheduler, KVTransferStats
 from quire.messages import TopLogprobs
 from quire.model.model_config import ModelConfig
 from quire.model.tokenizer import load_tokenizer
-from quire.spec_decode.speculator import SpecDecodingStats, Speculator
 from quire.structured_output.compiler import GrammarCompiler
 from quire.structured_output.manager import StructuredOutputManager
 
