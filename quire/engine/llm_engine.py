@@ -22,8 +22,7 @@ from quire.engine.detokenizer import IncrementalDetokenizer
 from quire.engine.request import Request, RequestStatus
 from quire.engine.speculator import SpecDecodingStats
 from quire.messages import TopLogprobs
-from quire.model.loader import load_model_config
-from quire.model.model_config import ModelConfig
+from quire.model.model_config import ModelConfig, load_model_config
 from quire.model.tokenizer import load_tokenizer
 from quire.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from quire.sampling_params import SamplingParams

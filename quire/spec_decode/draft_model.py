@@ -42,8 +42,8 @@ import torch
 from quire.attention.backend import AttentionBackend, AttentionMetadata
 from quire.attention.forward_context import forward_context
 from quire.config import EngineConfig
-from quire.model.loader import load_model, load_model_config
-from quire.model.model_config import ModelConfig
+from quire.model.loader import load_model
+from quire.model.model_config import ModelConfig, load_model_config
 from quire.sample.sampler import (
     STREAM_DRAFT,
     SamplingBatch,
