@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from quire.attention import kv_format
 from quire.engine_args import ATTENTION_BACKENDS, DEVICES, QUANTIZATIONS, EngineArgs
+from quire.kernels import kv_format
 from quire.layers.linear import onednn_runs_bf16
 from quire.model.model_config import ModelShape
 

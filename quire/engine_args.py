@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from quire import envs
+from quire.kernels.kv_format import KV_CACHE_DTYPES
 
 if TYPE_CHECKING:
     from quire.config import EngineConfig
@@ -29,8 +30,6 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("auto", "none", "int8")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-# --kv-cache-dtype: vLLM's values (fp8 is fp8_e4m3), and int8 (quire/attention/kv_format.py)
-KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 
 
 def _knob(

@@ -157,8 +157,8 @@ def kernel_speed(args: argparse.Namespace) -> None:
 
     import torch
 
-    from quire.attention import kv_format
     from quire.kernels import cpu as cpu_kernels
+    from quire.kernels import kv_format
     from quire.worker.kv_cache import KVCache
 
     heads, kv_heads, head_dim = KERNEL_SHAPES[args.shape]

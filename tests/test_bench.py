@@ -22,7 +22,8 @@ from quire.bench.serve import (
 )
 from quire.bench.throughput import make_requests
 from quire.entrypoints.cli import main
-from quire.model.model_config import ModelConfig, RopeConfig
+from quire.layers.rotary import RopeConfig
+from quire.model.model_config import ModelConfig
 from quire.model.tokenizer import load_tokenizer
 
 TINY_RUN = ["--kv-cache-memory", str(8 << 20), "--seed", "0"]

@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent(
     """
     import os, time
     import torch
-    from quire.worker.host_threads import release_openmp_threads
+    from quire.engine.host_threads import release_openmp_threads
 
     def num_threads():
         return len(os.listdir("/proc/self/task"))

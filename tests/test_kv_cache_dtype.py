@@ -1,5 +1,5 @@
 """Quantized KV cache (`kv_cache_dtype` int8 / fp8 / fp8_e5m2): each token's row per KV head is
-stored as one-byte codes and a float32 scale (quire/attention/kv_format.py). The quantizer against
+stored as one-byte codes and a float32 scale (quire/kernels/kv_format.py). The quantizer against
 a numpy / torch reference and its error bound, the attention kernels against a float64 reference
 over the dequantized K/V, the cache's blocks as data, the pool's capacity and the engine end to
 end."""
@@ -12,11 +12,11 @@ import torch
 from conftest import token_prompts
 
 from quire import LLM, SamplingParams
-from quire.attention import kv_format
 from quire.attention.backend import AttentionMetadata
 from quire.attention.torch_backend import TorchAttentionBackend
 from quire.config import EngineConfig
 from quire.kernels import cpu as cpu_kernels
+from quire.kernels import kv_format
 from quire.worker.kv_cache import KVBlocks, KVCache
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no C compiler")

@@ -33,9 +33,9 @@ from quire.layers.parallel_linear import (
     Shard,
 )
 from quire.layers.quantized_linear import QuantizedLinear, QuantizedWeight, shard_of
-from quire.layers.rotary import RotaryEmbedding, apply_rotary
+from quire.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
 from quire.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding, gather_logits
-from quire.model.model_config import ModelConfig, ModelShape, RopeConfig
+from quire.model.model_config import ModelConfig, ModelShape
 
 WORLD = 2
 HIDDEN = 24

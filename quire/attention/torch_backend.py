@@ -7,7 +7,7 @@ num_kv_heads, head_dim]` tensor and masked past its length.
 Prefill chunks likewise run in a C kernel when it can be built for the dtype (bf16 on CPUs with
 AVX-512 BF16: all chunks of a step in one call, K/V read through the block table).
 
-A quantized cache (attention/kv_format.py) is written by the C quantizer, each token's row on its
+A quantized cache (kernels/kv_format.py) is written by the C quantizer, each token's row on its
 own, and read in its codes by the C decode kernel and by the C prefill kernel (which dequantizes
 each row to bf16 as it packs the context: a token's bits still depend only on its context's
 codes), or prefill chunks run as decodes where that kernel does not run. There is no PyTorch fallback for it (checked at start). Where it
@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from quire.attention import kv_format
 from quire.attention.backend import AttentionBackend, AttentionMetadata
 from quire.kernels import cpu as cpu_kernels
+from quire.kernels import kv_format
 
 
 def store_kv(

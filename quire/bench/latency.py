@@ -28,11 +28,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from quire.attention import kv_format
 from quire.bench import roofline
 from quire.bench.models import add_model_dir_arg, resolve_model
 from quire.bench.perplexity import prose_perplexity
 from quire.bench.speculative import describe_spec_decoding, spec_decoding_report
+from quire.kernels import kv_format
 from quire.kernels.cpu import gemv, qmatmul
 from quire.model import gguf_loader, loader
 

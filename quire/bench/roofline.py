@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quire.attention import kv_format
+from quire.kernels import kv_format
 from quire.model.model_config import ModelConfig
 from quire.worker import host_memory
 

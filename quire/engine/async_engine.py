@@ -9,7 +9,7 @@ blocks on the command queue when idle.
 `from_engine_config` builds the engine on that thread too, so that it is the only thread with
 OpenMP workers: a second pool (the main thread's, after loading the weights) made libgomp stop
 spinning between parallel regions and a served decode step ~1.6x slower than offline
-(quire.worker.host_threads).
+(quire.engine.host_threads).
 
 Why a thread and not an engine-core process: torch releases the GIL while it computes, so the
 server's event loop runs alongside a step, and what it does per token (one SSE chunk) is small
@@ -41,11 +41,11 @@ from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass
 
 from quire.config import EngineConfig
+from quire.engine.host_threads import release_openmp_threads
 from quire.engine.llm_engine import LLMEngine, PromptType
 from quire.engine.metrics import EngineMetrics
 from quire.outputs import RequestOutput
 from quire.sampling_params import SamplingParams
-from quire.worker.host_threads import release_openmp_threads
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class _Shutdown:
 class AsyncLLM:
     def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None) -> None:
         """Serves an engine built on the calling thread. That thread's OpenMP workers are
-        released first (quire.worker.host_threads): a second pool would slow every step."""
+        released first (quire.engine.host_threads): a second pool would slow every step."""
         release_openmp_threads()
         self._start(lambda: engine, metrics)
 

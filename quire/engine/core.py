@@ -1,6 +1,6 @@
 """EngineCore: schedule -> executor.execute_model -> scheduler.update, and nothing else.
 
-The scheduler writes each step's SchedulerOutput, asking the Speculator (spec_decode/
+The scheduler writes each step's SchedulerOutput, asking the Speculator (engine/
 speculator.py) which proposals to verify and the StructuredOutputManager (structured_output/
 manager.py) for the grammar bitmask; the core gives a request its grammar matcher when it is
 added, and after the step hands the speculator the step's output (accepted tokens, the worker's
@@ -25,12 +25,12 @@ from quire.config import EngineConfig
 from quire.engine.kv_manager import KVCacheManager
 from quire.engine.request import Request, RequestStatus
 from quire.engine.scheduler import Scheduler
-from quire.executor.base import make_executor
+from quire.engine.speculator import SpecDecodingStats, Speculator
+from quire.executor import make_executor
 from quire.kv_transfer.scheduler_connector import KVConnectorScheduler, KVTransferStats
 from quire.messages import TopLogprobs
 from quire.model.model_config import ModelConfig
 from quire.model.tokenizer import load_tokenizer
-from quire.spec_decode.speculator import SpecDecodingStats, Speculator
 from quire.structured_output.compiler import GrammarCompiler
 from quire.structured_output.manager import StructuredOutputManager
 

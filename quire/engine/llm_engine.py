@@ -20,13 +20,12 @@ from quire.engine.core import CoreStats, EngineCore, EngineCoreOutput
 from quire.engine.core_client import CoreProcessClient
 from quire.engine.detokenizer import IncrementalDetokenizer
 from quire.engine.request import Request, RequestStatus
+from quire.engine.speculator import SpecDecodingStats
 from quire.messages import TopLogprobs
-from quire.model.loader import load_model_config
-from quire.model.model_config import ModelConfig
+from quire.model.model_config import ModelConfig, load_model_config
 from quire.model.tokenizer import load_tokenizer
 from quire.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from quire.sampling_params import SamplingParams
-from quire.spec_decode.speculator import SpecDecodingStats
 from quire.structured_output.compiler import GrammarCompiler
 
 if TYPE_CHECKING:

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from quire.engine.llm_engine import LLMEngine
+from quire.engine.speculator import SpecDecodingStats
 from quire.kv_transfer.scheduler_connector import KVTransferStats
 from quire.outputs import RequestOutput
-from quire.spec_decode.speculator import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 from quire.engine.kv_manager import KVCacheManager
 from quire.engine.request import Request, RequestStatus
+from quire.engine.speculator import Speculator
 from quire.kv_transfer.scheduler_connector import (
     KVConnectorScheduler,
     remote_decode,
@@ -56,7 +57,6 @@ from quire.messages import (
     SchedulerOutput,
     TopLogprobs,
 )
-from quire.spec_decode.speculator import Speculator
 from quire.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)

@@ -9,11 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-import torch
-
-from quire.config import EngineConfig
 from quire.messages import ModelRunnerOutput, SchedulerOutput
-from quire.model.model_config import ModelConfig
 
 
 class Executor(ABC):
@@ -25,15 +21,3 @@ class Executor(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Ends the workers; the executor cannot run steps afterwards."""
-
-
-def make_executor(
-    config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int
-) -> Executor:
-    if config.distributed_executor_backend == "mp":
-        from quire.executor.multiproc import MultiprocExecutor
-
-        return MultiprocExecutor(config, model_config, dtype, max_model_len)
-    from quire.executor.uniproc import UniprocExecutor
-
-    return UniprocExecutor(config, model_config, dtype, max_model_len)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import zmq
 
-from quire.attention import kv_format
+from quire.kernels import kv_format
 
 logger = logging.getLogger(__name__)
 

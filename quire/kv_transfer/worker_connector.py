@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import xxhash
 
-from quire.attention import kv_format
+from quire.kernels import kv_format
 from quire.kv_transfer.transport import KVClient, KVLayout, KVServer, Lease, PulledKV
 from quire.messages import (
     ForkedRequestData,

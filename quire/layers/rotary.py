@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from quire.model.model_config import RopeConfig
+
+@dataclass
+class RopeConfig:
+    """A checkpoint's rope parameters (model_config.py reads them from config.json or GGUF)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"  # "default" | "linear" | "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
 
 
 def _inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:  # [head_dim // 2]

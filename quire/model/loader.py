@@ -13,7 +13,6 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from quire.config import EngineConfig
 from quire.kernels.cpu import qmatmul
 from quire.layers.linear import PackedLinear, pack_linear_layers, packed_linear_supported
 from quire.layers.quantized_linear import (
@@ -24,34 +23,11 @@ from quire.layers.quantized_linear import (
     quantize_linear_layers,
 )
 from quire.layers.rotary import RotaryEmbedding
-from quire.model.gguf_loader import iter_gguf_weights, load_gguf_config
-from quire.model.model_config import (
-    ModelConfig,
-    ModelFileError,
-    architecture_of,
-    read_hf_config,
-)
+from quire.model.gguf_loader import iter_gguf_weights
+from quire.model.model_config import LoadConfig, ModelConfig, ModelFileError
 from quire.model.registry import get_model_class
 
 logger = logging.getLogger(__name__)
-
-
-def load_model_config(config: EngineConfig) -> ModelConfig:
-    """The checkpoint's ModelConfig. Raises FileNotFoundError, or ModelFileError naming the file
-    and what is wrong with it."""
-    cfg = load_gguf_config(config.model) if config.is_gguf else read_hf_config(config.model)
-    try:
-        get_model_class(architecture_of(cfg))  # unsupported: fail before reading other fields
-        return ModelConfig.from_dict(cfg)
-    except ModelFileError:
-        raise
-    except ValueError as error:
-        raise ModelFileError(f"{_config_file(config.model)}: {error}") from None
-
-
-def _config_file(model: str) -> str:
-    """The file a checkpoint's config is read from."""
-    return model if model.endswith(".gguf") else os.path.join(model, "config.json")
 
 
 def iter_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -74,7 +50,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def kept_quantized_types(config: EngineConfig, dtype: torch.dtype) -> frozenset[str]:
+def kept_quantized_types(config: LoadConfig, dtype: torch.dtype) -> frozenset[str]:
     """The GGUF block types loaded as they are, for the int8 kernel (layers/quantized_linear.py):
     all it takes for a GGUF file run in bf16 on CPU with the C kernels (any rank count) and
     `quantization` auto; none otherwise (every weight dequantized to `dtype`, as before)."""
@@ -91,7 +67,7 @@ def kept_quantized_types(config: EngineConfig, dtype: torch.dtype) -> frozenset[
     return KERNEL_TYPES
 
 
-def check_int8(config: EngineConfig, dtype: torch.dtype) -> None:
+def check_int8(config: LoadConfig, dtype: torch.dtype) -> None:
     """`--quantization int8` runs on the int8 kernel: bf16 activations on CPU, the C kernels on.
     Raises ValueError saying what to change otherwise."""
     if torch.device(config.device).type != "cpu" or dtype != torch.bfloat16:
@@ -138,7 +114,7 @@ def pack_weights(model: nn.Module, use_gemv: bool) -> None:
 
 
 def load_model(
-    config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_position: int
+    config: LoadConfig, model_config: ModelConfig, dtype: torch.dtype, max_position: int
 ) -> nn.Module:
     start = time.perf_counter()
     model_class = get_model_class(model_config.architecture)

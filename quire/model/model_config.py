@@ -5,7 +5,24 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
+
+from quire.layers.rotary import RopeConfig
+
+
+class LoadConfig(Protocol):
+    """What model/ reads of the engine's configuration (EngineConfig, config.py, has it all).
+    The config sits above model/, as it checks the arguments against the checkpoint
+    (ModelShape), so model/ states the fields it reads rather than importing it."""
+
+    model: str
+    device: str
+    quantization: str  # "auto" | "none" | "int8"
+    pack_weights: bool
+    gemv: bool
+
+    @property
+    def is_gguf(self) -> bool: ...
 
 
 class ModelFileError(ValueError):
@@ -23,16 +40,6 @@ _REQUIRED_INTS = (
 )
 _OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 _OPTIONAL_BOOLS = ("tie_word_embeddings", "attention_bias")
-
-
-@dataclass
-class RopeConfig:
-    theta: float = 10000.0
-    rope_type: str = "default"  # "default" | "linear" | "llama3"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
 
 
 @dataclass
@@ -139,6 +146,27 @@ class ModelShape:
                 f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                 f"({self.max_position_embeddings}); pass a smaller max_model_len."
             )
+
+
+def load_model_config(config: LoadConfig) -> ModelConfig:
+    """The checkpoint's ModelConfig. Raises FileNotFoundError, or ModelFileError naming the file
+    and what is wrong with it."""
+    from quire.model.gguf_loader import load_gguf_config  # gguf_loader imports this file
+    from quire.model.registry import get_model_class  # model classes import this file
+
+    cfg = load_gguf_config(config.model) if config.is_gguf else read_hf_config(config.model)
+    try:
+        get_model_class(architecture_of(cfg))  # unsupported: fail before reading other fields
+        return ModelConfig.from_dict(cfg)
+    except ModelFileError:
+        raise
+    except ValueError as error:
+        raise ModelFileError(f"{_config_file(config.model)}: {error}") from None
+
+
+def _config_file(model: str) -> str:
+    """The file a checkpoint's config is read from."""
+    return model if model.endswith(".gguf") else os.path.join(model, "config.json")
 
 
 def _check_keys(cfg: dict[str, Any]) -> None:

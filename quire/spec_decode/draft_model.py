@@ -42,8 +42,7 @@ import torch
 
 from quire.attention.backend import AttentionMetadata
 from quire.config import EngineConfig
-from quire.model.loader import load_model_config
-from quire.model.model_config import ModelConfig
+from quire.model.model_config import ModelConfig, load_model_config
 from quire.sample.sampler import (
     STREAM_DRAFT,
     SamplingBatch,

@@ -32,11 +32,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from quire.attention import kv_format
 from quire.attention.backend import AttentionMetadata
 from quire.distributed.parallel_state import shm_group, tp_size
 from quire.distributed.shm_all_reduce import ShmAllReduce
 from quire.kernels import cpu as cpu_kernels
+from quire.kernels import kv_format
 from quire.kernels.cpu import pointwise
 from quire.layers.linear import PackedLinear
 from quire.layers.quantized_linear import QuantizedLinear
@@ -97,7 +97,7 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _kv_readable(kv_cache: KVCache) -> bool:
-    """A cache the C step reads: bf16, or quantized (attention/kv_format.py)."""
+    """A cache the C step reads: bf16, or quantized (kernels/kv_format.py)."""
     return kv_cache.dtype == torch.bfloat16 or kv_format.is_quantized(kv_cache.dtype)
 
 

@@ -3,7 +3,7 @@ read and written as data), how many blocks fit the memory budget, and the profil
 
 Layout, for every layer: K and V are each `[num_blocks, block_size, num_kv_heads, head_dim]`
 tensors of the KV dtype (num_kv_heads is this rank's share under tensor parallelism); a quantized
-cache's rows are `head_dim` codes and their scale (`head_dim + 4` elements, attention/kv_format.py). Logical
+cache's rows are `head_dim` codes and their scale (`head_dim + 4` elements, kernels/kv_format.py). Logical
 position p of a request lives in block `block_table[p // block_size]` at offset
 `p % block_size`; one slot index is `block * block_size + offset`. Block 0..num_blocks-1 are the
 same ids the engine's KVCacheManager hands out.
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from quire.attention import kv_format
 from quire.attention.backend import AttentionBackend, AttentionMetadata
 from quire.attention.forward_context import forward_context
 from quire.config import EngineConfig
+from quire.kernels import kv_format
 from quire.layers.rotary import RotaryEmbedding
 from quire.model.model_config import ModelConfig
 from quire.sample.sampler import Sampler, SamplingBatch

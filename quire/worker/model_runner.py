@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from quire.attention import kv_format
 from quire.config import EngineConfig
 from quire.kernels import cpu as cpu_kernels
+from quire.kernels import kv_format
 from quire.messages import ModelRunnerOutput, SchedulerOutput, TopLogprobs
 from quire.model.model_config import ModelConfig
 from quire.sample.sampler import compute_topk_logprobs

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from quire import envs
-from quire.attention import kv_format
+from quire.kernels import kv_format
 
 logger = logging.getLogger(__name__)
 
@@ -329,7 +329,7 @@ def supports_prefill_attention(
 def prefill_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim] bf16; heads and dims contiguous
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] bf16, contiguous,
-    v_cache: torch.Tensor,  # or quantized (attention/kv_format.py): rows of head_dim + 4
+    v_cache: torch.Tensor,  # or quantized (kernels/kv_format.py): rows of head_dim + 4
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, offsets into query's tokens
     seq_lens: torch.Tensor,  # [num_seqs] int32: cached prefix + chunk

@@ -1,4 +1,4 @@
-// A quantized KV cache's rows (quire/attention/kv_format.py): per token and KV head, head_dim
+// A quantized KV cache's rows (quire/kernels/kv_format.py): per token and KV head, head_dim
 // one-byte codes then that row's float32 scale (little-endian, at byte head_dim), set once when
 // the token is written. A code's value is decode(code) * scale:
 //   KV_INT8      the code as a signed integer (-127..127), scale = amax / 127

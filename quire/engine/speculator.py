@@ -19,14 +19,11 @@ a request still in its prompt, or replaying its tokens after a preemption, gets 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from quire.config import SpeculativeConfig
+from quire.engine.request import Request
 from quire.messages import ModelRunnerOutput, SchedulerOutput
 from quire.spec_decode.adaptive import AdaptiveSpeculation
-
-if TYPE_CHECKING:
-    from quire.engine.request import Request
 
 
 @dataclass

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from quire.engine_args import KV_CACHE_DTYPES
-
+# --kv-cache-dtype's values: vLLM's (fp8 is fp8_e4m3), and int8.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 SCALE_BYTES = 4
 # The quantized formats: their cache tensor dtype and their number in kernels/cpu/kv_quant.h.
 _QUANTIZED = {
