@@ -1,5 +1,6 @@
 """The docs stay true to the tree: docs/ARCHITECTURE.md's module map names every module under
-quire/ and nothing else, and its scripts paragraph every script.
+quire/ and nothing else, its scripts paragraph every script, and the README and docs/ link only
+to files that exist, the README to every page of docs/.
 
 The map's rule, as the doc states it: in the fenced block under "## Module map", a line whose
 first word ends in `/`, `.py`, `.c` or `.h` names that package or file by its path under quire/.
@@ -13,6 +14,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "quire"
 ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
+README = ROOT / "README.md"
+DOC_PAGES = sorted((ROOT / "docs").glob("*.md"))
+# [text](target) and ![alt](target), the target up to an optional #fragment
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)#\s]*)(?:#[^)]*)?\)")
 
 
 def map_paths() -> list[str]:
@@ -59,3 +64,19 @@ def test_the_architecture_doc_names_every_script_and_no_other():
         "docs/ARCHITECTURE.md's `scripts/` paragraph must name every file in scripts/: add "
         f"{sorted(scripts - named)}, remove {sorted(named - scripts)}"
     )
+
+
+def test_the_readme_links_every_docs_page():
+    linked = {(README.parent / target).resolve() for target in LINK.findall(README.read_text())}
+    unlinked = [page.relative_to(ROOT).as_posix() for page in DOC_PAGES if page not in linked]
+    assert not unlinked, f"README.md links no [page](docs/...) for {unlinked}: add one for each"
+
+
+def test_every_relative_link_in_the_readme_and_docs_resolves():
+    broken = [
+        f"{page.relative_to(ROOT).as_posix()}: ({target})"
+        for page in [README, *DOC_PAGES]
+        for target in LINK.findall(page.read_text())
+        if target and not re.match(r"[a-z]+:", target) and not (page.parent / target).exists()
+    ]
+    assert not broken, "these links point at no file; fix the path:\n  " + "\n  ".join(broken)
