@@ -188,7 +188,7 @@ class EngineArgs:
         "MB; default: 512 MiB)",
     )
     # The CPU kernel choices: on where they run, each can be turned off to compare against
-    # the path it replaces (README, "CPU"). Defaults from quire/envs.py.
+    # the path it replaces (docs/CPU.md). Defaults from quire/envs.py.
     cpu_kernels: bool = _knob(
         env="QUIRE_CPU_KERNELS",
         help="build and use the C kernels on CPU (attention, norms, rotary, GEMV); off: PyTorch",
