@@ -1,4 +1,13 @@
-"""EngineConfig: the engine knobs of EngineArgs, validated once."""
+"""The engine's configuration, in two stages.
+
+`EngineConfig`: the knobs of EngineArgs validated once (what to change, in the error), `auto`
+resolved where no file needs reading; the front end and the server read it.
+
+`QuireConfig`: what the engine core, the executor and every worker read, resolved once from an
+EngineConfig by `resolve_config` (which reads the checkpoint's config and picks a free KV port),
+in sub-configs by owner — model, cache, scheduler, parallel, device, speculative, KV transfer —
+frozen, and passed as one argument. The KV pool's size, known once the workers have measured
+it, is set once (`with_kv_pool`)."""
 
 from __future__ import annotations
 
@@ -6,7 +15,7 @@ import importlib.util
 import logging
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -14,7 +23,7 @@ import torch
 from quire.engine_args import ATTENTION_BACKENDS, DEVICES, QUANTIZATIONS, EngineArgs
 from quire.kernels import kv_format
 from quire.layers.linear import onednn_runs_bf16
-from quire.model.model_config import ModelShape
+from quire.model.model_config import ModelConfig, ModelShape, load_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -293,11 +302,7 @@ class EngineConfig(EngineArgs):
         for name in ("kv_lease_timeout", "kv_transfer_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}.")
-        if self.kv_port is None:
-            with socket.socket() as sock:
-                sock.bind((self.kv_host, 0))
-                self.kv_port = sock.getsockname()[1]
-        elif not 0 < self.kv_port < 65536:
+        if self.kv_port is not None and not 0 < self.kv_port < 65536:
             raise ValueError(f"kv_port must be in 1..65535, got {self.kv_port}.")
 
     @property
@@ -341,3 +346,165 @@ class EngineConfig(EngineArgs):
             )
             return torch.float32
         return torch.bfloat16
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """The model and how it loads (what model/ reads: LoadConfig)."""
+
+    model: str  # the checkpoint: a Hugging Face folder or a .gguf file
+    tokenizer: str | None
+    architecture: ModelConfig  # the checkpoint's config.json / GGUF header
+    dtype: torch.dtype  # of the activations and the unquantized weights
+    max_model_len: int  # prompt and output tokens of one sequence
+    quantization: str
+    pack_weights: bool
+    gemv: bool
+    device: str
+    seed: int  # of torch's generator: sampling without a per-request seed
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.model.endswith(".gguf")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    kv_cache_dtype: str
+    enable_prefix_caching: bool
+    num_kv_blocks: int | None  # given, or measured by the workers (`with_kv_pool`)
+    kv_cache_memory: int | None
+    gpu_memory_utilization: float
+    huge_pages: bool
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    grammar_cache_bytes: int  # structured outputs' compiled grammars
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int
+    tensor_parallel_port: int | None
+    distributed_executor_backend: str  # "uni" | "mp"
+    engine_core_process: bool
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str  # "cpu" | "cuda"
+    attention_backend: str  # "torch" | "triton"
+    enforce_eager: bool
+    cpu_kernels: bool
+    gemv_fma: bool | None
+    cpu_amx: bool
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Prefill/decode disaggregation: this instance's role and KV endpoint."""
+
+    mode: str  # "prefill" | "decode" | "both"
+    host: str
+    port: int
+    lease_timeout: float
+    transfer_timeout: float
+
+
+@dataclass(frozen=True)
+class QuireConfig:
+    model: ModelSettings
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: DeviceConfig
+    speculative: SpeculativeConfig | None
+    kv_transfer: KVTransferConfig | None
+
+    def with_kv_pool(self, num_kv_blocks: int) -> QuireConfig:
+        """This config with the KV pool's size the workers measured, and max_model_len cut to
+        what the pool holds."""
+        pool_tokens = num_kv_blocks * self.cache.block_size
+        if self.model.max_model_len > pool_tokens:
+            logger.warning(
+                "max_model_len %d does not fit in the KV pool (%d tokens); using %d",
+                self.model.max_model_len,
+                pool_tokens,
+                pool_tokens,
+            )
+        return replace(
+            self,
+            model=replace(self.model, max_model_len=min(self.model.max_model_len, pool_tokens)),
+            cache=replace(self.cache, num_kv_blocks=num_kv_blocks),
+        )
+
+
+def resolve_config(config: EngineConfig) -> QuireConfig:
+    """The engine's QuireConfig from validated arguments: reads the checkpoint's config (its
+    architecture, dtype, length) and, for a disaggregated instance without a KV port, picks a
+    free one."""
+    architecture = load_model_config(config)
+    # EngineConfig checked a given max_model_len against the model's (ModelShape)
+    max_model_len = config.max_model_len or architecture.max_position_embeddings
+    kv_transfer = None
+    if config.disaggregation_mode is not None:
+        port = config.kv_port
+        if port is None:
+            with socket.socket() as sock:
+                sock.bind((config.kv_host, 0))
+                port = sock.getsockname()[1]
+        kv_transfer = KVTransferConfig(
+            config.disaggregation_mode,
+            config.kv_host,
+            port,
+            config.kv_lease_timeout,
+            config.kv_transfer_timeout,
+        )
+    return QuireConfig(
+        model=ModelSettings(
+            model=config.model,
+            tokenizer=config.tokenizer,
+            architecture=architecture,
+            dtype=config.resolve_dtype(architecture.torch_dtype),
+            max_model_len=max_model_len,
+            quantization=config.quantization,
+            pack_weights=config.pack_weights,
+            gemv=config.gemv,
+            device=config.device,
+            seed=config.seed,
+        ),
+        cache=CacheConfig(
+            block_size=config.block_size,
+            kv_cache_dtype=config.kv_cache_dtype,
+            enable_prefix_caching=config.enable_prefix_caching,
+            num_kv_blocks=config.num_kv_blocks,
+            kv_cache_memory=config.kv_cache_memory,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            huge_pages=config.huge_pages,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            grammar_cache_bytes=config.grammar_cache_bytes,
+        ),
+        parallel=ParallelConfig(
+            tensor_parallel_size=config.tensor_parallel_size,
+            tensor_parallel_port=config.tensor_parallel_port,
+            distributed_executor_backend=config.distributed_executor_backend,
+            engine_core_process=config.engine_core_process,
+        ),
+        device=DeviceConfig(
+            device=config.device,
+            attention_backend=config.attention_backend,
+            enforce_eager=config.enforce_eager,
+            cpu_kernels=config.cpu_kernels,
+            gemv_fma=config.gemv_fma,
+            cpu_amx=config.cpu_amx,
+        ),
+        speculative=config.speculative_config,
+        kv_transfer=kv_transfer,
+    )

@@ -15,7 +15,7 @@ import torch
 from quire import LLM, SamplingParams
 from quire.attention.backend import AttentionMetadata
 from quire.attention.forward_context import forward_context
-from quire.config import EngineConfig
+from quire.config import EngineConfig, QuireConfig, resolve_config
 from quire.worker import kv_cache
 from quire.worker.cuda_graph import (
     CUDAGraphRunner,
@@ -93,8 +93,8 @@ def test_a_decode_batch_replays_the_smallest_captured_size_that_holds_it(batch_s
 
 
 def test_cuda_graphs_are_used_on_cuda_with_triton_unless_enforce_eager(tiny_llama):
-    def config(**kwargs) -> EngineConfig:
-        return EngineConfig(model=tiny_llama, **kwargs)
+    def config(**kwargs) -> QuireConfig:
+        return resolve_config(EngineConfig(model=tiny_llama, **kwargs))
 
     assert use_cuda_graphs(config(device="cuda"))
     assert not use_cuda_graphs(config(device="cuda", enforce_eager=True))
@@ -213,8 +213,7 @@ def test_padded_decode_forward_matches_eager_and_the_torch_backend_tokens(tiny_l
         model_runner.model,
         model_runner.kv_cache.layers,
         model_runner.backend,
-        llm.engine.config,
-        llm.engine.max_model_len,
+        llm.engine.quire_config,
     )
     checks = install_checked_runner(llm, runner)
     assert greedy_tokens(llm) == expected
@@ -265,7 +264,7 @@ def test_gpu_kv_budget_is_the_utilization_share_minus_memory_in_use_and_profiled
     block_bytes = kv_cache.bytes_per_block(model_config, 16, torch.float32)
     target = runner_of(llm)
     num_blocks = kv_cache.num_kv_blocks(
-        config, torch.float32, block_bytes, target.model, target.backend
+        resolve_config(config), block_bytes, target.model, target.backend
     )
     budget = 900 * mib - 300 * mib - 50 * mib  # share - in use - (peak - baseline)
     assert num_blocks == budget // block_bytes

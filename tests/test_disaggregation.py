@@ -81,7 +81,7 @@ def disaggregated(prefill: LLMEngine, decode: LLMEngine, prompt: dict, sampling:
         "do_remote_prefill": True,
         "transfer_id": transfer_id,
         "remote_host": prefill.config.kv_host,
-        "remote_port": prefill.config.kv_port,
+        "remote_port": prefill.quire_config.kv_transfer.port,
     }
     request_id = f"d-{transfer_id}"
     decode.add_request(request_id, prompt, decode_params)
@@ -203,7 +203,9 @@ def test_unpulled_lease_runs_out_and_a_late_pull_fails(prefill, decode):
     run_until_idle(prefill)  # until its lease (2 s) runs out
     assert_all_blocks_free(prefill)
     assert prefill.core_stats().kv_transfer.num_leases_expired >= 1
-    decode.add_request("late", prompt(20, 13), remote("late", prefill.config.kv_port))
+    decode.add_request(
+        "late", prompt(20, 13), remote("late", prefill.quire_config.kv_transfer.port)
+    )
     out = run_until_idle(decode)["late"]
     assert "no KV leased under transfer id 'late'" in out.outputs[0].stop_reason
     assert_all_blocks_free(decode)
@@ -218,7 +220,9 @@ def test_incompatible_instances_are_refused(tiny_llama, prefill):
         prefill.add_request("mismatch-p", prompt(20, 14), sampling)
         while prefill.has_unfinished_requests():
             prefill.step()
-        other.add_request("mismatch", prompt(20, 14), remote("mismatch", prefill.config.kv_port))
+        other.add_request(
+            "mismatch", prompt(20, 14), remote("mismatch", prefill.quire_config.kv_transfer.port)
+        )
         out = run_until_idle(other, prefill)["mismatch"]
         reason = out.outputs[0].stop_reason
         assert reason == (
@@ -269,7 +273,9 @@ def test_a_request_preempted_on_the_decode_side_is_recomputed_there(
             prefill.step()
         for i, p in enumerate(prompts):
             small.add_request(
-                f"pre{i}", p, remote(f"pre{i}", prefill.config.kv_port, max_tokens=40)
+                f"pre{i}",
+                p,
+                remote(f"pre{i}", prefill.quire_config.kv_transfer.port, max_tokens=40),
             )
         got = run_until_idle(small, prefill)
         assert small.scheduler.num_preemptions >= 1

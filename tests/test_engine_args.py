@@ -12,7 +12,7 @@ import re
 import pytest
 
 from quire import LLM, envs
-from quire.config import EngineConfig
+from quire.config import EngineConfig, resolve_config
 from quire.engine_args import EngineArgs
 from quire.entrypoints.cli import build_parser, main, serve_model
 from quire.layers.quantized_linear import KERNEL_TYPES
@@ -311,7 +311,9 @@ def test_kv_transfer_config_is_vllms_spelling_of_the_disaggregation_flags(tiny_l
         kv_transfer_config={"kv_connector": "QuireConnector", "kv_role": "kv_consumer"},
     ).create_engine_config()
     assert config.disaggregation_mode == "decode"
-    assert config.kv_host == "127.0.0.1" and 0 < config.kv_port < 65536  # a free port
+    assert (config.kv_host, config.kv_port) == ("127.0.0.1", None)  # no socket bound yet
+    endpoint = resolve_config(config).kv_transfer
+    assert endpoint.host == "127.0.0.1" and 0 < endpoint.port < 65536  # a free port
     with pytest.raises(ValueError, match="kv_role must be one of kv_producer, kv_consumer"):
         EngineArgs(
             model=tiny_llama, kv_transfer_config={"kv_role": "kv_leader"}

@@ -208,7 +208,7 @@ def test_a_decode_instance_dying_mid_stream_ends_the_stream_with_an_error(instan
                 prefill_server.url,
                 "prefill",
                 kv_host="127.0.0.1",
-                kv_port=prefill.engine.config.kv_port,
+                kv_port=prefill.engine.quire_config.kv_transfer.port,
             ),
             Instance(dying.url, "decode"),
         ]

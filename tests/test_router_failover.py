@@ -217,7 +217,7 @@ def test_a_dead_decode_instance_after_the_prefill_leaves_the_request_to_another(
     and the unpulled lease runs out (1 s) and frees the prefill instance's blocks."""
     (prefill_server, prefill), (decode_server, decode) = instances
     expected = completion_text(decode_server.url, body(PROMPT, ignore_eos=True))
-    kv_port = prefill.engine.config.kv_port
+    kv_port = prefill.engine.quire_config.kv_transfer.port
     dead = DyingInstance()
     router = router_over(
         [
@@ -237,7 +237,7 @@ def test_a_dead_decode_instance_after_the_prefill_leaves_the_request_to_another(
 def test_a_prefill_instance_that_drops_the_request_is_replaced_by_another(instances, router_over):
     (prefill_server, prefill), (decode_server, decode) = instances
     expected = completion_text(decode_server.url, body(PROMPT, ignore_eos=True))
-    kv_port = prefill.engine.config.kv_port
+    kv_port = prefill.engine.quire_config.kv_transfer.port
     expired = prefill.engine.core_stats().kv_transfer.num_leases_expired
     dying = DyingInstance()
     try:

@@ -74,10 +74,11 @@ print(json.dumps({"import_s": imported - start, "llm_s": built - imported,
 
 def time_phases(phases: dict[str, float]) -> None:
     """Wraps the steps LLM() runs so that each adds its seconds to `phases` (in the child)."""
+    from quire import config
     from quire.engine import llm_engine
     from quire.engine_args import EngineArgs
     from quire.model import gguf_loader
-    from quire.worker import host_memory, kv_cache, model_runner
+    from quire.worker import host_memory, kv_cache, model_forward
 
     def timed(key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
@@ -91,10 +92,10 @@ def time_phases(phases: dict[str, float]) -> None:
         return wrapper
 
     EngineArgs.create_engine_config = timed("engine_args_s", EngineArgs.create_engine_config)
-    llm_engine.load_model_config = timed("model_config_s", llm_engine.load_model_config)
+    config.load_model_config = timed("model_config_s", config.load_model_config)
     gguf_loader.read_gguf = timed("gguf_header_s", gguf_loader.read_gguf)
     llm_engine.load_tokenizer = timed("tokenizer_s", llm_engine.load_tokenizer)
-    model_runner.load_model = timed("weights_s", model_runner.load_model)
+    model_forward.load_model = timed("weights_s", model_forward.load_model)
     host_memory.move_to_huge_pages = timed("huge_pages_s", host_memory.move_to_huge_pages)
     kv_cache.KVCache.allocate = classmethod(timed("kv_pool_s", kv_cache.KVCache.allocate.__func__))
 

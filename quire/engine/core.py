@@ -19,9 +19,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-import torch
-
-from quire.config import EngineConfig
+from quire.config import QuireConfig
 from quire.engine.kv_manager import KVCacheManager
 from quire.engine.request import Request, RequestStatus
 from quire.engine.scheduler import Scheduler
@@ -29,7 +27,6 @@ from quire.engine.speculator import SpecDecodingStats, Speculator
 from quire.executor import make_executor
 from quire.kv_transfer.scheduler_connector import KVConnectorScheduler, KVTransferStats
 from quire.messages import TopLogprobs
-from quire.model.model_config import ModelConfig
 from quire.model.tokenizer import load_tokenizer
 from quire.structured_output.compiler import GrammarCompiler
 from quire.structured_output.manager import StructuredOutputManager
@@ -69,54 +66,41 @@ class EngineCoreOutput:
 
 
 class EngineCore:
-    def __init__(
-        self,
-        config: EngineConfig,
-        model_config: ModelConfig,
-        dtype: torch.dtype,
-        max_model_len: int,
-        grammar_compiler: GrammarCompiler | None = None,
-    ):
+    def __init__(self, config: QuireConfig, grammar_compiler: GrammarCompiler | None = None):
         """`grammar_compiler`: the front end's, when the core runs in its process (one cache);
         otherwise the core makes its own."""
-        self.executor = make_executor(config, model_config, dtype, max_model_len)
-        pool_tokens = self.executor.num_kv_blocks * config.block_size
-        if max_model_len > pool_tokens:
-            logger.warning(
-                "max_model_len %d does not fit in the KV pool (%d tokens); using %d",
-                max_model_len,
-                pool_tokens,
-                pool_tokens,
-            )
-            max_model_len = pool_tokens
-        self.max_model_len = max_model_len
-        self.num_kv_blocks = self.executor.num_kv_blocks
+        self.executor = make_executor(config)
+        config = config.with_kv_pool(self.executor.num_kv_blocks)
+        self.config = config
+        self.max_model_len = config.model.max_model_len
+        self.num_kv_blocks = config.cache.num_kv_blocks
+        cache, scheduler, spec = config.cache, config.scheduler, config.speculative
         self.kv_manager = KVCacheManager(
-            self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching
+            self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching
         )
-        spec_config = config.speculative_config
-        self.speculator = Speculator(spec_config) if spec_config is not None else None
+        self.speculator = Speculator(spec) if spec is not None else None
+        architecture = config.model.architecture
         if grammar_compiler is None:
             grammar_compiler = GrammarCompiler(
-                functools.partial(load_tokenizer, config.model, config.tokenizer),
-                model_config.vocab_size,
-                model_config.eos_token_ids,
-                config.grammar_cache_bytes,
+                functools.partial(load_tokenizer, config.model.model, config.model.tokenizer),
+                architecture.vocab_size,
+                architecture.eos_token_ids,
+                scheduler.grammar_cache_bytes,
             )
-        num_spec = spec_config.num_speculative_tokens if spec_config else 0
+        num_spec = spec.num_speculative_tokens if spec else 0
         self.structured_output = StructuredOutputManager(
-            grammar_compiler, config.max_num_seqs * (1 + num_spec)
+            grammar_compiler, scheduler.max_num_seqs * (1 + num_spec)
         )
         self.scheduler = Scheduler(
             self.kv_manager,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            max_model_len,
-            num_lookahead_tokens=spec_config.num_speculative_tokens if spec_config else 0,
+            scheduler.max_num_seqs,
+            scheduler.max_num_batched_tokens,
+            self.max_model_len,
+            num_lookahead_tokens=num_spec,
             kv_connector=(
-                KVConnectorScheduler(config.kv_lease_timeout)
-                if config.disaggregation_mode is not None
-                else None
+                None
+                if config.kv_transfer is None
+                else KVConnectorScheduler(config.kv_transfer.lease_timeout)
             ),
             speculator=self.speculator,
             structured_output=self.structured_output,

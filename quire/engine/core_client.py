@@ -1,4 +1,4 @@
-"""The engine core in a process of its own (`EngineConfig.engine_core_process`).
+"""The engine core in a process of its own (`ParallelConfig.engine_core_process`).
 
 The front end (LLMEngine) sends requests and aborts over a pipe; the core process steps while it
 has work and sends each step's outputs and stats back, without waiting to be asked, so the front
@@ -17,13 +17,10 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
-import torch
-
-from quire.config import EngineConfig
+from quire.config import QuireConfig
 from quire.engine.core import CoreStats, EngineCore, EngineCoreOutput
 from quire.engine.request import Request, RequestStatus
 from quire.executor import child_process
-from quire.model.model_config import ModelConfig
 
 _STALL_WAIT_S = 0.001  # the core's pause after a step that could schedule nothing
 _SHUTDOWN_TIMEOUT_S = 10.0
@@ -36,18 +33,12 @@ class EngineCoreDiedError(RuntimeError):
 class CoreProcessClient:
     """EngineCore's interface, served by a core in another process."""
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        model_config: ModelConfig,
-        dtype: torch.dtype,
-        max_model_len: int,
-    ):
+    def __init__(self, config: QuireConfig):
         context = multiprocessing.get_context("spawn")
         self._pipe, core_end = context.Pipe()
         self._process = context.Process(
             target=_core_main,
-            args=(core_end, config, model_config, dtype, max_model_len),
+            args=(core_end, config),
             name="quire-engine-core",
             daemon=True,
         )
@@ -56,10 +47,12 @@ class CoreProcessClient:
         self._stats = CoreStats()
         self.num_steps = 0
         try:
-            self.max_model_len, self.num_kv_blocks = self._receive()
+            self.config = self._receive()  # with the KV pool's size
         except BaseException:
             self.shutdown()
             raise
+        self.max_model_len = self.config.model.max_model_len
+        self.num_kv_blocks = self.config.cache.num_kv_blocks
 
     def add_request(self, request: Request) -> None:
         self._send("add", request)
@@ -106,19 +99,13 @@ class CoreProcessClient:
         self._process = None
 
 
-def _core_main(
-    pipe: Connection,
-    config: EngineConfig,
-    model_config: ModelConfig,
-    dtype: torch.dtype,
-    max_model_len: int,
-) -> None:
+def _core_main(pipe: Connection, config: QuireConfig) -> None:
     try:
-        core = EngineCore(config, model_config, dtype, max_model_len)
+        core = EngineCore(config)
     except BaseException:
         pipe.send(("error", traceback.format_exc()))
         return
-    pipe.send(("ready", (core.max_model_len, core.num_kv_blocks)))
+    pipe.send(("ready", core.config))
     # A reader thread takes every command as it arrives, so the front end never waits on a
     # core that is busy sending (each direction of the pipe has a bounded buffer).
     commands: queue.SimpleQueue = queue.SimpleQueue()

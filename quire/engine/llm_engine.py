@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from quire.config import EngineConfig
+from quire.config import EngineConfig, QuireConfig, resolve_config
 from quire.engine.core import CoreStats, EngineCore, EngineCoreOutput
 from quire.engine.core_client import CoreProcessClient
 from quire.engine.detokenizer import IncrementalDetokenizer
@@ -108,13 +108,14 @@ def check_draft_vocabulary(
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        """`config`: the arguments, validated; the engine resolves its QuireConfig from them
+        (`quire_config`, with the KV pool's size once the core has measured it)."""
         self.config = config
-        model_config = load_model_config(config)
+        quire_config = resolve_config(config)
+        model_config = quire_config.model.architecture
         self.model_config = model_config
-        self.dtype = config.resolve_dtype(model_config.torch_dtype)
+        self.dtype = quire_config.model.dtype
         self.tokenizer = load_tokenizer(config.model, config.tokenizer)
-        # EngineConfig checked a given max_model_len against the model's (ModelShape)
-        max_model_len = config.max_model_len or model_config.max_position_embeddings
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model":
             check_draft_vocabulary(config, model_config, self.tokenizer)
@@ -127,11 +128,10 @@ class LLMEngine:
             config.grammar_cache_bytes,
         )
         if config.engine_core_process:
-            self.core = CoreProcessClient(config, model_config, self.dtype, max_model_len)
+            self.core = CoreProcessClient(quire_config)
         else:
-            self.core = EngineCore(
-                config, model_config, self.dtype, max_model_len, self.grammar_compiler
-            )
+            self.core = EngineCore(quire_config, self.grammar_compiler)
+        self.quire_config: QuireConfig = self.core.config
         self.max_model_len = self.core.max_model_len
         eos = set(model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

@@ -826,15 +826,14 @@ def build_app(
         """What `quire router` balances on, and where this instance's KV endpoint is."""
         stats = engine.engine.core_stats()
         kv = stats.kv_transfer
+        endpoint = engine.engine.quire_config.kv_transfer
         return {
             "num_running": stats.num_running,
             "num_waiting": stats.num_waiting + (kv.num_waiting if kv else 0),
             "kv_cache_usage": stats.kv_cache_usage,
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "disaggregation_mode": config.disaggregation_mode,
-            "kv_endpoint": (
-                None if kv is None else {"host": config.kv_host, "port": config.kv_port}
-            ),
+            "kv_endpoint": (None if kv is None else {"host": endpoint.host, "port": endpoint.port}),
         }
 
     @app.get("/metrics")

@@ -23,14 +23,11 @@ import sys
 import traceback
 from multiprocessing.connection import Connection
 
-import torch
-
-from quire.config import EngineConfig
+from quire.config import QuireConfig
 from quire.distributed.parallel_state import RankPlacement
 from quire.executor import child_process
 from quire.executor.base import Executor
 from quire.messages import ModelRunnerOutput, SchedulerOutput
-from quire.model.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -42,15 +39,9 @@ class WorkerDiedError(RuntimeError):
 
 
 class MultiprocExecutor(Executor):
-    def __init__(
-        self,
-        config: EngineConfig,
-        model_config: ModelConfig,
-        dtype: torch.dtype,
-        max_model_len: int,
-    ):
-        world_size = config.tensor_parallel_size
-        port = config.tensor_parallel_port or free_port()
+    def __init__(self, config: QuireConfig):
+        world_size = config.parallel.tensor_parallel_size
+        port = config.parallel.tensor_parallel_port or free_port()
         context = multiprocessing.get_context("spawn")  # no fork of a process with threads
         self._processes: list[multiprocessing.Process] = []
         self._pipes: list[Connection] = []
@@ -59,7 +50,7 @@ class MultiprocExecutor(Executor):
             placement = RankPlacement(rank, world_size, port, rank_cores(rank, world_size))
             process = context.Process(
                 target=_worker_main,
-                args=(worker_end, config, model_config, dtype, max_model_len, placement),
+                args=(worker_end, config, placement),
                 name=f"quire-worker-{rank}",
                 daemon=True,
             )
@@ -148,25 +139,15 @@ def rank_cores(rank: int, world_size: int) -> list[int] | None:
     return cores[rank * share : (rank + 1) * share] if share else None
 
 
-def _worker_main(
-    pipe: Connection,
-    config: EngineConfig,
-    model_config: ModelConfig,
-    dtype: torch.dtype,
-    max_model_len: int,
-    placement: RankPlacement,
-) -> None:
+def _worker_main(pipe: Connection, config: QuireConfig, placement: RankPlacement) -> None:
     from quire.executor.plugins import make_kv_connector, make_proposer
     from quire.worker.worker import Worker
 
     try:
         worker = Worker(
             config,
-            model_config,
-            dtype,
-            max_model_len,
             placement,
-            proposer=make_proposer(config, dtype, max_model_len),
+            proposer=make_proposer(config),
             kv_connector=make_kv_connector(config),
         )
     except BaseException:

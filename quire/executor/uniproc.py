@@ -2,30 +2,18 @@
 
 from __future__ import annotations
 
-import torch
-
-from quire.config import EngineConfig
+from quire.config import QuireConfig
 from quire.executor.base import Executor
 from quire.executor.plugins import make_kv_connector, make_proposer
 from quire.messages import ModelRunnerOutput, SchedulerOutput
-from quire.model.model_config import ModelConfig
 from quire.worker.worker import Worker
 
 
 class UniprocExecutor(Executor):
-    def __init__(
-        self,
-        config: EngineConfig,
-        model_config: ModelConfig,
-        dtype: torch.dtype,
-        max_model_len: int,
-    ):
+    def __init__(self, config: QuireConfig):
         self.worker = Worker(
             config,
-            model_config,
-            dtype,
-            max_model_len,
-            proposer=make_proposer(config, dtype, max_model_len),
+            proposer=make_proposer(config),
             kv_connector=make_kv_connector(config),
         )
         self.num_kv_blocks = self.worker.num_kv_blocks

@@ -11,7 +11,8 @@ from quire.layers.rotary import RopeConfig
 
 
 class LoadConfig(Protocol):
-    """What model/ reads of the engine's configuration (EngineConfig, config.py, has it all).
+    """What model/ reads of the engine's configuration (config.py's ModelSettings, and the
+    EngineConfig it is resolved from, have it all).
     The config sits above model/, as it checks the arguments against the checkpoint
     (ModelShape), so model/ states the fields it reads rather than importing it."""
 

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from quire.attention.backend import AttentionMetadata
-from quire.config import EngineConfig
+from quire.config import QuireConfig
 from quire.model.model_config import ModelConfig, load_model_config
 from quire.sample.sampler import (
     STREAM_DRAFT,
@@ -59,11 +59,6 @@ from quire.worker.protocols import SampledStep
 from quire.worker.step_inputs import decode_metadata
 
 logger = logging.getLogger(__name__)
-
-
-def draft_engine_config(config: EngineConfig) -> EngineConfig:
-    """The target's engine config with the draft model in place of the target."""
-    return dataclasses.replace(config, model=config.speculative_config.model, tokenizer=None)
 
 
 @dataclasses.dataclass
@@ -94,20 +89,20 @@ class DraftModelProposer:
     """Implements worker/protocols.py's Proposer with a draft model: a ModelForward of its
     own, over a KV cache indexed by the target's block ids."""
 
-    def __init__(self, config: EngineConfig, dtype: torch.dtype, max_model_len: int):
-        draft_config = draft_engine_config(config)
-        self.model_config: ModelConfig = load_model_config(draft_config)
-        self.k = config.speculative_config.num_speculative_tokens
-        self.device = torch.device(config.device)
-        self.block_size = config.block_size
-        self.max_model_len = max_model_len
+    def __init__(self, config: QuireConfig):
+        target, spec = config.model, config.speculative
+        draft = dataclasses.replace(target, model=spec.model, tokenizer=None)
+        self.model_config: ModelConfig = load_model_config(draft)
+        self.k = spec.num_speculative_tokens
+        self.device = torch.device(config.device.device)
+        self.block_size = config.cache.block_size
+        self.max_model_len = target.max_model_len
         # Proposals reach k positions past the last token the target may verify.
         self.draft = ModelForward.load(
-            draft_config,
-            self.model_config,
-            dtype,
-            max_model_len + self.k,
-            make_backend(config.attention_backend),
+            dataclasses.replace(draft, architecture=self.model_config),
+            self.max_model_len + self.k,
+            make_backend(config.device.attention_backend),
+            config.cache.huge_pages,
         )
         self._drafts: dict[str, Draft] = {}
         self._written: dict[str, _Written] = {}  # by the last step's proposing

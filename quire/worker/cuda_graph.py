@@ -26,7 +26,7 @@ from torch import nn
 
 from quire.attention.backend import AttentionBackend, AttentionMetadata
 from quire.attention.forward_context import forward_context
-from quire.config import EngineConfig
+from quire.config import QuireConfig
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +34,13 @@ MAX_CAPTURE_SIZE = 256  # larger decode batches are compute-heavy enough to run 
 NUM_WARMUP_RUNS = 2  # eager runs per size before its capture (Triton compiles, cuBLAS settles)
 
 
-def use_cuda_graphs(config: EngineConfig) -> bool:
+def use_cuda_graphs(config: QuireConfig) -> bool:
     """Decode batches replay CUDA graphs on CUDA with the Triton backend unless enforce_eager."""
+    device = config.device
     return (
-        config.device == "cuda"
-        and config.attention_backend == "triton"
-        and not config.enforce_eager
+        device.device == "cuda"
+        and device.attention_backend == "triton"
+        and not device.enforce_eager
     )
 
 
@@ -147,16 +148,15 @@ class CUDAGraphRunner:
         model: nn.Module,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         backend: AttentionBackend,
-        config: EngineConfig,
-        max_model_len: int,
+        config: QuireConfig,
     ):
         self.model = model
         self.kv_caches = kv_caches
         self.backend = backend
-        self.sizes = capture_sizes(config.max_num_seqs)
-        self.max_seq_len = max_model_len
+        self.sizes = capture_sizes(config.scheduler.max_num_seqs)
+        max_model_len = self.max_seq_len = config.model.max_model_len
         param = next(model.parameters())
-        max_blocks_per_seq = -(-max_model_len // config.block_size)
+        max_blocks_per_seq = -(-max_model_len // config.cache.block_size)
         with torch.inference_mode():
             self.buffers = DecodeBuffers.allocate(self.sizes[-1], max_blocks_per_seq, param.device)
             # [max_batch_size, hidden_size]: what the last replay computed

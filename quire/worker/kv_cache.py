@@ -21,7 +21,7 @@ from torch import nn
 
 from quire.attention.backend import AttentionBackend, AttentionMetadata
 from quire.attention.forward_context import forward_context
-from quire.config import EngineConfig
+from quire.config import QuireConfig
 from quire.kernels import kv_format
 from quire.layers.rotary import RotaryEmbedding
 from quire.model.model_config import ModelConfig
@@ -148,8 +148,7 @@ def run_dummy_step(
 
 
 def num_kv_blocks(
-    config: EngineConfig,
-    dtype: torch.dtype,
+    config: QuireConfig,
     block_bytes: int,
     model: nn.Module | None = None,
     backend: AttentionBackend | None = None,
@@ -159,21 +158,22 @@ def num_kv_blocks(
     CUDA, what `gpu_memory_utilization` leaves after the loaded `model` and the activations of
     its largest step, profiled (a heuristic per batched token when no model is given); on CPU, a
     fixed share of physical memory."""
-    if config.kv_cache_memory is not None:
-        budget = config.kv_cache_memory
-    elif config.device == "cuda":
+    cache, scheduler, device = config.cache, config.scheduler, config.device.device
+    if cache.kv_cache_memory is not None:
+        budget = cache.kv_cache_memory
+    elif device == "cuda":
         if model is None:
-            activations = config.max_num_batched_tokens * _GPU_ACTIVATION_BYTES_PER_TOKEN
+            activations = scheduler.max_num_batched_tokens * _GPU_ACTIVATION_BYTES_PER_TOKEN
         else:
             activations = profile_activation_bytes(
                 model,
                 backend,
-                config.block_size,
-                dtype,
-                config.max_num_batched_tokens,
-                config.max_num_seqs,
+                cache.block_size,
+                config.model.dtype,
+                scheduler.max_num_batched_tokens,
+                scheduler.max_num_seqs,
             )
-        budget = gpu_kv_bytes(config.gpu_memory_utilization, activations, config.device)
+        budget = gpu_kv_bytes(cache.gpu_memory_utilization, activations, device)
     else:
         budget = default_cpu_kv_bytes()
     num_blocks = budget // block_bytes

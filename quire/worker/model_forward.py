@@ -26,7 +26,7 @@ from torch import nn
 
 from quire.attention.backend import AttentionBackend, AttentionMetadata
 from quire.attention.forward_context import forward_context
-from quire.config import EngineConfig
+from quire.config import ModelSettings, QuireConfig
 from quire.distributed.parallel_state import all_ranks_agree, tp_size
 from quire.model.loader import load_model
 from quire.model.model_config import ModelConfig
@@ -62,18 +62,17 @@ class ModelForward:
     @classmethod
     def load(
         cls,
-        config: EngineConfig,
-        model_config: ModelConfig,
-        dtype: torch.dtype,
+        settings: ModelSettings,
         max_position: int,
         backend: AttentionBackend,
+        huge_pages: bool,
     ) -> ModelForward:
-        """Loads `config.model`'s weights (this rank's share) for positions below
-        `max_position`."""
-        model = load_model(config, model_config, dtype, max_position)
-        if config.device == "cpu" and config.huge_pages:
+        """Loads `settings.model`'s weights (this rank's share) for positions below
+        `max_position`; on a CPU onto huge pages if `huge_pages`."""
+        model = load_model(settings, settings.architecture, settings.dtype, max_position)
+        if settings.device == "cpu" and huge_pages:
             host_memory.move_to_huge_pages(model)
-        return cls(model, model_config, backend)
+        return cls(model, settings.architecture, backend)
 
     def kv_block_bytes(self, block_size: int, kv_dtype: torch.dtype) -> int:
         """Bytes of one KV block of this model on this rank."""
@@ -86,10 +85,10 @@ class ModelForward:
         block_size: int,
         kv_dtype: torch.dtype,
         huge_pages: bool,
-        cuda_graphs: tuple[EngineConfig, int] | None = None,
+        cuda_graphs: QuireConfig | None = None,
     ) -> None:
-        """Allocates this model's KV cache and chooses its fast path. `cuda_graphs`: (config,
-        max_model_len) to capture decode graphs over the cache."""
+        """Allocates this model's KV cache and chooses its fast path. `cuda_graphs`: the config
+        to capture decode graphs over the cache by (the target's)."""
         param = next(self.model.parameters())
         self.kv_cache = kv_cache.KVCache.allocate(
             self.model_config.num_hidden_layers,
@@ -111,9 +110,8 @@ class ModelForward:
                     "C side); decode steps run the modules"
                 )
         if cuda_graphs is not None:
-            config, max_model_len = cuda_graphs
             self.cuda_graphs = CUDAGraphRunner(
-                self.model, self.kv_cache.layers, self.backend, config, max_model_len
+                self.model, self.kv_cache.layers, self.backend, cuda_graphs
             )
 
     @property

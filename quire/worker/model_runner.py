@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from quire.config import EngineConfig
+from quire.config import QuireConfig
 from quire.kernels import cpu as cpu_kernels
 from quire.kernels import kv_format
 from quire.messages import ModelRunnerOutput, SchedulerOutput, TopLogprobs
-from quire.model.model_config import ModelConfig
 from quire.sample.sampler import compute_topk_logprobs
 from quire.sample.step_sampler import GrammarMask, Row, StepSampler, accept, takes_argmax
 from quire.worker import kv_cache
@@ -35,48 +34,48 @@ from quire.worker.step_inputs import Step, StepInputBuilder, StepInputs
 class ModelRunner:
     def __init__(
         self,
-        config: EngineConfig,
-        model_config: ModelConfig,
-        dtype: torch.dtype,
-        max_model_len: int,
+        config: QuireConfig,
         proposer: Proposer | None = None,
         kv_connector: KVConnector | None = None,
     ):
-        self.device = torch.device(config.device)
+        device, cache, model = config.device, config.cache, config.model
+        self.device = torch.device(device.device)
         cpu_kernels.configure(
             cpu_kernels.KernelSettings(
-                enabled=config.cpu_kernels, gemv_fma=config.gemv_fma, amx=config.cpu_amx
+                enabled=device.cpu_kernels, gemv_fma=device.gemv_fma, amx=device.cpu_amx
             )
         )
         self.target = ModelForward.load(
-            config, model_config, dtype, max_model_len, make_backend(config.attention_backend)
+            model, model.max_model_len, make_backend(device.attention_backend), cache.huge_pages
         )
         self.proposer = proposer
         self.kv_connector = kv_connector
         target = self.target
         c_decode = self.device.type == "cpu" and cpu_kernels.supports_paged_decode(
-            torch.bfloat16, target.num_heads, target.num_kv_heads, model_config.head_dim
+            torch.bfloat16, target.num_heads, target.num_kv_heads, model.architecture.head_dim
         )
-        kv_dtype = kv_format.cache_dtype(config.kv_cache_dtype, dtype, c_decode)
-        block_bytes = target.kv_block_bytes(config.block_size, kv_dtype)
+        kv_dtype = kv_format.cache_dtype(cache.kv_cache_dtype, model.dtype, c_decode)
+        block_bytes = target.kv_block_bytes(cache.block_size, kv_dtype)
         if proposer is not None:
-            block_bytes += proposer.kv_block_bytes(config.block_size, kv_dtype)
-        self.num_blocks = config.num_kv_blocks or kv_cache.num_kv_blocks(
-            config, dtype, block_bytes, target.model, target.backend
+            block_bytes += proposer.kv_block_bytes(cache.block_size, kv_dtype)
+        self.num_blocks = cache.num_kv_blocks or kv_cache.num_kv_blocks(
+            config, block_bytes, target.model, target.backend
         )
         target.allocate_kv(
             self.num_blocks,
-            config.block_size,
+            cache.block_size,
             kv_dtype,
-            config.huge_pages,
-            cuda_graphs=(config, max_model_len) if use_cuda_graphs(config) else None,
+            cache.huge_pages,
+            cuda_graphs=config if use_cuda_graphs(config) else None,
         )
         if proposer is not None:
-            proposer.allocate_kv(self.num_blocks, config.block_size, kv_dtype, config.huge_pages)
+            proposer.allocate_kv(self.num_blocks, cache.block_size, kv_dtype, cache.huge_pages)
         if kv_connector is not None:
             kv_connector.register_kv_cache(target.kv_cache, target.model)
-        self.input_batch = InputBatch(config.max_num_seqs, -(-max_model_len // config.block_size))
-        self.inputs = StepInputBuilder(self.input_batch, config.block_size, self.device)
+        self.input_batch = InputBatch(
+            config.scheduler.max_num_seqs, -(-model.max_model_len // cache.block_size)
+        )
+        self.inputs = StepInputBuilder(self.input_batch, cache.block_size, self.device)
         self.sampler = StepSampler(self.device)
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:

@@ -7,10 +7,9 @@ import os
 
 import torch
 
-from quire.config import EngineConfig
+from quire.config import QuireConfig
 from quire.distributed.parallel_state import RankPlacement, init_tensor_parallel
 from quire.messages import ModelRunnerOutput, SchedulerOutput
-from quire.model.model_config import ModelConfig
 from quire.worker.model_runner import ModelRunner
 from quire.worker.protocols import KVConnector, Proposer
 
@@ -20,10 +19,7 @@ logger = logging.getLogger(__name__)
 class Worker:
     def __init__(
         self,
-        config: EngineConfig,
-        model_config: ModelConfig,
-        dtype: torch.dtype,
-        max_model_len: int,
+        config: QuireConfig,
         placement: RankPlacement | None = None,
         proposer: Proposer | None = None,
         kv_connector: KVConnector | None = None,
@@ -33,21 +29,20 @@ class Worker:
         self.rank = placement.rank
         if placement.world_size > 1:
             pin_rank(placement)
-            if config.device == "cuda":  # one GPU per rank: "cuda" is this rank's
+            if config.device.device == "cuda":  # one GPU per rank: "cuda" is this rank's
                 torch.cuda.set_device(placement.rank)
             # every tensor an all-reduce sums is at most a step's tokens x hidden size
-            rows = max(config.max_num_batched_tokens, config.max_num_seqs)
+            rows = max(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
+            hidden_size, dtype = config.model.architecture.hidden_size, config.model.dtype
             init_tensor_parallel(
                 placement.rank,
                 placement.world_size,
                 placement.port,
-                config.device,
-                shm_bytes=rows * model_config.hidden_size * max(dtype.itemsize, 4),
+                config.device.device,
+                shm_bytes=rows * hidden_size * max(dtype.itemsize, 4),
             )
-        torch.manual_seed(config.seed)  # the unseeded sampling noise: the same on every rank
-        self.runner = ModelRunner(
-            config, model_config, dtype, max_model_len, proposer, kv_connector
-        )
+        torch.manual_seed(config.model.seed)  # the unseeded sampling noise: the same on every rank
+        self.runner = ModelRunner(config, proposer, kv_connector)
 
     @property
     def num_kv_blocks(self) -> int:
