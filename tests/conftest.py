@@ -1,8 +1,11 @@
-"""Shared fixtures: the default GGUF model's tokenizer and tiny random Hugging Face checkpoints."""
+"""Shared fixtures and helpers: the default GGUF model's tokenizer, tiny random Hugging Face
+checkpoints, engines over them (`make_llm`), greedy parameters (`greedy`) and the idle invariant
+(`assert_idle`)."""
 
 from __future__ import annotations
 
 import os
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -14,7 +17,10 @@ if not torch.cuda.is_available():
     # Triton kernels run in the interpreter; read when quire.kernels is first imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from quire import LLM, SamplingParams  # noqa: E402
 from quire.config import default_model_path  # noqa: E402
+
+SMALL_POOL = 64  # KV blocks of `make_llm`'s engines: a default-sized pool takes seconds to allocate
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
@@ -30,6 +36,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.write_line(
         f"quire kernels: {cpu}; bf16 matmul {gemv.path()}, GGUF blocks {qmatmul.path()}"
     )
+
 
 # Shapes chosen to cover GQA ratios, head_dim != hidden / heads, tied and untied embeddings.
 TINY_CONFIGS = {
@@ -71,6 +78,34 @@ def token_prompts(lengths: list[int]) -> list[dict]:
         {"prompt_token_ids": [(97 * i + 13 * j) % 40000 + 10 for j in range(n)]}
         for i, n in enumerate(lengths)
     ]
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    """Greedy decoding of exactly `max_tokens` tokens (EOS ignored); `kwargs` are further
+    SamplingParams fields."""
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def make_llm(model: str, **engine_args) -> LLM:
+    """An LLM over `model` with a pool of SMALL_POOL KV blocks; `engine_args` (LLM's keyword
+    arguments) override that or add to it."""
+    return LLM(model, **{"num_kv_blocks": SMALL_POOL, **engine_args})
+
+
+def assert_idle(*engines, timeout: float = 10.0) -> None:
+    """The idle invariant on each engine (an LLM, LLMEngine or AsyncLLM), via its
+    `check_invariants`: nothing running or waiting, every KV block free with ref count 0, no
+    request left on any rank's worker. An AsyncLLM is first given up to `timeout` seconds to
+    finish its requests and K/V transfers (its engine thread ends them after the caller saw the
+    last output)."""
+    from quire.engine.async_engine import AsyncLLM
+
+    for engine in engines:
+        if isinstance(engine, AsyncLLM):
+            deadline = time.monotonic() + timeout
+            while engine.has_work() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        engine.check_invariants()
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,6 +35,9 @@ from quire.spec_decode.speculator import SpecDecodingStats, Speculator
 from quire.structured_output.compiler import GrammarCompiler
 from quire.structured_output.manager import StructuredOutputManager
 
+if TYPE_CHECKING:
+    from quire.worker.worker import WorkerState
+
 logger = logging.getLogger(__name__)
 
 
@@ -44,6 +48,7 @@ class CoreStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    num_free_kv_blocks: int = 0
     num_preemptions: int = 0  # since start
     prefix_cache_queries: int = 0  # tokens looked up, since start
     prefix_cache_hits: int = 0
@@ -154,6 +159,7 @@ class EngineCore:
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
             kv_cache_usage=kv.usage,
+            num_free_kv_blocks=kv.num_free_blocks,
             num_preemptions=scheduler.num_preemptions,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
@@ -162,6 +168,42 @@ class EngineCore:
                 None if scheduler.kv_connector is None else scheduler.kv_connector.snapshot()
             ),
         )
+
+    def worker_states(self) -> list[WorkerState]:
+        return self.executor.worker_states()
+
+    def idle_problems(self) -> list[str]:
+        """What keeps the core from being idle, in words (none when idle): a request running,
+        waiting, waiting for K/V or leased; a KV block not free (the KV manager's books, checked
+        first, hold a block free exactly when its ref count is 0); on any rank, a request in the
+        worker's batch or draft state other than those the next step tells it were finished.
+        Raises AssertionError if the KV manager's books disagree."""
+        scheduler, kv = self.scheduler, self.kv_manager
+        kv.check_invariants()
+        problems = []
+        for name, ids in [
+            ("running", [r.request_id for r in scheduler.running]),
+            ("waiting", [r.request_id for r in scheduler.waiting]),
+            ("waiting for K/V", list(scheduler.waiting_for_kv)),
+            ("leased to a decode instance", list(scheduler.leased)),
+        ]:
+            if ids:
+                problems.append(f"{len(ids)} request(s) {name} ({', '.join(ids)})")
+        if kv.num_free_blocks != kv.num_blocks:
+            holders = ", ".join(sorted(kv.req_blocks)) or "no request"
+            problems.append(
+                f"{kv.num_blocks - kv.num_free_blocks} of {kv.num_blocks} KV blocks not free "
+                f"(held by {holders})"
+            )
+        unsent = set(scheduler.unsent_finished_ids)
+        for state in self.executor.worker_states():
+            for what, ids in [
+                ("in its batch", state.request_ids),
+                ("in its draft state", state.draft_request_ids),
+            ]:
+                if kept := sorted(set(ids) - unsent):
+                    problems.append(f"rank {state.rank} holds request(s) {kept} {what}")
+        return problems
 
     def step(self) -> list[EngineCoreOutput]:
         """One iteration; an output for every sequence that made progress (none when nothing

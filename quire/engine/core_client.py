@@ -16,6 +16,7 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,8 +26,15 @@ from quire.engine.request import Request, RequestStatus
 from quire.executor import child_process
 from quire.model.model_config import ModelConfig
 
+if TYPE_CHECKING:
+    from quire.worker.worker import WorkerState
+
 _STALL_WAIT_S = 0.001  # the core's pause after a step that could schedule nothing
 _SHUTDOWN_TIMEOUT_S = 10.0
+_NEEDS_IN_PROCESS_CORE = (
+    "check_invariants and stats read the engine core's scheduler and workers: build the engine "
+    "with engine_core_process=False to call them."
+)
 
 
 class EngineCoreDiedError(RuntimeError):
@@ -87,6 +95,12 @@ class CoreProcessClient:
     def stats(self) -> CoreStats:
         """As of the last step received."""
         return self._stats
+
+    def idle_problems(self) -> list[str]:
+        raise RuntimeError(_NEEDS_IN_PROCESS_CORE)
+
+    def worker_states(self) -> list[WorkerState]:
+        raise RuntimeError(_NEEDS_IN_PROCESS_CORE)
 
     def _receive(self):
         return child_process.receive(self._pipe, self._process, "engine-core", EngineCoreDiedError)

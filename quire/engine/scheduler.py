@@ -156,6 +156,12 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.requests)
 
+    @property
+    def unsent_finished_ids(self) -> list[str]:
+        """Requests finished since the last step: the workers hold them until the next step's
+        message tells them to drop them."""
+        return list(self._finished_ids)
+
     # ---- the step ------------------------------------------------------------------------
     @property
     def has_kv_work(self) -> bool:

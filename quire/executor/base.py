@@ -8,6 +8,7 @@ message; rank 0's output is returned (executor/multiproc.py).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,12 +16,19 @@ from quire.config import EngineConfig
 from quire.messages import ModelRunnerOutput, SchedulerOutput
 from quire.model.model_config import ModelConfig
 
+if TYPE_CHECKING:
+    from quire.worker.worker import WorkerState
+
 
 class Executor(ABC):
     num_kv_blocks: int  # the KV pool of each worker, in blocks
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    @abstractmethod
+    def worker_states(self) -> list[WorkerState]:
+        """Each rank's state, in rank order (between steps)."""
 
     @abstractmethod
     def shutdown(self) -> None:

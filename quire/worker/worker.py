@@ -4,16 +4,34 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
 from quire.config import EngineConfig
 from quire.distributed.parallel_state import RankPlacement, init_tensor_parallel
+from quire.kernels.cpu import gemv, qmatmul
 from quire.messages import ModelRunnerOutput, SchedulerOutput
 from quire.model.model_config import ModelConfig
 from quire.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """What one rank holds and which fast paths it runs: plain data, for `LLM.check_invariants`
+    and `LLM.stats` (the executor gathers one per rank)."""
+
+    rank: int
+    pid: int  # the process the rank runs in
+    num_kv_blocks: int
+    request_ids: tuple[str, ...]  # the requests in its InputBatch, sorted
+    draft_request_ids: tuple[str, ...]  # requests the draft model keeps state for, sorted
+    c_decode_step: bool  # decode steps run the fused C step (worker/cpu_step.py)
+    cuda_graphs: bool  # decode steps replay CUDA graphs (worker/cuda_graph.py)
+    gemv_path: str  # quire.kernels.cpu.gemv.path() in this rank's process
+    qmatmul_path: str  # quire.kernels.cpu.qmatmul.path() in this rank's process
 
 
 class Worker:
@@ -49,6 +67,25 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(scheduler_output)
+
+    def state(self) -> WorkerState:
+        """This rank's state, read from its runner (and its draft model's per-request maps)."""
+        runner = self.runner
+        drafter = runner.drafter
+        drafted = set()
+        if drafter is not None:
+            drafted = {*drafter.drafts, *drafter._written, *drafter._valid}
+        return WorkerState(
+            rank=self.rank,
+            pid=os.getpid(),
+            num_kv_blocks=runner.num_blocks,
+            request_ids=tuple(sorted(runner.input_batch.requests)),
+            draft_request_ids=tuple(sorted(drafted)),
+            c_decode_step=runner.cpu_step is not None,
+            cuda_graphs=runner.cuda_graphs is not None,
+            gemv_path=gemv.path(),
+            qmatmul_path=qmatmul.path(),
+        )
 
     def shutdown(self) -> None:
         if self.runner.kv_connector is not None:
