@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from conftest import SMALL_POOL, greedy, make_llm
 
+from quire.executor.uniproc import UniprocExecutor
 from quire.kernels.cpu import gemv, qmatmul
 
 PROMPT = {"prompt_token_ids": [(7 * j) % 500 + 10 for j in range(40)]}  # 2.5 blocks of 16
@@ -105,3 +106,22 @@ def test_an_engine_core_process_refuses_to_be_inspected(tiny_llama):
             llm.stats()
     finally:
         llm.engine.shutdown()
+
+
+def test_a_failed_step_leaves_no_request_on_the_worker(llm, monkeypatch):
+    """The step that fails carries the drop of the request finished before it: the next step
+    sends that drop again, so the worker ends up holding the last request only."""
+    llm.generate([PROMPT], greedy(2), use_tqdm=False)  # request "0", dropped by the next step
+    execute = UniprocExecutor.execute_model
+
+    def fail_once(executor, scheduler_output):
+        monkeypatch.setattr(UniprocExecutor, "execute_model", execute)
+        raise RuntimeError("simulated kernel failure")
+
+    monkeypatch.setattr(UniprocExecutor, "execute_model", fail_once)
+    with pytest.raises(RuntimeError, match="simulated kernel failure"):
+        llm.generate([PROMPT], greedy(2), use_tqdm=False)  # request "1"
+    llm.check_invariants()
+    llm.generate([PROMPT], greedy(2), use_tqdm=False)  # request "2"
+    assert [s.request_ids for s in llm.engine.worker_states()] == [("2",)]
+    llm.check_invariants()

@@ -176,7 +176,7 @@ class EngineCore:
         """What keeps the core from being idle, in words (none when idle): a request running,
         waiting, waiting for K/V or leased; a KV block not free (the KV manager's books, checked
         first, hold a block free exactly when its ref count is 0); on any rank, a request in the
-        worker's batch or draft state other than those the next step tells it were finished.
+        worker's batch or draft state other than those the next step tells it to drop.
         Raises AssertionError if the KV manager's books disagree."""
         scheduler, kv = self.scheduler, self.kv_manager
         kv.check_invariants()
@@ -195,13 +195,13 @@ class EngineCore:
                 f"{kv.num_blocks - kv.num_free_blocks} of {kv.num_blocks} KV blocks not free "
                 f"(held by {holders})"
             )
-        unsent = set(scheduler.unsent_finished_ids)
+        dropping = set(scheduler.pending_drops)
         for state in self.executor.worker_states():
             for what, ids in [
                 ("in its batch", state.request_ids),
                 ("in its draft state", state.draft_request_ids),
             ]:
-                if kept := sorted(set(ids) - unsent):
+                if kept := sorted(set(ids) - dropping):
                     problems.append(f"rank {state.rank} holds request(s) {kept} {what}")
         return problems
 
