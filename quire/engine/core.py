@@ -148,6 +148,10 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets the prefix cache's entries for free blocks: later prompts compute from cold."""
+        self.kv_manager.reset_prefix_cache()
+
     def has_kv_transfers(self) -> bool:
         """Whether K/V is being pulled or held for a decode instance: the core must keep
         stepping (with nothing to compute, such a step only moves K/V)."""

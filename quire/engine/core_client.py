@@ -81,6 +81,9 @@ class CoreProcessClient:
     def abort_all(self) -> None:
         self._send("abort_all", None)
 
+    def reset_prefix_cache(self) -> None:
+        self._send("reset_prefix_cache", None)
+
     def _send(self, kind: str, payload) -> None:
         try:
             self._pipe.send((kind, payload))
@@ -150,6 +153,8 @@ def _core_main(
                 core.abort_requests(*payload)
             elif kind == "abort_all":
                 core.abort_all()
+            elif kind == "reset_prefix_cache":
+                core.reset_prefix_cache()
         try:
             outputs = core.step()
         except Exception:

@@ -312,6 +312,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets the prefix cache's entries for free blocks (vLLM's `reset_prefix_cache`):
+        later prompts are computed from cold, e.g. for a benchmark or a reference run."""
+        self.core.reset_prefix_cache()
+
     def has_kv_transfers(self) -> bool:
         """Whether K/V is being pulled, or held for a decode instance: step on even when no
         request is unfinished (disaggregation)."""
