@@ -108,6 +108,39 @@ def assert_idle(*engines, timeout: float = 10.0) -> None:
         engine.check_invariants()
 
 
+def in_process_runner(llm: LLM):
+    """The model runner of the LLM's in-process worker (the `uni` executor), for tests of the
+    worker's own parts driven by a real engine: the C decode step, CUDA graphs, the draft model,
+    the KV cache's memory. The one place tests reach into the worker; everything else goes
+    through `LLM.stats()`, `LLM.check_invariants()` and the outputs."""
+    return llm.engine.core.executor.worker.runner
+
+
+def load_model_alone(model: str, **engine_args) -> torch.nn.Module:
+    """The model an engine with `engine_args` runs, loaded without an engine (model/loader.py)."""
+    from quire.engine_args import EngineArgs
+    from quire.model.loader import load_model, load_model_config
+
+    config = EngineArgs.from_kwargs(model=model, **engine_args).create_engine_config()
+    model_config = load_model_config(config)
+    dtype = config.resolve_dtype(model_config.torch_dtype)
+    return load_model(config, model_config, dtype, model_config.max_position_embeddings)
+
+
+def worker_pids(llm: LLM) -> list[int]:
+    """The process id of each rank's worker, in rank order."""
+    return [state.pid for state in llm.engine.worker_states()]
+
+
+def process_exists(pid: int) -> bool:
+    """Whether process `pid` exists (one that ended and was waited for does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 @pytest.fixture(scope="session")
 def default_model() -> str:
     return default_model_path()
