@@ -13,7 +13,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "100000")
 from quire.config import EngineConfig
 from quire.engine_args import EngineArgs
 from quire.entrypoints.llm import LLM
-from quire.outputs import CompletionOutput, Logprob, RequestOutput
+from quire.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from quire.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
@@ -22,6 +22,7 @@ __all__ = [
     "CompletionOutput",
     "EngineArgs",
     "EngineConfig",
+    "EngineStats",
     "Logprob",
     "RequestOutput",
     "SamplingParams",

@@ -40,3 +40,27 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of an engine (`LLM.stats()`): its KV pool and queues now, its counters since
+    it started, and the fast paths its worker runs (rank 0's, under tensor parallelism)."""
+
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    num_running: int
+    num_waiting: int
+    num_steps: int  # steps that computed tokens
+    num_preemptions: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens found
+    # Speculative decoding (0 when it is off): (request, step) pairs that verified proposals,
+    # tokens proposed, tokens accepted.
+    spec_decode_num_drafts: int
+    spec_decode_num_draft_tokens: int
+    spec_decode_num_accepted_tokens: int
+    c_decode_step: bool  # decode steps run the fused C step
+    cuda_graphs: bool  # decode steps replay CUDA graphs
+    gemv_path: str  # the bf16 matmul kernel's loop ("amx", "avx512-bf16", ... or "off")
+    qmatmul_path: str  # the GGUF block kernel's loop ("avx512-vnni", "avx2", "c" or "off")

@@ -46,9 +46,7 @@ def sides(qtype: str | None, out_features: int, in_features: int, rows: int) -> 
 
         raw = quantize(weight.float().numpy(), GGMLQuantizationType[qtype])
         blocks = qmatmul.pack(np.ascontiguousarray(raw), qtype, in_features)
-        found = {
-            qtype: (None, lambda: qmatmul.qmatmul(x, blocks, qtype, None, out_features))
-        }
+        found = {qtype: (None, lambda: qmatmul.qmatmul(x, blocks, qtype, None, out_features))}
     else:
         found = {}
     packed = gemv.pack(weight)
@@ -64,7 +62,10 @@ def sides(qtype: str | None, out_features: int, in_features: int, rows: int) -> 
         ),
     }
     if gemv.amx_available():
-        found["amx"] = (settings(True), lambda: gemv.gemv(x, packed, None, out_features, in_features))
+        found["amx"] = (
+            settings(True),
+            lambda: gemv.gemv(x, packed, None, out_features, in_features),
+        )
     return found
 
 
@@ -99,8 +100,10 @@ def main(argv: list[str] | None = None) -> int:
                 times[case, name].append(timed(call))
         peaks.append(roofline.measure_matmul_tflops(iters=2))
     peak = statistics.median(peaks)
-    print(f"threads {args.threads}, measured bf16 matmul peak {peak:.3f} TFLOP/s (median of "
-          f"{len(peaks)}), {args.qtype or 'bf16'} weights")
+    print(
+        f"threads {args.threads}, measured bf16 matmul peak {peak:.3f} TFLOP/s (median of "
+        f"{len(peaks)}), {args.qtype or 'bf16'} weights"
+    )
     for case in cases:
         (out_features, in_features), rows = case
         flops = 2 * rows * out_features * in_features

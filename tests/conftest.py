@@ -1,8 +1,11 @@
-"""Shared fixtures: the default GGUF model's tokenizer and tiny random Hugging Face checkpoints."""
+"""Shared fixtures and helpers: the default GGUF model's tokenizer, tiny random Hugging Face
+checkpoints, engines over them (`make_llm`), greedy parameters (`greedy`) and the idle invariant
+(`assert_idle`)."""
 
 from __future__ import annotations
 
 import os
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -14,7 +17,10 @@ if not torch.cuda.is_available():
     # Triton kernels run in the interpreter; read when quire.kernels is first imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from quire import LLM, SamplingParams  # noqa: E402
 from quire.config import default_model_path  # noqa: E402
+
+SMALL_POOL = 64  # KV blocks of `make_llm`'s engines: a default-sized pool takes seconds to allocate
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
@@ -72,6 +78,73 @@ def token_prompts(lengths: list[int]) -> list[dict]:
         {"prompt_token_ids": [(97 * i + 13 * j) % 40000 + 10 for j in range(n)]}
         for i, n in enumerate(lengths)
     ]
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    """Greedy decoding of exactly `max_tokens` tokens (EOS ignored); `kwargs` are further
+    SamplingParams fields."""
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def make_llm(model: str, **engine_args) -> LLM:
+    """An LLM over `model` with a pool of SMALL_POOL KV blocks; `engine_args` (LLM's keyword
+    arguments) override that or add to it."""
+    return LLM(model, **{"num_kv_blocks": SMALL_POOL, **engine_args})
+
+
+def assert_idle(*engines, timeout: float = 10.0) -> None:
+    """The idle invariant on each engine (an LLM, LLMEngine or AsyncLLM), via its
+    `check_invariants`: nothing running or waiting, every KV block free with ref count 0, no
+    request left on any rank's worker. An AsyncLLM is first given up to `timeout` seconds to
+    finish its requests and K/V transfers (its engine thread ends them after the caller saw the
+    last output)."""
+    from quire.engine.async_engine import AsyncLLM
+
+    for engine in engines:
+        if isinstance(engine, AsyncLLM):
+            deadline = time.monotonic() + timeout
+            while engine.has_work() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        engine.check_invariants()
+
+
+def in_process_runner(llm: LLM):
+    """The model runner of the LLM's in-process worker (the `uni` executor), for tests of the
+    worker's own parts driven by a real engine: the C decode step, CUDA graphs, the draft model,
+    the KV cache's memory. The one place tests reach into the worker; everything else goes
+    through `LLM.stats()`, `LLM.check_invariants()` and the outputs."""
+    return llm.engine.core.executor.worker.runner
+
+
+def in_process_model(llm: LLM):
+    """The target's ModelForward in the LLM's in-process worker: its model, KV cache and fast
+    paths (`in_process_runner`)."""
+    return in_process_runner(llm).target
+
+
+def load_model_alone(model: str, **engine_args) -> torch.nn.Module:
+    """The model an engine with `engine_args` runs, loaded without an engine (model/loader.py)."""
+    from quire.config import resolve_config
+    from quire.engine_args import EngineArgs
+    from quire.model.loader import load_model
+
+    config = EngineArgs.from_kwargs(model=model, **engine_args).create_engine_config()
+    settings = resolve_config(config).model
+    return load_model(settings, settings.architecture, settings.dtype, settings.max_model_len)
+
+
+def worker_pids(llm: LLM) -> list[int]:
+    """The process id of each rank's worker, in rank order."""
+    return [state.pid for state in llm.engine.worker_states()]
+
+
+def process_exists(pid: int) -> bool:
+    """Whether process `pid` exists (one that ended and was waited for does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 @pytest.fixture(scope="session")

@@ -89,16 +89,3 @@ def router_retries(url: str, role: str) -> float:
         if line.startswith(f'quire_router_retries_total{{role="{role}"}}'):
             return float(line.split()[-1])
     return 0.0
-
-
-def assert_all_blocks_free(*engines: AsyncLLM) -> None:
-    """Once every engine is idle (no request, no KV transfer), all its KV blocks are free."""
-    for engine in engines:
-        assert wait_until(
-            lambda e=engine: (
-                not e.engine.has_unfinished_requests() and not e.engine.has_kv_transfers()
-            )
-        )
-        kv = engine.engine.kv_manager
-        kv.check_invariants()
-        assert kv.num_free_blocks == kv.num_blocks

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from conftest import assert_idle
 from prometheus_client.parser import text_string_to_metric_families
 from server_utils import ServerThread, serve_engine, wait_until
 
@@ -24,6 +25,7 @@ from quire import SamplingParams
 from quire.config import EngineConfig
 from quire.engine.async_engine import AsyncLLM
 from quire.entrypoints.cli import build_parser, main
+from quire.executor.uniproc import UniprocExecutor
 
 MODEL = "tiny"
 API_KEY = "test-key"
@@ -72,11 +74,9 @@ def metric(server: ServerThread, name: str, **labels: str) -> float:
 
 
 def assert_idle_with_all_blocks_free(server: ServerThread, engine: AsyncLLM) -> None:
+    """The running-requests gauge back at 0, and the idle invariant."""
     assert wait_until(lambda: metric(server, "quire:num_requests_running") == 0)
-    assert wait_until(lambda: not engine.engine.has_unfinished_requests())
-    kv = engine.engine.kv_manager
-    kv.check_invariants()
-    assert kv.num_free_blocks == kv.num_blocks
+    assert_idle(engine)
 
 
 def num_tokens(server: ServerThread, prompt: str) -> int:
@@ -481,16 +481,15 @@ def test_clients_that_disconnect_have_their_requests_aborted(server, engine):
 
 def test_an_engine_failure_fails_only_the_live_requests(server, engine, client, monkeypatch):
     assert_idle_with_all_blocks_free(server, engine)  # the loop thread waits: safe to patch
-    executor = engine.engine.core.executor
-    execute = executor.execute_model
+    execute = UniprocExecutor.execute_model
     failures = [RuntimeError("simulated kernel failure")] * 2
 
-    def fail_twice(scheduler_output):
+    def fail_twice(executor, scheduler_output):
         if failures:
             raise failures.pop()
-        return execute(scheduler_output)
+        return execute(executor, scheduler_output)
 
-    monkeypatch.setattr(executor, "execute_model", fail_twice)
+    monkeypatch.setattr(UniprocExecutor, "execute_model", fail_twice)
     with pytest.raises(openai.InternalServerError, match="simulated kernel failure"):
         client.completions.create(model=MODEL, prompt="Fail", max_tokens=4)
     stream = client.completions.create(model=MODEL, prompt="Fail", max_tokens=4, stream=True)

@@ -9,6 +9,7 @@ import re
 import threading
 
 import pytest
+from conftest import assert_idle, greedy
 from server_utils import wait_until
 
 from quire import LLM, SamplingParams
@@ -16,13 +17,10 @@ from quire.config import EngineConfig
 from quire.engine import async_engine
 from quire.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
 from quire.engine.metrics import EngineMetrics
+from quire.executor.uniproc import UniprocExecutor
 
 NUM_KV_BLOCKS = 512
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,", "Hello, my name is"]
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
 def engine_config(model: str) -> EngineConfig:
@@ -34,12 +32,9 @@ def run(coro, timeout: float = 60.0):
 
 
 def assert_idle_with_all_blocks_free(llm: AsyncLLM) -> None:
-    assert wait_until(lambda: not llm.engine.has_unfinished_requests())
+    """The idle invariant, and the running-requests gauge back at 0."""
+    assert_idle(llm)
     assert wait_until(lambda: sample(llm, "quire:num_requests_running") == 0)
-    kv = llm.engine.kv_manager
-    kv.check_invariants()
-    assert kv.num_free_blocks == kv.num_blocks
-    assert not llm.engine.scheduler.requests
 
 
 def sample(llm: AsyncLLM, name: str, labels: dict[str, str] | None = None) -> float:
@@ -168,17 +163,16 @@ def test_bad_input_raises_value_error_and_the_engine_keeps_serving(async_llm, pr
 
 def test_a_failing_step_fails_the_live_requests_and_the_loop_keeps_serving(async_llm, monkeypatch):
     assert_idle_with_all_blocks_free(async_llm)  # the loop thread is waiting: safe to patch
-    executor = async_llm.engine.core.executor
-    execute = executor.execute_model
+    execute = UniprocExecutor.execute_model
     calls = []
 
-    def fail_once(scheduler_output):
+    def fail_once(executor, scheduler_output):
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("simulated kernel failure")
-        return execute(scheduler_output)
+        return execute(executor, scheduler_output)
 
-    monkeypatch.setattr(executor, "execute_model", fail_once)
+    monkeypatch.setattr(UniprocExecutor, "execute_model", fail_once)
     with pytest.raises(RequestFailedError, match="simulated kernel failure"):
         run(collect(async_llm, PROMPTS[0], greedy(4)))
     assert_idle_with_all_blocks_free(async_llm)

@@ -7,9 +7,9 @@ import json
 import os
 
 import pytest
+from conftest import assert_idle, greedy
 
 from quire import LLM, SamplingParams
-from quire.engine.llm_engine import LLMEngine
 
 MAX_MODEL_LEN = 32
 VOCAB_SIZE = 49152  # the tiny checkpoints use SmolLM2's tokenizer
@@ -25,21 +25,6 @@ def llm(tiny_llama) -> LLM:
         num_kv_blocks=16,
         max_num_seqs=4,
     )
-
-
-def greedy(max_tokens: int = 4) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def assert_engine_idle(engine: LLMEngine) -> None:
-    """Nothing queued, nothing running, every KV block free."""
-    assert not engine.has_unfinished_requests()
-    assert not engine.scheduler.requests
-    assert not engine.scheduler.waiting and not engine.scheduler.running
-    kv = engine.kv_manager
-    kv.check_invariants()
-    assert kv.num_free_blocks == kv.num_blocks
-    assert all(block.ref_count == 0 for block in kv.blocks)
 
 
 def model_folder(tiny_llama: str, path, without: tuple[str, ...] = ()) -> str:
@@ -112,18 +97,18 @@ def test_max_model_len_beyond_the_model_positions_is_refused(tiny_llama):
 
 def test_a_prompt_as_long_as_max_model_len_is_refused(llm):
     with pytest.raises(ValueError, match=f"32 tokens, but max_model_len is {MAX_MODEL_LEN}"):
-        llm.generate([[5] * MAX_MODEL_LEN], greedy(), use_tqdm=False)
-    assert_engine_idle(llm.engine)
+        llm.generate([[5] * MAX_MODEL_LEN], greedy(4), use_tqdm=False)
+    assert_idle(llm)
 
 
 def test_the_engine_serves_the_next_request_after_a_refused_one(llm):
     with pytest.raises(ValueError):
-        llm.generate([[5] * (MAX_MODEL_LEN + 10)], greedy(), use_tqdm=False)
+        llm.generate([[5] * (MAX_MODEL_LEN + 10)], greedy(4), use_tqdm=False)
     # The longest prompt allowed leaves room for exactly one token.
     (out,) = llm.generate([[5] * (MAX_MODEL_LEN - 1)], greedy(16), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 1
     assert out.outputs[0].finish_reason == "length"
-    assert_engine_idle(llm.engine)
+    assert_idle(llm)
 
 
 @pytest.mark.parametrize(
@@ -133,8 +118,8 @@ def test_the_engine_serves_the_next_request_after_a_refused_one(llm):
 )
 def test_an_empty_prompt_is_refused(llm, prompt):
     with pytest.raises(ValueError, match="The prompt is empty"):
-        llm.engine.add_request("empty", prompt, greedy())
-    assert_engine_idle(llm.engine)
+        llm.engine.add_request("empty", prompt, greedy(4))
+    assert_idle(llm)
 
 
 @pytest.mark.parametrize(
@@ -142,8 +127,8 @@ def test_an_empty_prompt_is_refused(llm, prompt):
 )
 def test_token_ids_out_of_the_vocabulary_are_refused(llm, token_ids):
     with pytest.raises(ValueError, match=rf"Prompt token ids must be in \[0, {VOCAB_SIZE}\)"):
-        llm.engine.add_request("oov", token_ids, greedy())
-    assert_engine_idle(llm.engine)
+        llm.engine.add_request("oov", token_ids, greedy(4))
+    assert_idle(llm)
 
 
 def test_the_edges_of_the_vocabulary_are_accepted(llm):
@@ -154,30 +139,30 @@ def test_the_edges_of_the_vocabulary_are_accepted(llm):
 @pytest.mark.parametrize("token_ids", [[1.0, 2.5], ["a", "b"]], ids=["floats", "strings"])
 def test_token_ids_that_are_not_integers_are_refused(llm, token_ids):
     with pytest.raises(ValueError, match="Prompt token ids must be integers"):
-        llm.engine.add_request("nonint", {"prompt_token_ids": token_ids}, greedy())
-    assert_engine_idle(llm.engine)
+        llm.engine.add_request("nonint", {"prompt_token_ids": token_ids}, greedy(4))
+    assert_idle(llm)
 
 
 @pytest.mark.parametrize("prompt", [3.5, None, {"text": "hi"}, [1, "2"]])
 def test_a_prompt_of_the_wrong_shape_is_refused(llm, prompt):
     with pytest.raises(ValueError, match="prompt"):
-        llm.engine.add_request("shape", prompt, greedy())
-    assert_engine_idle(llm.engine)
+        llm.engine.add_request("shape", prompt, greedy(4))
+    assert_idle(llm)
 
 
 def test_a_request_id_in_use_is_refused(llm):
-    llm.engine.add_request("same", [5, 6], greedy())
+    llm.engine.add_request("same", [5, 6], greedy(4))
     with pytest.raises(ValueError, match="'same' is already in use"):
-        llm.engine.add_request("same", [7, 8], greedy())
+        llm.engine.add_request("same", [7, 8], greedy(4))
     llm.engine.abort_request("same")
-    assert_engine_idle(llm.engine)
+    assert_idle(llm)
 
 
 def test_n_above_max_num_seqs_is_refused(llm):
     # Admission waits until all n sequences fit in max_num_seqs: it would wait forever.
     with pytest.raises(ValueError, match=r"^n \(5\) must be <= max_num_seqs \(4\)"):
         llm.engine.add_request("wide", [5, 6], SamplingParams(n=5))
-    assert_engine_idle(llm.engine)
+    assert_idle(llm)
 
 
 # ---- bad SamplingParams ------------------------------------------------------------------
@@ -231,25 +216,25 @@ def test_one_bad_prompt_in_a_batch_queues_nothing_and_the_llm_still_generates(ll
     prompts: list = ["Hello there", {"prompt_token_ids": [5, 6, 7]}, "The quick brown fox"]
     prompts[bad_index] = [5] * (MAX_MODEL_LEN + 1)
     with pytest.raises(ValueError, match="max_model_len"):
-        llm.generate(prompts, greedy(), use_tqdm=False)
-    assert_engine_idle(llm.engine)
+        llm.generate(prompts, greedy(4), use_tqdm=False)
+    assert_idle(llm)
     prompts[bad_index] = "fine now"
-    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    outputs = llm.generate(prompts, greedy(4), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4, 4]
-    assert_engine_idle(llm.engine)
+    assert_idle(llm)
 
 
 def test_one_bad_sampling_params_in_a_batch_queues_nothing(llm):
-    params = [greedy(), SamplingParams(n=5), greedy()]
+    params = [greedy(4), SamplingParams(n=5), greedy(4)]
     with pytest.raises(ValueError, match="max_num_seqs"):
         llm.generate(["a", "b", "c"], params, use_tqdm=False)
-    assert_engine_idle(llm.engine)
+    assert_idle(llm)
 
 
 def test_a_params_list_of_the_wrong_length_is_refused(llm):
     with pytest.raises(ValueError, match="Got 2 SamplingParams for 3 prompts"):
-        llm.generate(["a", "b", "c"], [greedy(), greedy()], use_tqdm=False)
-    assert_engine_idle(llm.engine)
+        llm.generate(["a", "b", "c"], [greedy(4), greedy(4)], use_tqdm=False)
+    assert_idle(llm)
 
 
 # ---- bookkeeping under preemption ----------------------------------------------------------
@@ -268,10 +253,10 @@ def test_prompt_logprobs_of_a_request_preempted_mid_prompt_are_returned_once(tin
         max_num_batched_tokens=8,
     )
     _, preempted = small.generate(prompts, params, use_tqdm=False)
-    assert small.engine.scheduler.num_preemptions > 0
+    assert small.stats().num_preemptions > 0
     (alone,) = small.generate(prompts[1:], params[1:], use_tqdm=False)
     assert len(preempted.prompt_logprobs) == len(alone.prompt_logprobs) == 40
     assert [p and sorted(p) for p in preempted.prompt_logprobs] == [
         p and sorted(p) for p in alone.prompt_logprobs
     ]
-    assert_engine_idle(small.engine)
+    assert_idle(small)

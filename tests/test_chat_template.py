@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from conftest import make_llm
 
 from quire.entrypoints.chat_template import load_chat_template, render_chat
 from quire.model.tokenizer import load_tokenizer
@@ -179,9 +180,7 @@ def test_serve_refuses_a_template_of_bad_syntax_before_loading_the_model(
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
-    from quire import LLM
-
-    return LLM(model=tiny_llama, dtype="float32", num_kv_blocks=64)
+    return make_llm(tiny_llama, dtype="float32")
 
 
 def test_llm_chat_renders_with_the_template_override_and_tools(llm):

@@ -10,6 +10,7 @@ import signal
 import time
 
 import pytest
+from conftest import make_llm
 
 from quire import LLM, SamplingParams
 from quire.config import EngineConfig
@@ -76,7 +77,7 @@ def test_an_abort_frees_the_blocks_in_the_core_process(llms):
 
 
 def test_a_killed_core_process_is_an_error_within_seconds(tiny_llama):
-    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=64, engine_core_process=True)
+    llm = make_llm(tiny_llama, dtype="float32", engine_core_process=True)
     os.kill(llm.engine.core._process.pid, signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(EngineCoreDiedError, match="died"):

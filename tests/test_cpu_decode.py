@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 import torch
-from conftest import token_prompts
+from conftest import greedy, in_process_model, make_llm, token_prompts
 
-from quire import LLM, SamplingParams
+from quire import LLM
 from quire.attention.forward_context import forward_context
 from quire.kernels.cpu import gemv
 from quire.layers.linear import packed_linear_supported
@@ -24,19 +24,8 @@ pytestmark = pytest.mark.skipif(
 ARCHS = ["llama", "qwen2", "qwen3"]
 
 
-def make_llm(model_dir: str, **kwargs) -> LLM:
-    kwargs.setdefault("dtype", "bfloat16")
-    kwargs.setdefault("num_kv_blocks", 64)
-    return LLM(model_dir, **kwargs)
-
-
-def model_of(llm: LLM) -> ModelForward:
-    """The target model of the LLM's in-process worker: its model, KV cache and CPU step path."""
-    return llm.engine.core.executor.worker.runner.target
-
-
-def greedy(max_tokens: int, **kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+def bf16_llm(model_dir: str, **kwargs) -> LLM:
+    return make_llm(model_dir, **{"dtype": "bfloat16", **kwargs})
 
 
 def stored_kv(runner: ModelForward, slots: torch.Tensor) -> list[torch.Tensor]:
@@ -121,12 +110,12 @@ def record_takes(runner: ModelForward, monkeypatch) -> list[tuple[int, int, int,
 
 @pytest.fixture(scope="module")
 def bf16_llms(tiny_models) -> dict[str, LLM]:
-    return {arch: make_llm(tiny_models[arch]) for arch in ARCHS}
+    return {arch: bf16_llm(tiny_models[arch]) for arch in ARCHS}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bf16_models_get_the_decode_path(bf16_llms, arch) -> None:
-    assert model_of(bf16_llms[arch]).cpu_step is not None
+    assert bf16_llms[arch].stats().c_decode_step
 
 
 # Prompt lengths: within one block, across block boundaries (block_size 16), a 1-token prompt.
@@ -144,7 +133,7 @@ def test_decode_steps_equal_the_module_path_bit_for_bit(
 ) -> None:
     llm = bf16_llms[arch]
     lengths, max_tokens = BATCHES[batch]
-    steps = check_each_fused_step(model_of(llm), monkeypatch)
+    steps = check_each_fused_step(in_process_model(llm), monkeypatch)
     outputs = llm.generate(token_prompts(lengths), greedy(max_tokens), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [max_tokens] * len(lengths)
     # The prefill step samples the first token; every later step is a decode of all requests.
@@ -155,7 +144,7 @@ def test_decode_steps_equal_the_module_path_bit_for_bit(
 def test_requests_finishing_at_different_steps_shrink_the_fused_batch(
     bf16_llms, arch, monkeypatch
 ) -> None:
-    steps = check_each_fused_step(model_of(bf16_llms[arch]), monkeypatch)
+    steps = check_each_fused_step(in_process_model(bf16_llms[arch]), monkeypatch)
     params = [greedy(4), greedy(9), greedy(14)]
     bf16_llms[arch].generate(token_prompts([6, 18, 33]), params, use_tqdm=False)
     assert steps == [3] * 3 + [2] * 5 + [1] * 5
@@ -166,7 +155,7 @@ def test_decode_steps_of_more_than_eight_requests_are_fused_bit_for_bit(
     bf16_llms, arch, monkeypatch
 ) -> None:
     # 20 requests (GEMV passes of 6 + 7 + 7 rows), then the 12 (6 + 6) that run longer.
-    steps = check_each_fused_step(model_of(bf16_llms[arch]), monkeypatch)
+    steps = check_each_fused_step(in_process_model(bf16_llms[arch]), monkeypatch)
     params = [greedy(4)] * 8 + [greedy(7)] * 12
     lengths = [1 + 2 * i for i in range(20)]  # 1 to 39 tokens: one to three KV blocks
     outputs = bf16_llms[arch].generate(token_prompts(lengths), params, use_tqdm=False)
@@ -175,8 +164,8 @@ def test_decode_steps_of_more_than_eight_requests_are_fused_bit_for_bit(
 
 
 def test_decode_only_steps_of_hundreds_of_requests_are_fused(tiny_llama, monkeypatch) -> None:
-    llm = make_llm(tiny_llama, num_kv_blocks=310, max_num_seqs=300)
-    model = model_of(llm)
+    llm = bf16_llm(tiny_llama, num_kv_blocks=310, max_num_seqs=300)
+    model = in_process_model(llm)
     steps = check_each_fused_step(model, monkeypatch)
     seen = record_takes(model, monkeypatch)
     params = [greedy(2)] * 100 + [greedy(3)] * 200  # 100 requests finish after one decode step
@@ -186,8 +175,8 @@ def test_decode_only_steps_of_hundreds_of_requests_are_fused(tiny_llama, monkeyp
 
 
 def test_mixed_prefill_and_decode_steps_take_the_module_path(tiny_llama, monkeypatch) -> None:
-    llm = make_llm(tiny_llama, max_num_batched_tokens=16)  # prompts prefill in 16-token chunks
-    model = model_of(llm)
+    llm = bf16_llm(tiny_llama, max_num_batched_tokens=16)  # prompts prefill in 16-token chunks
+    model = in_process_model(llm)
     steps = check_each_fused_step(model, monkeypatch)
     seen = record_takes(model, monkeypatch)
     llm.generate(token_prompts([4, 30, 30]), greedy(8), use_tqdm=False)
@@ -202,7 +191,7 @@ def test_mixed_prefill_and_decode_steps_take_the_module_path(tiny_llama, monkeyp
     [("float32", {}), ("bfloat16", {"gemv": False}), ("bfloat16", {"pack_weights": False})],
 )
 def test_no_decode_path_without_gemv_packed_bf16_weights(tiny_llama, dtype, switches) -> None:
-    assert model_of(make_llm(tiny_llama, dtype=dtype, **switches)).cpu_step is None
+    assert not bf16_llm(tiny_llama, dtype=dtype, **switches).stats().c_decode_step
 
 
 def scaled_gate_checkpoint(src: str, dst: str, scale: float) -> str:
@@ -227,8 +216,8 @@ def scaled_gate_checkpoint(src: str, dst: str, scale: float) -> str:
 def test_wide_gate_activations_decode_like_the_module_path(
     tiny_llama, tmp_path, gate_scale, monkeypatch
 ) -> None:
-    llm = make_llm(scaled_gate_checkpoint(tiny_llama, str(tmp_path / "model"), gate_scale))
-    steps = check_each_fused_step(model_of(llm), monkeypatch)
+    llm = bf16_llm(scaled_gate_checkpoint(tiny_llama, str(tmp_path / "model"), gate_scale))
+    steps = check_each_fused_step(in_process_model(llm), monkeypatch)
     prompts = token_prompts([4 * (i + 1) for i in range(12)])  # 12 requests: two 6-row passes
     llm.generate(prompts, greedy(12), use_tqdm=False)
     assert steps == [12] * 11
@@ -246,7 +235,7 @@ def test_bf16_decode_logprobs_are_as_close_to_float32_as_transformers_bf16(
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    steps = check_each_fused_step(model_of(bf16_llms[arch]), monkeypatch)
+    steps = check_each_fused_step(in_process_model(bf16_llms[arch]), monkeypatch)
     num_new = 24
     (output,) = bf16_llms[arch].generate(
         [PROMPT], greedy(num_new, min_tokens=num_new, logprobs=0), use_tqdm=False
@@ -294,7 +283,7 @@ def smollm2_shaped(tmp_path_factory, build_model) -> str:
 
 def test_smollm2_shapes_decode_like_the_module_path(smollm2_shaped, monkeypatch) -> None:
     llm = LLM(smollm2_shaped, num_kv_blocks=16)  # dtype auto: the checkpoint's bf16
-    steps = check_each_fused_step(model_of(llm), monkeypatch)
+    steps = check_each_fused_step(in_process_model(llm), monkeypatch)
     (output,) = llm.generate(["The capital of France is"], greedy(16), use_tqdm=False)
     assert len(output.outputs[0].token_ids) == 16
     assert steps == [1] * 15
@@ -304,7 +293,7 @@ def test_a_token_id_or_position_outside_the_tables_is_a_value_error(bf16_llms, m
     """The C step checks every token id against the embedding table and every position against
     the rotary tables before computing anything, as the module path's indexing would."""
     llm = bf16_llms["llama"]
-    runner = model_of(llm)
+    runner = in_process_model(llm)
     model, path = runner.model, runner.cpu_step
     fused_forward = path.forward
     inputs = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import load_model_alone
 
 from quire.attention.backend import AttentionMetadata
 from quire.attention.torch_backend import gathered_decode
@@ -190,9 +191,9 @@ def test_an_engine_with_cpu_kernels_off_runs_without_the_library(tiny_llama, ker
 
     llm = LLM(tiny_llama, dtype="bfloat16", num_kv_blocks=16, cpu_kernels=False)
     assert cpu_kernels.load_library() is None
-    runner = llm.engine.core.executor.worker.runner
-    model = runner.target.model
-    assert runner.target.cpu_step is None
+    stats = llm.stats()
+    assert (stats.c_decode_step, stats.gemv_path, stats.qmatmul_path) == (False, "off", "off")
+    model = load_model_alone(tiny_llama, dtype="bfloat16", cpu_kernels=False)
     assert all(m.gemv_weight is None for m in model.modules() if isinstance(m, PackedLinear))
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     (output,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)

@@ -7,14 +7,14 @@ backend (in the interpreter without CUDA). The tests marked `gpu` capture and re
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
+from conftest import in_process_model, load_model_alone
 
 from quire import LLM, SamplingParams
 from quire.attention.backend import AttentionMetadata
 from quire.attention.forward_context import forward_context
+from quire.attention.torch_backend import TorchAttentionBackend
 from quire.config import EngineConfig, QuireConfig, resolve_config
 from quire.worker import kv_cache
 from quire.worker.cuda_graph import (
@@ -44,11 +44,6 @@ def prompts_and_params() -> tuple[list[list[int]], list[SamplingParams]]:
 def greedy_tokens(llm: LLM) -> list[list[int]]:
     prompts, params = prompts_and_params()
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def runner_of(llm: LLM):
-    """The target's ModelForward in the LLM's in-process worker."""
-    return llm.engine.core.executor.worker.runner.target
 
 
 # Triton runs on CPU tensors only in its interpreter, which conftest turns on where there is no
@@ -103,7 +98,7 @@ def test_cuda_graphs_are_used_on_cuda_with_triton_unless_enforce_eager(tiny_llam
 
 
 def test_a_cpu_runner_has_no_cuda_graphs(tiny_llama):
-    assert runner_of(tiny_llm(tiny_llama, device="cpu")).cuda_graphs is None
+    assert not tiny_llm(tiny_llama, device="cpu").stats().cuda_graphs
 
 
 # ---- the static buffers ----------------------------------------------------------------------
@@ -188,7 +183,7 @@ class EagerPaddedRunner(CUDAGraphRunner):
 def install_checked_runner(llm: LLM, runner: CUDAGraphRunner) -> list[tuple[int, float]]:
     """Routes the engine's decode batches through `runner`, each checked against the eager
     forward. Returns (batch size, max |padded - eager|) per decode batch it ran."""
-    model_runner = runner_of(llm)
+    model_runner = in_process_model(llm)
     model_runner.cuda_graphs = runner
     checks: list[tuple[int, float]] = []
     run = runner.run
@@ -208,7 +203,7 @@ def test_padded_decode_forward_matches_eager_and_the_torch_backend_tokens(tiny_l
     pytest.importorskip("triton")
     expected = greedy_tokens(tiny_llm(tiny_llama, attention_backend="torch", device="cpu"))
     llm = tiny_llm(tiny_llama, attention_backend="triton", device=TRITON_DEVICE, max_num_seqs=6)
-    model_runner = runner_of(llm)
+    model_runner = in_process_model(llm)
     runner = EagerPaddedRunner(
         model_runner.model,
         model_runner.kv_cache.layers,
@@ -229,7 +224,7 @@ def test_dummy_step_runs_on_a_one_block_cache_and_leaves_the_kv_cache_alone(tiny
     pytest.importorskip("triton")
     device = TRITON_DEVICE if backend == "triton" else "cpu"
     llm = tiny_llm(tiny_llama, attention_backend=backend, device=device, max_model_len=32)
-    runner = runner_of(llm)
+    runner = in_process_model(llm)
     before = [(k.clone(), v.clone()) for k, v in runner.kv_cache.layers]
     # 40 tokens > max_model_len 32: two requests, 32 and 8 tokens.
     kv_cache.run_dummy_step(
@@ -243,7 +238,7 @@ def test_gpu_kv_budget_is_the_utilization_share_minus_memory_in_use_and_profiled
     tiny_llama, monkeypatch
 ):
     """The sizing arithmetic, with torch.cuda's memory queries faked and the dummy step on CPU."""
-    llm = tiny_llm(tiny_llama, attention_backend="torch", device="cpu")
+    model = load_model_alone(tiny_llama, dtype="float32", device="cpu")
     mib = 2**20
     total, free, baseline, peak = 1000 * mib, 700 * mib, 280 * mib, 330 * mib
     for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
@@ -251,23 +246,23 @@ def test_gpu_kv_budget_is_the_utilization_share_minus_memory_in_use_and_profiled
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: baseline)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: peak)
-    model_config = llm.engine.model_config
-    config = dataclasses.replace(
-        llm.engine.config,
-        device="cuda",
-        block_size=16,
-        kv_cache_memory=None,
-        gpu_memory_utilization=0.9,
-        max_num_batched_tokens=64,
-        max_num_seqs=8,
+    model_config = model.config
+    config = resolve_config(
+        EngineConfig(
+            model=tiny_llama,
+            dtype="float32",
+            device="cuda",
+            attention_backend="torch",
+            block_size=16,
+            gpu_memory_utilization=0.9,
+            max_num_batched_tokens=64,
+            max_num_seqs=8,
+        )
     )
     block_bytes = kv_cache.bytes_per_block(model_config, 16, torch.float32)
-    target = runner_of(llm)
-    num_blocks = kv_cache.num_kv_blocks(
-        resolve_config(config), block_bytes, target.model, target.backend
-    )
+    num_blocks = kv_cache.num_kv_blocks(config, block_bytes, model, TorchAttentionBackend())
     budget = 900 * mib - 300 * mib - 50 * mib  # share - in use - (peak - baseline)
-    assert num_blocks == budget // block_bytes
+    assert num_blocks == budget // kv_cache.bytes_per_block(model_config, 16, torch.float32)
 
 
 # ---- real graphs -----------------------------------------------------------------------------
@@ -277,20 +272,20 @@ def test_gpu_kv_budget_is_the_utilization_share_minus_memory_in_use_and_profiled
 @requires_cuda
 def test_cuda_runner_captures_every_size_of_the_ladder(tiny_llama):
     llm = tiny_llm(tiny_llama, device="cuda", max_num_seqs=12)
-    assert sorted(runner_of(llm).cuda_graphs.graphs) == [1, 2, 4, 8, 12]
+    assert sorted(in_process_model(llm).cuda_graphs.graphs) == [1, 2, 4, 8, 12]
 
 
 @pytest.mark.gpu
 @requires_cuda
 def test_enforce_eager_captures_no_graphs(tiny_llama):
-    assert runner_of(tiny_llm(tiny_llama, device="cuda", enforce_eager=True)).cuda_graphs is None
+    assert not tiny_llm(tiny_llama, device="cuda", enforce_eager=True).stats().cuda_graphs
 
 
 @pytest.mark.gpu
 @requires_cuda
 def test_graph_replay_matches_the_eager_forward(tiny_llama):
     llm = tiny_llm(tiny_llama, device="cuda", max_num_seqs=6)
-    checks = install_checked_runner(llm, runner_of(llm).cuda_graphs)
+    checks = install_checked_runner(llm, in_process_model(llm).cuda_graphs)
     greedy_tokens(llm)
     assert [size for size, _ in checks] == [5, 4, 3, 2, 1]
     # cuBLAS may pick other kernels for the padded row counts: float32 rounding apart.
@@ -302,7 +297,7 @@ def test_graph_replay_matches_the_eager_forward(tiny_llama):
 def test_cuda_greedy_tokens_match_the_cpu_torch_backend(tiny_llama):
     expected = greedy_tokens(tiny_llm(tiny_llama, attention_backend="torch", device="cpu"))
     llm = tiny_llm(tiny_llama, device="cuda", max_num_seqs=8)
-    assert runner_of(llm).cuda_graphs is not None
+    assert llm.stats().cuda_graphs
     assert greedy_tokens(llm) == expected
 
 
@@ -310,7 +305,7 @@ def test_cuda_greedy_tokens_match_the_cpu_torch_backend(tiny_llama):
 @requires_cuda
 def test_profiled_activations_cover_the_sampled_logits(tiny_llama):
     llm = tiny_llm(tiny_llama, device="cuda")
-    runner = runner_of(llm)
+    runner = in_process_model(llm)
     vocab_size = llm.engine.model_config.vocab_size
     activations = kv_cache.profile_activation_bytes(
         runner.model, runner.backend, 16, torch.float32, 512, 64

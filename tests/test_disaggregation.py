@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from conftest import assert_idle
 
 from quire import LLM, SamplingParams
 from quire.config import EngineConfig
@@ -88,22 +89,13 @@ def disaggregated(prefill: LLMEngine, decode: LLMEngine, prompt: dict, sampling:
     return run_until_idle(prefill, decode)[request_id]
 
 
-def assert_all_blocks_free(*engines: LLMEngine) -> None:
-    for e in engines:
-        kv = e.kv_manager
-        kv.check_invariants()
-        assert kv.num_free_blocks == kv.num_blocks
-        assert not e.scheduler.requests and not e.scheduler.leased
-        assert not e.scheduler.waiting_for_kv
-
-
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_greedy_tokens_equal_collocated(prefill, decode, collocated, name):
     expected = collocated.generate([PROMPTS[name]], params(), use_tqdm=False)[0]
     got = disaggregated(prefill, decode, PROMPTS[name], params())
     assert got.finished
     assert got.outputs[0].token_ids == expected.outputs[0].token_ids
-    assert_all_blocks_free(prefill, decode)
+    assert_idle(prefill, decode)
 
 
 def test_seeded_sampling_equals_collocated(prefill, decode, collocated):
@@ -111,7 +103,7 @@ def test_seeded_sampling_equals_collocated(prefill, decode, collocated):
     expected = collocated.generate([PROMPTS["longer than a chunk"]], sampling, use_tqdm=False)[0]
     got = disaggregated(prefill, decode, PROMPTS["longer than a chunk"], sampling)
     assert got.outputs[0].token_ids == expected.outputs[0].token_ids
-    assert_all_blocks_free(prefill, decode)
+    assert_idle(prefill, decode)
 
 
 def test_n_sequences_with_logprobs_equal_collocated(prefill, decode, collocated):
@@ -125,7 +117,7 @@ def test_n_sequences_with_logprobs_equal_collocated(prefill, decode, collocated)
         assert len(mine.logprobs) == len(theirs.logprobs) == 12
         assert mine.logprobs[0].keys() == theirs.logprobs[0].keys()
         assert mine.cumulative_logprob == pytest.approx(theirs.cumulative_logprob, abs=1e-4)
-    assert_all_blocks_free(prefill, decode)
+    assert_idle(prefill, decode)
 
 
 def test_prefix_cached_on_decode_side_is_not_transferred(prefill, decode, collocated):
@@ -140,7 +132,7 @@ def test_prefix_cached_on_decode_side_is_not_transferred(prefill, decode, colloc
     assert got.num_cached_tokens == 3 * BLOCK
     expected = collocated.generate([second], params(), use_tqdm=False)[0]
     assert got.outputs[0].token_ids == expected.outputs[0].token_ids
-    assert_all_blocks_free(prefill, decode)
+    assert_idle(prefill, decode)
 
 
 def test_bytes_moved_are_blocks_times_block_bytes(prefill, decode):
@@ -178,11 +170,13 @@ def silent_port() -> int:
 def test_abort_while_waiting_for_kv_frees_its_blocks(decode):
     decode.add_request("waits", prompt(40, 11), remote("nowhere", silent_port()))
     decode.step()
-    assert decode.scheduler.waiting_for_kv.keys() == {"waits"}
-    assert decode.kv_manager.num_free_blocks == decode.kv_manager.num_blocks - 3
+    with pytest.raises(AssertionError, match=r"1 request\(s\) waiting for K/V \(waits\)"):
+        decode.check_invariants()
+    stats = decode.stats()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks - 3
     decode.abort_request("waits")
     run_until_idle(decode)
-    assert_all_blocks_free(decode)
+    assert_idle(decode)
 
 
 def test_transfer_that_times_out_fails_with_a_clear_error(decode):
@@ -193,7 +187,7 @@ def test_transfer_that_times_out_fails_with_a_clear_error(decode):
     assert out.outputs[0].stop_reason.startswith("KV transfer failed")
     assert f"127.0.0.1:{port} did not answer within 2 s" in out.outputs[0].stop_reason
     assert decode.core_stats().kv_transfer.num_failed >= 1
-    assert_all_blocks_free(decode)
+    assert_idle(decode)
 
 
 def test_unpulled_lease_runs_out_and_a_late_pull_fails(prefill, decode):
@@ -201,14 +195,14 @@ def test_unpulled_lease_runs_out_and_a_late_pull_fails(prefill, decode):
     sampling.kv_transfer_params = {"do_remote_decode": True, "transfer_id": "late"}
     prefill.add_request("never-pulled", prompt(20, 13), sampling)
     run_until_idle(prefill)  # until its lease (2 s) runs out
-    assert_all_blocks_free(prefill)
+    assert_idle(prefill)
     assert prefill.core_stats().kv_transfer.num_leases_expired >= 1
     decode.add_request(
         "late", prompt(20, 13), remote("late", prefill.quire_config.kv_transfer.port)
     )
     out = run_until_idle(decode)["late"]
     assert "no KV leased under transfer id 'late'" in out.outputs[0].stop_reason
-    assert_all_blocks_free(decode)
+    assert_idle(decode)
 
 
 def test_incompatible_instances_are_refused(tiny_llama, prefill):
@@ -230,7 +224,7 @@ def test_incompatible_instances_are_refused(tiny_llama, prefill):
             "the prefill instance, 32 on the decode instance"
         )
         assert prefill.core_stats().kv_transfer.num_leases_expired == expired  # ended at once
-        assert_all_blocks_free(other, prefill)
+        assert_idle(other, prefill)
     finally:
         other.shutdown()
 
@@ -245,11 +239,11 @@ def test_default_model_greedy_tokens_equal_collocated(default_model):
     try:
         sampling = params(max_tokens=8)
         got = disaggregated(prefill, decode, PROMPTS["longer than a chunk"], sampling)
-        decode.kv_manager.reset_prefix_cache()  # computes it all, not from the received KV
+        decode.reset_prefix_cache()  # computes it all, not from the received KV
         decode.add_request("collocated", PROMPTS["longer than a chunk"], sampling)
         expected = run_until_idle(decode)["collocated"]
         assert got.outputs[0].token_ids == expected.outputs[0].token_ids
-        assert_all_blocks_free(prefill, decode)
+        assert_idle(prefill, decode)
     finally:
         prefill.shutdown()
         decode.shutdown()
@@ -278,12 +272,12 @@ def test_a_request_preempted_on_the_decode_side_is_recomputed_there(
                 remote(f"pre{i}", prefill.quire_config.kv_transfer.port, max_tokens=40),
             )
         got = run_until_idle(small, prefill)
-        assert small.scheduler.num_preemptions >= 1
+        assert small.stats().num_preemptions >= 1
         expected = collocated.generate(prompts, sampling, use_tqdm=False)
         assert [got[f"pre{i}"].outputs[0].token_ids for i in range(2)] == [
             e.outputs[0].token_ids for e in expected
         ]
-        assert_all_blocks_free(small, prefill)
+        assert_idle(small, prefill)
     finally:
         small.shutdown()
 
@@ -312,7 +306,7 @@ def test_an_int8_kv_cache_moves_with_its_scales(build_model, tmp_path_factory):
         )
         expected = collocated.generate([request], params(), use_tqdm=False)[0]
         assert out.outputs[0].token_ids == expected.outputs[0].token_ids
-        assert_all_blocks_free(prefill_engine, decode_engine)
+        assert_idle(prefill_engine, decode_engine)
     finally:
         prefill_engine.shutdown()
         decode_engine.shutdown()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import assert_idle, greedy
 
 from quire import LLM, SamplingParams
 from quire.config import EngineConfig
@@ -18,42 +19,30 @@ PROMPTS = [
 ]
 
 
-def greedy(max_tokens: int = 24) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
 def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
-
-
-def assert_all_blocks_free(llm: LLM) -> None:
-    kv = llm.engine.kv_manager
-    kv.check_invariants()
-    assert kv.num_free_blocks == kv.num_blocks
-    assert all(b.ref_count == 0 for b in kv.blocks)
-    assert not llm.engine.scheduler.requests
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama) -> list[list[int]]:
     """Each prompt generated alone, with a large budget and no prefix caching."""
     llm = LLM(model=tiny_llama, dtype="float32", enable_prefix_caching=False)
-    return [token_ids(llm.generate([p], greedy(), use_tqdm=False))[0] for p in PROMPTS]
+    return [token_ids(llm.generate([p], greedy(24), use_tqdm=False))[0] for p in PROMPTS]
 
 
 def test_batched_outputs_equal_single_request_outputs(tiny_llama, reference):
     llm = LLM(model=tiny_llama, dtype="float32")
-    assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == reference
-    assert token_ids(llm.generate(PROMPTS[::-1], greedy(), use_tqdm=False)) == reference[::-1]
-    assert_all_blocks_free(llm)
+    assert token_ids(llm.generate(PROMPTS, greedy(24), use_tqdm=False)) == reference
+    assert token_ids(llm.generate(PROMPTS[::-1], greedy(24), use_tqdm=False)) == reference[::-1]
+    assert_idle(llm)
 
 
 def test_chunked_prefill_gives_identical_outputs(tiny_llama, reference):
     llm = LLM(
         model=tiny_llama, dtype="float32", max_num_batched_tokens=7, enable_prefix_caching=False
     )
-    assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == reference
-    assert_all_blocks_free(llm)
+    assert token_ids(llm.generate(PROMPTS, greedy(24), use_tqdm=False)) == reference
+    assert_idle(llm)
 
 
 def test_prefill_chunks_of_several_requests_share_each_step_of_the_budget(tiny_llama, reference):
@@ -66,7 +55,7 @@ def test_prefill_chunks_of_several_requests_share_each_step_of_the_budget(tiny_l
     )
     engine = LLMEngine(config)
     for i, p in enumerate(PROMPTS[:3]):
-        engine.add_request(str(i), p, greedy())
+        engine.add_request(str(i), p, greedy(24))
     num_tokens_after_each_step = [
         {out.request_id: len(out.outputs[0].token_ids) for out in engine.step()} for _ in range(3)
     ]
@@ -84,13 +73,13 @@ def test_prefill_chunks_of_several_requests_share_each_step_of_the_budget(tiny_l
 
 def test_prefix_cache_hit_gives_identical_outputs_and_reports_cached_tokens(tiny_llama, reference):
     llm = LLM(model=tiny_llama, dtype="float32")
-    (cold,) = llm.generate([PROMPTS[2]], greedy(), use_tqdm=False)
-    (warm,) = llm.generate([PROMPTS[2]], greedy(), use_tqdm=False)
+    (cold,) = llm.generate([PROMPTS[2]], greedy(24), use_tqdm=False)
+    (warm,) = llm.generate([PROMPTS[2]], greedy(24), use_tqdm=False)
     assert cold.num_cached_tokens == 0
     block = llm.engine.config.block_size
     assert warm.num_cached_tokens == (len(warm.prompt_token_ids) - 1) // block * block > 0
     assert cold.outputs[0].token_ids == warm.outputs[0].token_ids == reference[2]
-    assert_all_blocks_free(llm)
+    assert_idle(llm)
 
 
 def test_shared_prefix_across_different_prompts_is_reused(tiny_llama):
@@ -103,9 +92,9 @@ def test_shared_prefix_across_different_prompts_is_reused(tiny_llama):
 def test_preemption_by_recompute_gives_identical_outputs(tiny_llama, reference):
     # 12 blocks of 16 tokens cannot hold all four requests at once: some get preempted.
     llm = LLM(model=tiny_llama, dtype="float32", num_kv_blocks=12)
-    assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == reference
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert_all_blocks_free(llm)
+    assert token_ids(llm.generate(PROMPTS, greedy(24), use_tqdm=False)) == reference
+    assert llm.stats().num_preemptions > 0
+    assert_idle(llm)
 
 
 def test_preemption_without_prefix_cache_and_tiny_chunks(tiny_llama, reference):
@@ -116,14 +105,14 @@ def test_preemption_without_prefix_cache_and_tiny_chunks(tiny_llama, reference):
         max_num_batched_tokens=24,
         enable_prefix_caching=False,
     )
-    assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == reference
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert_all_blocks_free(llm)
+    assert token_ids(llm.generate(PROMPTS, greedy(24), use_tqdm=False)) == reference
+    assert llm.stats().num_preemptions > 0
+    assert_idle(llm)
 
 
 def test_max_num_seqs_limits_the_running_batch(tiny_llama, reference):
     llm = LLM(model=tiny_llama, dtype="float32", max_num_seqs=2)
-    assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == reference
+    assert token_ids(llm.generate(PROMPTS, greedy(24), use_tqdm=False)) == reference
 
 
 def test_n_greater_than_one_shares_prompt_blocks_and_samples_distinct_sequences(tiny_llama):
@@ -133,7 +122,7 @@ def test_n_greater_than_one_shares_prompt_blocks_and_samples_distinct_sequences(
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(len(c.token_ids) == 12 for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) == 3
-    assert_all_blocks_free(llm)
+    assert_idle(llm)
     (again,) = llm.generate([PROMPTS[1]], params, use_tqdm=False)
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
 
@@ -146,7 +135,7 @@ def test_n_greedy_forks_are_identical_and_copy_on_write_keeps_them_correct(tiny_
         use_tqdm=False,
     )
     assert [c.token_ids for c in out.outputs] == [reference[0], reference[0]]
-    assert_all_blocks_free(llm)
+    assert_idle(llm)
 
 
 def test_seeded_sampling_is_reproducible_across_batch_compositions(tiny_llama):
@@ -163,7 +152,7 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions(tiny_llama):
 def test_abort_frees_blocks_and_engine_keeps_serving(tiny_llama, reference):
     engine = LLMEngine(EngineConfig(model=tiny_llama, dtype="float32"))
     engine.add_request("a", PROMPTS[2], greedy(100))
-    engine.add_request("b", PROMPTS[0], greedy())
+    engine.add_request("b", PROMPTS[0], greedy(24))
     for _ in range(3):
         engine.step()
     engine.abort_request("a")
@@ -173,13 +162,12 @@ def test_abort_frees_blocks_and_engine_keeps_serving(tiny_llama, reference):
             outputs[out.request_id] = out
     assert set(outputs) == {"b"}
     assert outputs["b"].outputs[0].token_ids == reference[0]
-    engine.kv_manager.check_invariants()
-    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+    assert_idle(engine)
 
 
 def test_abort_of_a_waiting_request(tiny_llama):
     engine = LLMEngine(EngineConfig(model=tiny_llama, dtype="float32"))
-    engine.add_request("w", PROMPTS[0], greedy())
+    engine.add_request("w", PROMPTS[0], greedy(24))
     engine.abort_request("w")
     assert not engine.has_unfinished_requests()
     assert engine.step() == []

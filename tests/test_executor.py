@@ -8,6 +8,7 @@ import signal
 import time
 
 import pytest
+from conftest import SMALL_POOL, assert_idle, make_llm, process_exists, worker_pids
 
 from quire import LLM, SamplingParams
 from quire.executor.multiproc import WorkerDiedError
@@ -22,23 +23,28 @@ def tokens(llm: LLM, params: SamplingParams) -> list[list[list[int]]]:
 
 @pytest.fixture(scope="module")
 def mp_llm(tiny_llama):
-    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=64, distributed_executor_backend="mp")
+    llm = make_llm(tiny_llama, dtype="float32", distributed_executor_backend="mp")
     yield llm
     llm.engine.shutdown()
 
 
 def test_a_worker_process_gives_the_in_process_workers_tokens(tiny_llama, mp_llm):
     params = SamplingParams(temperature=0.7, seed=3, n=2, max_tokens=12, ignore_eos=True)
-    uni = LLM(tiny_llama, dtype="float32", num_kv_blocks=64)
+    uni = make_llm(tiny_llama, dtype="float32")
     assert tokens(mp_llm, params) == tokens(uni, params)
-    kv = mp_llm.engine.kv_manager
-    assert kv.num_free_blocks == kv.num_blocks
+    assert_idle(mp_llm)
+
+
+def test_the_worker_runs_in_a_process_of_its_own(mp_llm):
+    (state,) = mp_llm.engine.worker_states()
+    assert (state.rank, state.num_kv_blocks) == (0, SMALL_POOL)
+    assert state.pid != os.getpid() and process_exists(state.pid)
 
 
 def test_a_killed_worker_fails_the_step_within_seconds(tiny_llama):
-    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=64, distributed_executor_backend="mp")
-    (process,) = llm.engine.core.executor._processes
-    os.kill(process.pid, signal.SIGKILL)
+    llm = make_llm(tiny_llama, dtype="float32", distributed_executor_backend="mp")
+    (pid,) = worker_pids(llm)
+    os.kill(pid, signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(WorkerDiedError, match="worker rank 0 process died"):
         llm.generate(PROMPTS, SamplingParams(max_tokens=4), use_tqdm=False)
@@ -47,8 +53,8 @@ def test_a_killed_worker_fails_the_step_within_seconds(tiny_llama):
 
 
 def test_shutdown_ends_the_worker_process(tiny_llama):
-    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=64, distributed_executor_backend="mp")
-    (process,) = llm.engine.core.executor._processes
-    assert process.is_alive()
+    llm = make_llm(tiny_llama, dtype="float32", distributed_executor_backend="mp")
+    (pid,) = worker_pids(llm)
+    assert process_exists(pid)
     llm.engine.shutdown()
-    assert not process.is_alive()
+    assert not process_exists(pid)

@@ -10,8 +10,9 @@ quire's: completion i of a request with seed s draws its noise as a request with
 from __future__ import annotations
 
 import pytest
+from conftest import make_llm
 
-from quire import LLM, SamplingParams
+from quire import SamplingParams
 from quire.engine.kv_manager import KVCacheManager
 from quire.engine.request import Request
 
@@ -94,7 +95,7 @@ def sampled(seed: int, n: int = 1) -> SamplingParams:
 @pytest.fixture(scope="module")
 def alone(tiny_llama) -> list[list[int]]:
     """Completion i computed as a request of its own (seed SEED + i), without prefix caching."""
-    llm = LLM(model=tiny_llama, dtype="float32", enable_prefix_caching=False, num_kv_blocks=64)
+    llm = make_llm(tiny_llama, dtype="float32", enable_prefix_caching=False)
     outputs = llm.generate([PROMPT] * N, [sampled(SEED + i) for i in range(N)], use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs]
 
@@ -102,6 +103,6 @@ def alone(tiny_llama) -> list[list[int]]:
 def test_each_sampled_fork_gives_the_tokens_it_gives_alone(tiny_llama, alone):
     # The forks diverge at their first token, written into the shared partial block.
     assert len({tokens[0] for tokens in alone}) == N
-    llm = LLM(model=tiny_llama, dtype="float32", num_kv_blocks=64)
+    llm = make_llm(tiny_llama, dtype="float32")
     (output,) = llm.generate([PROMPT], sampled(SEED, n=N), use_tqdm=False)
     assert [c.token_ids for c in output.outputs] == alone

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import in_process_model, make_llm
 from torch import nn
 
-from quire.entrypoints.llm import LLM
 from quire.sampling_params import SamplingParams
 from quire.worker import host_memory
 
@@ -96,8 +96,8 @@ def test_an_arena_is_advised_to_huge_pages_only_when_asked(advise, monkeypatch, 
 
 
 def test_the_engine_keeps_its_weights_where_they_are_without_huge_pages(tiny_llama, advise):
-    model = LLM(tiny_llama, dtype="float32", num_kv_blocks=64, huge_pages=False)
-    model = model.engine.core.executor.worker.runner.target.model
+    llm = make_llm(tiny_llama, dtype="float32", huge_pages=False)
+    model = in_process_model(llm).model
     big = [p for p in model.parameters() if p.nbytes >= 1 << 20]
     assert big and len({p.untyped_storage().data_ptr() for p in big}) == len(big)
 
@@ -105,14 +105,14 @@ def test_the_engine_keeps_its_weights_where_they_are_without_huge_pages(tiny_lla
 def test_the_engine_gives_the_same_tokens_with_and_without_huge_pages(tiny_llama, advise):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5, 9, 200, 17, 3]}, {"prompt_token_ids": [44] * 40}]
-    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=64, huge_pages=True)
-    runner = llm.engine.core.executor.worker.runner
-    caches = [t for layer in runner.target.kv_cache.layers for t in layer]
+    llm = make_llm(tiny_llama, dtype="float32", huge_pages=True)
+    runner = in_process_model(llm)
+    caches = [t for layer in runner.kv_cache.layers for t in layer]
     # The whole KV cache is one zeroed arena: every layer's K and V share its storage.
     assert len({t.untyped_storage().data_ptr() for t in caches}) == 1
     assert all(torch.count_nonzero(t) == 0 for t in caches)
     on = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    off_llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=64, huge_pages=False)
+    off_llm = make_llm(tiny_llama, dtype="float32", huge_pages=False)
     off = [o.outputs[0].token_ids for o in off_llm.generate(prompts, params)]
     assert on == off
     assert all(len(t) == 12 for t in on)

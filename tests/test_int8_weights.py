@@ -11,10 +11,10 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import token_prompts
+from conftest import in_process_model, make_llm, token_prompts
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
-from test_cpu_decode import check_each_fused_step, model_of
+from test_cpu_decode import check_each_fused_step
 from test_qmatmul import assert_within_bound, reference
 from test_tensor_parallel import assert_close_greedy
 
@@ -85,15 +85,15 @@ def tiny_bf16(build_model, tmp_path_factory) -> dict[str, str]:
 def test_int8_stays_close_to_bf16(tiny_bf16, arch) -> None:
     small = dict(dtype="bfloat16", num_kv_blocks=64)
     int8 = LLM(tiny_bf16[arch], quantization="int8", **small)
-    layers = [m for m in model_of(int8).model.modules() if isinstance(m, QuantizedLinear)]
+    layers = [m for m in in_process_model(int8).model.modules() if isinstance(m, QuantizedLinear)]
     assert {m.qtype for m in layers} == {"Q8_0"}
-    assert len(layers) == 4 * len(model_of(int8).model.layers) + 1  # and the LM head
-    assert model_of(int8).cpu_step is not None
+    assert len(layers) == 4 * len(in_process_model(int8).model.layers) + 1  # and the LM head
+    assert int8.stats().c_decode_step
     text = PROMPTS[1]["prompt_token_ids"] + PROMPTS[2]["prompt_token_ids"]
     got, got_ppl = [o.outputs[0] for o in int8.generate(PROMPTS, GREEDY)], perplexity(int8, text)
     del int8
     bf16 = LLM(tiny_bf16[arch], quantization="none", **small)
-    assert not any(isinstance(m, QuantizedLinear) for m in model_of(bf16).model.modules())
+    assert not any(isinstance(m, QuantizedLinear) for m in in_process_model(bf16).model.modules())
     want, want_ppl = [o.outputs[0] for o in bf16.generate(PROMPTS, GREEDY)], perplexity(bf16, text)
     assert_close_greedy(want, got, TIE_GAP, LOGPROB_ATOL)
     assert abs(got_ppl / want_ppl - 1) < 0.01, (got_ppl, want_ppl)
@@ -101,8 +101,8 @@ def test_int8_stays_close_to_bf16(tiny_bf16, arch) -> None:
 
 @needs_kernels
 def test_c_decode_steps_equal_the_module_path(tiny_bf16, monkeypatch) -> None:
-    llm = LLM(tiny_bf16["qwen3"], quantization="int8", dtype="bfloat16", num_kv_blocks=64)
-    steps = check_each_fused_step(model_of(llm), monkeypatch)
+    llm = make_llm(tiny_bf16["qwen3"], quantization="int8", dtype="bfloat16")
+    steps = check_each_fused_step(in_process_model(llm), monkeypatch)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [6] * 3

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import token_prompts
+from conftest import assert_idle, token_prompts
 
 from quire import LLM, SamplingParams
 from quire.attention.backend import AttentionMetadata
@@ -318,6 +318,4 @@ def test_the_pool_holds_1_85x_the_tokens_and_every_block_comes_back(bf16_model, 
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, n=2)
     outputs = llm.generate(token_prompts([40, 3, 70]), params, use_tqdm=False)
     assert [len(c.token_ids) for o in outputs for c in o.outputs] == [20] * 6
-    kv = engine.kv_manager
-    kv.check_invariants()
-    assert kv.num_free_blocks == kv.num_blocks
+    assert_idle(engine)

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import load_model_alone, make_llm
 from torch import nn
 
-from quire import LLM, SamplingParams
+from quire import SamplingParams
 from quire.kernels.cpu import gemv
 from quire.layers.linear import PackedLinear, pack_linear_layers, packed_linear_supported
 
@@ -46,13 +47,12 @@ def test_packed_engine_outputs_equal_unpacked(tiny_models, arch) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
     results = {}
     for pack in (True, False):
-        llm = LLM(tiny_models[arch], dtype="bfloat16", num_kv_blocks=64, pack_weights=pack)
-        runner = llm.engine.core.executor.worker.runner
-        model = runner.target.model
+        model = load_model_alone(tiny_models[arch], dtype="bfloat16", pack_weights=pack)
         packed = any(isinstance(m, PackedLinear) for m in model.modules())
         assert packed == pack
         assert not pack or not any(isinstance(m, nn.Linear) for m in model.modules())
-        assert (runner.target.cpu_step is not None) == (pack and gemv.available())
+        llm = make_llm(tiny_models[arch], dtype="bfloat16", pack_weights=pack)
+        assert llm.stats().c_decode_step == (pack and gemv.available())
         results[pack] = [
             (out.outputs[0].token_ids, out.outputs[0].cumulative_logprob)
             for out in llm.generate(

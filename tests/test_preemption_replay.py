@@ -15,11 +15,10 @@ matmuls are not, so float32 compares tokens exactly and logprobs to a tolerance.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import token_prompts
+from conftest import assert_idle, make_llm, token_prompts
 
 from quire import LLM, SamplingParams
 from quire.config import EngineConfig
@@ -30,7 +29,7 @@ from quire.engine.scheduler import Scheduler
 from quire.kernels import cpu as cpu_kernels
 from quire.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from quire.worker.input_batch import InputBatch
-from quire.worker.model_runner import ModelRunner
+from quire.worker.step_inputs import StepInputBuilder
 
 LENGTHS = [20, 35, 9, 50, 27, 41]  # around the block size (16): partial and full last blocks
 MAX_TOKENS = 40
@@ -138,16 +137,6 @@ def log(monkeypatch) -> Log:
     return log
 
 
-def assert_all_blocks_free(llm_or_engine) -> None:
-    engine = getattr(llm_or_engine, "engine", llm_or_engine)
-    kv = engine.kv_manager
-    kv.check_invariants()
-    assert kv.num_free_blocks == kv.num_blocks
-    assert all(b.ref_count == 0 for b in kv.blocks)
-    assert not engine.scheduler.requests
-    assert not engine.scheduler.running and not engine.scheduler.waiting
-
-
 def assert_replayed(log: Log, min_requests: int = 2) -> None:
     """Several requests were preempted after generating, and a resumed one computed several of
     its generated tokens in one step (the old code never made a decode of more than one)."""
@@ -199,9 +188,9 @@ GREEDY_F32 = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=T
 @pytest.fixture(scope="module")
 def f32_reference(tiny_llama) -> list[tuple]:
     """All prompts in one batch in a pool that holds them all: no preemption."""
-    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=64, enable_prefix_caching=False)
+    llm = make_llm(tiny_llama, dtype="float32", enable_prefix_caching=False)
     outputs = llm.generate(token_prompts(LENGTHS), GREEDY_F32, use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions == 0
+    assert llm.stats().num_preemptions == 0
     return [completion(o) for o in outputs]
 
 
@@ -230,7 +219,7 @@ def test_float32_greedy_under_heavy_preemption_equals_the_unpreempted_run(
         enable_prefix_caching=caching,
     )
     assert_matches_unpreempted_f32(llm, f32_reference, log)
-    assert_all_blocks_free(llm)
+    assert_idle(llm)
 
 
 def test_a_prefix_cache_hit_inside_the_generated_tokens_starts_the_replay_midway(
@@ -246,7 +235,7 @@ def test_a_prefix_cache_hit_inside_the_generated_tokens_starts_the_replay_midway
     # Its first step after the hit is a replay from the end of the hit, not from the prompt's end.
     replays = log.replays()
     assert any((rid, hit) == (r[0], r[1]) for rid, hit, _ in midway for r in replays), replays
-    assert_all_blocks_free(llm)
+    assert_idle(llm)
 
 
 def test_float32_gathered_decode_with_replays_sharing_a_block_table(
@@ -275,7 +264,7 @@ def test_float32_gathered_decode_with_replays_sharing_a_block_table(
     )
     assert_matches_unpreempted_f32(llm, f32_reference, log)
     assert any(shared)  # some step's decodes had sequences over one block table
-    assert_all_blocks_free(llm)
+    assert_idle(llm)
 
 
 def test_max_num_seqs_bounds_the_requests_and_each_replay(tiny_llama, f32_reference, log):
@@ -295,7 +284,7 @@ def test_max_num_seqs_bounds_the_requests_and_each_replay(tiny_llama, f32_refere
     assert all(new <= 2 for _, _, _, new in log.replays())
     assert 2 < log.max_decode_sequences() <= 4  # a replay beside another decode
     assert_replayed(log, min_requests=1)
-    assert_all_blocks_free(llm)
+    assert_idle(llm)
 
 
 # ---- bfloat16: bit for bit -----------------------------------------------------------------
@@ -304,7 +293,7 @@ def test_max_num_seqs_bounds_the_requests_and_each_replay(tiny_llama, f32_refere
 @pytest.fixture(scope="module")
 def bf16_llm(tiny_llama):
     """The unpreempted run: a pool that holds every request (checked by each test)."""
-    return LLM(tiny_llama, dtype="bfloat16", num_kv_blocks=64, enable_prefix_caching=False)
+    return make_llm(tiny_llama, dtype="bfloat16", enable_prefix_caching=False)
 
 
 def test_bfloat16_logprobs_and_prompt_logprobs_under_preemption_are_the_same_bits(
@@ -334,7 +323,7 @@ def test_bfloat16_logprobs_and_prompt_logprobs_under_preemption_are_the_same_bit
         and any(not decode and needs for *_, decode, _, needs in step)
         for step in log.steps
     ), log.steps
-    assert_all_blocks_free(llm)
+    assert_idle(llm)
 
 
 def test_bfloat16_n2_seeded_sampling_under_preemption_is_the_same_bits(tiny_llama, bf16_llm, log):
@@ -363,7 +352,7 @@ def test_bfloat16_n2_seeded_sampling_under_preemption_is_the_same_bits(tiny_llam
     forks_preempted = {rid for rid in log.preempted_after_generating() if "#" in rid}
     assert any(rid.endswith("#1") for rid in forks_preempted), log.preempted  # a fork
     assert any(rid.endswith("#0") for rid in forks_preempted), log.preempted  # a parent
-    assert_all_blocks_free(llm)
+    assert_idle(llm)
 
 
 # ---- abort ---------------------------------------------------------------------------------
@@ -412,7 +401,7 @@ def test_abort_mid_replay_frees_its_blocks_and_the_others_keep_their_bits(
     assert got == {rid: c for rid, c in want.items() if rid != aborted}
     # The aborted request was never scheduled again.
     assert all(e[0] != aborted for step in log.steps[aborted_at:] for e in step)
-    assert_all_blocks_free(eng)
+    assert_idle(eng)
 
 
 # ---- the runner's expansion, and the kernels it relies on ----------------------------------
@@ -437,8 +426,7 @@ def _runner_and_step(*entries: tuple[str, int, int, int, int, list[int]]):
     ]
     num_scheduled = {rid: n for rid, _, _, _, n, _ in entries}
     step = batch.update(SchedulerOutput(new_reqs, [], num_scheduled, sum(num_scheduled.values())))
-    runner = SimpleNamespace(block_size=8, device=torch.device("cpu"), input_batch=batch)
-    return runner, step
+    return StepInputBuilder(batch, 8, torch.device("cpu")), step
 
 
 def test_prepare_expands_a_replay_into_one_decode_sequence_per_token():
@@ -449,7 +437,13 @@ def test_prepare_expands_a_replay_into_one_decode_sequence_per_token():
         ("d", 5, 2, 6, 1, [7]), ("r", 10, 7, 14, 3, [3, 9, 4]), ("p", 12, 0, 4, 6, [5, 6])
     )
     assert [s.is_decode for s, _ in step] == [True, True, False]
-    ids, positions, meta, first_rows = ModelRunner._prepare(runner, step)
+    inputs = runner.build(step)
+    ids, positions, meta, first_rows = (
+        inputs.input_ids,
+        inputs.positions,
+        inputs.metadata,
+        inputs.first_rows,
+    )
 
     assert ids.tolist() == [501, 504, 505, 506, *range(104, 110)]
     assert positions.tolist() == [6, 14, 15, 16, 4, 5, 6, 7, 8, 9]
@@ -482,7 +476,8 @@ def test_prepare_expands_a_replay_into_one_decode_sequence_per_token():
 
 def test_prepare_without_a_replay_keeps_one_sequence_per_entry():
     runner, step = _runner_and_step(("d", 5, 2, 6, 1, [7]), ("p", 12, 0, 4, 6, [5, 6]))
-    _, positions, meta, first_rows = ModelRunner._prepare(runner, step)
+    inputs = runner.build(step)
+    positions, meta, first_rows = inputs.positions, inputs.metadata, inputs.first_rows
     assert positions.tolist() == [6, 4, 5, 6, 7, 8, 9]
     assert first_rows == meta.query_start_loc_cpu == [0, 1, 7]
     assert meta.num_decodes == 1 and meta.seq_lens_cpu == [7, 10]

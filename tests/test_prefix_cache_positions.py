@@ -10,10 +10,11 @@ leading blocks whose whole prefix it remembers, never the block holding the prom
 from __future__ import annotations
 
 import pytest
+from conftest import greedy, make_llm
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quire import LLM, SamplingParams
+from quire import SamplingParams
 from quire.engine.kv_manager import KVCacheManager
 from quire.engine.request import Request
 
@@ -102,16 +103,12 @@ SAME_BLOCK_FIRST = [*X, *Y, 21, 22]  # X moved from position 16 to position 0
 SAME_PREFIX = [*P, *X, 31]  # a true hit of both blocks
 
 
-def greedy() -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-
-
 @pytest.fixture(scope="module")
 def alone(tiny_llama) -> dict[str, list[int]]:
     """Each prompt's tokens in an engine without prefix caching."""
-    llm = LLM(model=tiny_llama, dtype="float32", enable_prefix_caching=False, num_kv_blocks=64)
+    llm = make_llm(tiny_llama, dtype="float32", enable_prefix_caching=False)
     return {
-        name: llm.generate([{"prompt_token_ids": p}], greedy(), use_tqdm=False)[0]
+        name: llm.generate([{"prompt_token_ids": p}], greedy(12), use_tqdm=False)[0]
         .outputs[0]
         .token_ids
         for name, p in [("same_block", SAME_BLOCK_FIRST), ("same_prefix", SAME_PREFIX)]
@@ -121,11 +118,11 @@ def alone(tiny_llama) -> dict[str, list[int]]:
 def test_the_same_block_at_another_position_is_recomputed_and_gives_the_same_tokens(
     tiny_llama, alone
 ):
-    llm = LLM(model=tiny_llama, dtype="float32", num_kv_blocks=64)
-    llm.generate([{"prompt_token_ids": FIRST}], greedy(), use_tqdm=False)
-    (moved,) = llm.generate([{"prompt_token_ids": SAME_BLOCK_FIRST}], greedy(), use_tqdm=False)
+    llm = make_llm(tiny_llama, dtype="float32")
+    llm.generate([{"prompt_token_ids": FIRST}], greedy(12), use_tqdm=False)
+    (moved,) = llm.generate([{"prompt_token_ids": SAME_BLOCK_FIRST}], greedy(12), use_tqdm=False)
     assert moved.outputs[0].token_ids == alone["same_block"]
     assert moved.num_cached_tokens == 0
-    (same,) = llm.generate([{"prompt_token_ids": SAME_PREFIX}], greedy(), use_tqdm=False)
+    (same,) = llm.generate([{"prompt_token_ids": SAME_PREFIX}], greedy(12), use_tqdm=False)
     assert same.num_cached_tokens == 2 * BS
     assert same.outputs[0].token_ids == alone["same_prefix"]

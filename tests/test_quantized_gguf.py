@@ -10,8 +10,8 @@ import logging
 import os
 
 import pytest
-from conftest import token_prompts
-from test_cpu_decode import check_each_fused_step, greedy, model_of
+from conftest import greedy, in_process_model, make_llm, token_prompts
+from test_cpu_decode import check_each_fused_step
 
 from quire import LLM, SamplingParams
 from quire.bench import gguf_files
@@ -40,7 +40,7 @@ def smollm2_file(default_model: str, qtype: str) -> str:
 
 
 def linear_types(llm: LLM) -> set[str]:
-    model = model_of(llm).model
+    model = in_process_model(llm).model
     return {m.qtype for m in model.modules() if isinstance(m, QuantizedLinear)}
 
 
@@ -62,7 +62,7 @@ def test_perplexity_is_within_one_percent_of_the_dequantized_file(
     quantized = LLM(path, tokenizer=tokenizer_dir, num_kv_blocks=32)
     token_ids = quantized.get_tokenizer()(PROSE)["input_ids"]
     assert linear_types(quantized) == types
-    assert model_of(quantized).cpu_step is not None
+    assert quantized.stats().c_decode_step
     ppl = perplexity(quantized.engine, token_ids)
     del quantized
     reference = LLM(
@@ -117,9 +117,9 @@ def tiny_files() -> dict[str, str]:
 def test_decode_steps_equal_the_module_path_bit_for_bit(
     tiny_files, tokenizer_dir, qtype, types, monkeypatch
 ) -> None:
-    llm = LLM(tiny_files[qtype], tokenizer=tokenizer_dir, num_kv_blocks=64)
+    llm = make_llm(tiny_files[qtype], tokenizer=tokenizer_dir)
     assert linear_types(llm) == types
-    steps = check_each_fused_step(model_of(llm), monkeypatch)
+    steps = check_each_fused_step(in_process_model(llm), monkeypatch)
     lengths = [3, 17, 40]
     outputs = llm.generate(token_prompts(lengths), greedy(8), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [8] * 3
@@ -157,7 +157,7 @@ def test_other_quantized_types_are_dequantized_with_a_warning(tiny_files, tokeni
         llm = LLM(path, tokenizer=tokenizer_dir, num_kv_blocks=16)
     assert "Q5_0 weights are dequantized at load" in caplog.text
     assert linear_types(llm) == set()
-    assert model_of(llm).cpu_step is not None  # bf16, GEMV-packed
+    assert llm.stats().c_decode_step  # bf16, GEMV-packed
 
 
 def test_a_decode_step_reads_kept_blocks_as_stored(tiny_files) -> None:

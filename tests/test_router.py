@@ -9,9 +9,10 @@ import json
 
 import httpx
 import pytest
+from conftest import assert_idle
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
-from server_utils import ServerThread, assert_all_blocks_free, serve_engine, wait_until
+from server_utils import ServerThread, serve_engine, wait_until
 
 from quire.bench import pd_profile
 from quire.config import EngineConfig
@@ -79,7 +80,7 @@ def test_greedy_completion_equals_collocated(instances, router, length):
     assert completion(router.url, prompt, ignore_eos=True)["choices"][0]["text"] == expected
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0}
     assert streamed_text(router.url, "/v1/completions", {**body, "ignore_eos": True}) == expected
-    assert_all_blocks_free(prefill, decode)
+    assert_idle(prefill, decode)
 
 
 def test_a_stream_carries_the_usage_report_only_when_the_client_asks(instances, router):
@@ -105,7 +106,7 @@ def test_streamed_chat_and_seeded_sampling_equal_collocated(instances, router):
     }
     path = "/v1/chat/completions"
     assert streamed_text(router.url, path, body) == streamed_text(collocated.url, path, body)
-    assert_all_blocks_free(prefill, decode)
+    assert_idle(prefill, decode)
 
 
 def test_decode_instance_counts_the_bytes_it_pulled(instances, router):
@@ -124,7 +125,7 @@ def test_n_completions_with_logprobs_equal_collocated(instances, router):
     expected = completion(collocated.url, prompt, **sampling)["choices"]
     assert [c["text"] for c in got] == [c["text"] for c in expected]
     assert [c["logprobs"]["tokens"] for c in got] == [c["logprobs"]["tokens"] for c in expected]
-    assert_all_blocks_free(prefill, decode)
+    assert_idle(prefill, decode)
 
 
 def test_requests_the_disaggregated_path_does_not_carry_go_to_the_decode_instance(
@@ -135,7 +136,7 @@ def test_requests_the_disaggregated_path_does_not_carry_go_to_the_decode_instanc
     got = completion(router.url, prompts, ignore_eos=True)
     expected = completion(collocated.url, prompts, ignore_eos=True)
     assert [c["text"] for c in got["choices"]] == [c["text"] for c in expected["choices"]]
-    assert_all_blocks_free(decode)
+    assert_idle(decode)
 
 
 def router_over(instances: list[Instance]) -> ServerThread:
@@ -159,7 +160,7 @@ def test_a_dead_prefill_instance_leaves_the_decode_instance_to_compute(instances
         == completion(collocated.url, prompt, ignore_eos=True)["choices"][0]["text"]
     )
     assert load["instances"][0]["healthy"] is False
-    assert_all_blocks_free(decode)
+    assert_idle(decode)
 
 
 def test_a_prefill_kv_endpoint_that_never_answers_is_a_clear_error(instances):
@@ -179,9 +180,9 @@ def test_a_prefill_kv_endpoint_that_never_answers_is_a_clear_error(instances):
     assert "KV transfer failed: the prefill instance's KV endpoint 127.0.0.1:9 did not answer" in (
         message
     )
-    assert_all_blocks_free(decode)
+    assert_idle(decode)
     assert wait_until(lambda: not prefill.engine.has_kv_transfers(), timeout=10)
-    assert_all_blocks_free(prefill)
+    assert_idle(prefill)
 
 
 def dying_decode_app() -> FastAPI:
@@ -208,7 +209,7 @@ def test_a_decode_instance_dying_mid_stream_ends_the_stream_with_an_error(instan
                 prefill_server.url,
                 "prefill",
                 kv_host="127.0.0.1",
-                kv_port=prefill.engine.quire_config.kv_transfer.port,
+                kv_port=prefill.engine.config.kv_port,
             ),
             Instance(dying.url, "decode"),
         ]
@@ -227,7 +228,7 @@ def test_a_decode_instance_dying_mid_stream_ends_the_stream_with_an_error(instan
     assert error["code"] == 502 and error["message"].startswith("The instance stopped mid-stream")
     # nobody pulls the prefill instance's lease: it runs out (5 s) and frees the blocks
     assert wait_until(lambda: not prefill.engine.has_kv_transfers(), timeout=10)
-    assert_all_blocks_free(prefill)
+    assert_idle(prefill)
 
 
 def test_bad_router_configuration_fails_at_start(instances):
@@ -337,16 +338,11 @@ def test_pd_profile_measures_the_instances_and_the_cost_model_router_uses_it(ins
     server = ServerThread(build_router_app(router))
     try:
         prompt = token_prompt(CHUNK + 3, 11)
-        expected = completion(collocated_server.url, prompt, ignore_eos=True)["choices"][0]
-        assert (
-            completion(server.url, prompt, ignore_eos=True)["choices"][0]["text"]
-            == (expected["text"])
-        )
+        expected = completion(collocated_server.url, prompt, ignore_eos=True)["choices"][0]["text"]
+        assert completion(server.url, prompt, ignore_eos=True)["choices"][0]["text"] == expected
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0}
-        assert (
-            streamed_text(server.url, "/v1/completions", {**body, "ignore_eos": True})
-            == (expected["text"])
-        )
+        body["ignore_eos"] = True
+        assert streamed_text(server.url, "/v1/completions", body) == expected
         state = httpx.get(server.url + "/load").json()["policy_state"]
     finally:
         server.stop()
@@ -354,4 +350,4 @@ def test_pd_profile_measures_the_instances_and_the_cost_model_router_uses_it(ins
     assert sum(a["requests"] for a in state["accuracy"].values()) == 1  # the streamed one
     assert router.first.routing.outputs.predict(CHUNK + 3, max_tokens=None) == 10
     assert not any(router.first.routing.flights.values())
-    assert_all_blocks_free(prefill, decode)
+    assert_idle(prefill, decode)

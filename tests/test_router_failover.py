@@ -16,11 +16,11 @@ import threading
 
 import httpx
 import pytest
+from conftest import assert_idle
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from server_utils import (
     ServerThread,
-    assert_all_blocks_free,
     completion_text,
     router_retries,
     serve_engine,
@@ -160,7 +160,7 @@ def test_a_refused_instance_is_retried_elsewhere_then_left_out(instances, router
         (dead.url, False),
         (decode_server.url, True),
     ]
-    assert_all_blocks_free(decode)
+    assert_idle(decode)
 
 
 def test_a_dropped_connection_before_any_byte_is_retried_once(instances, router_over):
@@ -176,7 +176,7 @@ def test_a_dropped_connection_before_any_byte_is_retried_once(instances, router_
     finally:
         dying.close()
     assert dying.requests == 1  # marked down at once: the second request went straight on
-    assert_all_blocks_free(decode)
+    assert_idle(decode)
 
 
 def test_a_stream_that_dies_before_its_first_event_is_retried(instances, router_over):
@@ -191,7 +191,7 @@ def test_a_stream_that_dies_before_its_first_event_is_retried(instances, router_
     finally:
         dying.stop()
     assert router_retries(router.url, "decode") == 1
-    assert_all_blocks_free(decode)
+    assert_idle(decode)
 
 
 def test_no_instance_left_is_a_502_naming_every_instance_tried(router_over):
@@ -231,7 +231,7 @@ def test_a_dead_decode_instance_after_the_prefill_leaves_the_request_to_another(
     assert completion_text(router.url, body(PROMPT, ignore_eos=True)) == expected
     assert router_retries(router.url, "decode") == 1
     assert wait_until(lambda: not prefill.engine.has_kv_transfers(), timeout=10)
-    assert_all_blocks_free(prefill, decode)
+    assert_idle(prefill, decode)
 
 
 def test_a_prefill_instance_that_drops_the_request_is_replaced_by_another(instances, router_over):
@@ -255,7 +255,7 @@ def test_a_prefill_instance_that_drops_the_request_is_replaced_by_another(instan
     assert dying.requests == 1
     assert router_retries(router.url, "prefill") == 1
     assert prefill.engine.core_stats().kv_transfer.num_leases_expired == expired  # pulled
-    assert_all_blocks_free(prefill, decode)
+    assert_idle(prefill, decode)
 
 
 def test_the_router_logs_an_instance_going_down_and_back_up_and_no_poll():

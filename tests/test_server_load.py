@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import assert_idle
 from server_utils import ServerThread, wait_until
 
 from quire.config import EngineConfig
@@ -69,13 +70,6 @@ def serving(engine) -> Callable[..., contextlib.AbstractContextManager[ServerThr
             server.stop()
 
     return serve
-
-
-def assert_idle_with_all_blocks_free(engine: AsyncLLM) -> None:
-    assert wait_until(lambda: not engine.engine.has_unfinished_requests())
-    kv = engine.engine.kv_manager
-    kv.check_invariants()
-    assert kv.num_free_blocks == kv.num_blocks
 
 
 def error_of(response: httpx.Response) -> dict:
@@ -157,7 +151,7 @@ def test_health_and_a_small_completion_answer_while_huge_prompts_are_handled(
     )
     assert {status for status, _ in answers} == {400}
     assert {body["error"]["code"] for _, body in answers} == {"context_length_exceeded"}
-    assert_idle_with_all_blocks_free(engine)
+    assert_idle(engine)
 
 
 def test_the_event_loop_keeps_running_while_the_pool_tokenizes(long_context_model):
@@ -217,7 +211,7 @@ def test_a_body_over_the_limit_gets_413_before_it_is_parsed(engine, serving):
             "param": None,
             "code": "request_too_large",
         }
-    assert_idle_with_all_blocks_free(engine)
+    assert_idle(engine)
 
 
 def test_a_chunked_body_over_the_limit_gets_413(engine, serving):
@@ -229,7 +223,7 @@ def test_a_chunked_body_over_the_limit_gets_413(engine, serving):
         )
     assert response.status_code == 413
     assert error_of(response)["code"] == "request_too_large"
-    assert_idle_with_all_blocks_free(engine)
+    assert_idle(engine)
 
 
 def test_a_body_at_the_limit_is_served(serving):
@@ -266,7 +260,7 @@ def test_a_body_not_received_within_the_timeout_gets_408_and_is_dropped(engine, 
         "code": "request_timeout",
     }
     assert 0.5 <= elapsed < 5
-    assert_idle_with_all_blocks_free(engine)
+    assert_idle(engine)
 
 
 # ---- the admission queue -------------------------------------------------------------------
@@ -291,7 +285,7 @@ def test_a_full_queue_gets_503_with_retry_after_and_not_ready(engine, serving):
             assert client.get(server.url + "/ready").status_code == 503
             assert client.get(server.url + "/health").status_code == 200
         assert wait_until(lambda: client.get(server.url + "/ready").status_code == 200)
-    assert_idle_with_all_blocks_free(engine)
+    assert_idle(engine)
 
 
 def test_the_default_queue_holds_at_least_a_batch(engine, serving):
@@ -314,7 +308,7 @@ def test_a_request_past_its_timeout_gets_504_and_is_aborted(engine, serving):
         "code": "request_timeout",
     }
     assert elapsed < 5
-    assert_idle_with_all_blocks_free(engine)
+    assert_idle(engine)
 
 
 def test_a_stream_past_its_timeout_ends_with_an_error_event(engine, serving):
@@ -325,7 +319,7 @@ def test_a_stream_past_its_timeout_ends_with_an_error_event(engine, serving):
     assert response.status_code == 200
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["code"] == "request_timeout"
-    assert_idle_with_all_blocks_free(engine)
+    assert_idle(engine)
 
 
 def test_the_server_request_timeout_caps_a_longer_request_timeout(engine, serving):
@@ -339,7 +333,7 @@ def test_the_server_request_timeout_caps_a_longer_request_timeout(engine, servin
         "param": None,
         "code": "request_timeout",
     }
-    assert_idle_with_all_blocks_free(engine)
+    assert_idle(engine)
 
 
 def test_a_timeout_that_is_not_positive_gets_400(serving):

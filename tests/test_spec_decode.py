@@ -10,6 +10,7 @@ their own output too, so proposals are accepted as well as rejected.
 from __future__ import annotations
 
 import pytest
+from conftest import assert_idle
 
 from quire import LLM, SamplingParams
 from quire.spec_decode.ngram import NgramProposer
@@ -35,12 +36,6 @@ def token_ids(llm: LLM, params: SamplingParams, prompts=PROMPTS):
     return [[c.token_ids for c in o.outputs] for o in outputs]
 
 
-def assert_no_leak(llm: LLM) -> None:
-    kv = llm.engine.kv_manager
-    kv.check_invariants()
-    assert kv.num_free_blocks == kv.num_blocks
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_greedy_float32_tokens_equal_without_speculation(tiny_models, arch):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -51,7 +46,7 @@ def test_greedy_float32_tokens_equal_without_speculation(tiny_models, arch):
     stats = llm.engine.spec_decoding_stats
     assert stats.num_accepted_tokens > 0
     assert stats.num_draft_tokens > stats.num_accepted_tokens  # some rejected too
-    assert_no_leak(llm)
+    assert_idle(llm)
 
 
 @pytest.fixture(scope="module")
@@ -82,10 +77,10 @@ def test_greedy_bf16_bits_equal_without_speculation(tiny_llama, bf16_reference, 
         assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs] == reference
     assert llm.engine.spec_decoding_stats.num_accepted_tokens > 0
     if engine == "preemption":
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.stats().num_preemptions > 0
     else:
-        assert llm.engine.kv_manager.prefix_cache_hits > 0
-    assert_no_leak(llm)
+        assert llm.stats().prefix_cache_hits > 0
+    assert_idle(llm)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +94,7 @@ def test_seeded_sampling_tokens_equal_without_speculation(plain_llm, spec_llm):
     before = spec_llm.engine.spec_decoding_stats.num_accepted_tokens
     assert token_ids(spec_llm, params) == reference
     assert spec_llm.engine.spec_decoding_stats.num_accepted_tokens > before
-    assert_no_leak(spec_llm)
+    assert_idle(spec_llm)
 
 
 @pytest.fixture
@@ -127,7 +122,7 @@ def test_stop_token_inside_an_accepted_run_drops_the_tokens_after_it(spec_llm, o
     out = spec_llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == tokens[: stop_at + 1]
     assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", tokens[stop_at])
-    assert_no_leak(spec_llm)
+    assert_idle(spec_llm)
 
 
 def test_stop_string_inside_an_accepted_run_drops_the_tokens_after_it(spec_llm, oracle):
@@ -142,7 +137,7 @@ def test_stop_string_inside_an_accepted_run_drops_the_tokens_after_it(spec_llm, 
     assert completion.token_ids == tokens[: stop_at + 1]
     assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
     assert completion.text == text_before
-    assert_no_leak(spec_llm)
+    assert_idle(spec_llm)
 
 
 def test_max_tokens_inside_a_run_of_proposals_ends_there(spec_llm, oracle):
@@ -151,7 +146,7 @@ def test_max_tokens_inside_a_run_of_proposals_ends_there(spec_llm, oracle):
     out = spec_llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == tokens[: stop_at + 1]
     assert out.outputs[0].finish_reason == "length"
-    assert_no_leak(spec_llm)
+    assert_idle(spec_llm)
 
 
 def test_metrics_export_the_speculation_counters(spec_llm, caplog):
@@ -203,5 +198,5 @@ def test_a_request_decodes_to_the_end_of_a_pool_exactly_max_model_len_long(tiny_
     assert (outputs[-1].finished, completion.finish_reason) == (True, "length")
     assert len(prompt) + len(completion.token_ids) == 64
     assert engine.spec_decoding_stats.num_draft_tokens > 0
-    assert engine.scheduler.num_preemptions == 0
-    assert_no_leak(llm)
+    assert engine.stats().num_preemptions == 0
+    assert_idle(llm)

@@ -16,6 +16,7 @@ import shutil
 
 import pytest
 import torch
+from conftest import assert_idle, in_process_runner
 from safetensors.torch import load_file, save_file
 
 from quire import LLM, SamplingParams
@@ -65,12 +66,6 @@ def generate(llm: LLM, params: SamplingParams, prompts=PROMPTS):
     return [[(c.token_ids, c.logprobs) for c in o.outputs] for o in outputs]
 
 
-def assert_no_leak(llm: LLM) -> None:
-    kv = llm.engine.kv_manager
-    kv.check_invariants()
-    assert kv.num_free_blocks == kv.num_blocks
-
-
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
@@ -83,8 +78,8 @@ def test_greedy_float32_tokens_equal_plain_decoding(tiny_models, drafts, arch):
         assert generate(llm, GREEDY) == reference
     stats = llm.engine.spec_decoding_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # accepted and rejected
-    assert llm.engine.kv_manager.prefix_cache_hits > 0
-    assert_no_leak(llm)
+    assert llm.stats().prefix_cache_hits > 0
+    assert_idle(llm)
 
 
 def test_greedy_with_an_unrelated_draft_under_preemption(tiny_models):
@@ -95,9 +90,9 @@ def test_greedy_with_an_unrelated_draft_under_preemption(tiny_models):
     reference = generate(LLM(tiny_models["llama"], **kwargs), params)
     llm = LLM(tiny_models["llama"], speculative_config=draft_config(tiny_models["qwen3"]), **kwargs)
     assert generate(llm, params) == reference  # tokens and logprobs, bit for bit
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.stats().num_preemptions > 0
     assert llm.engine.spec_decoding_stats.num_drafts > 0
-    assert_no_leak(llm)
+    assert_idle(llm)
 
 
 BF16 = dict(dtype="bfloat16", max_num_batched_tokens=512, **POOL)
@@ -123,7 +118,7 @@ def own_draft_run(plain_llama, own_draft_llm):
     params = SamplingParams(temperature=0.0, max_tokens=1 + 5 * (K + 1), ignore_eos=True)
     reference = generate(plain_llama, params)
     llm = own_draft_llm
-    drafter = llm.engine.core.executor.worker.runner.proposer.draft  # its ModelForward
+    drafter = in_process_runner(llm).proposer.draft  # its ModelForward
     rows = []
 
     def counted(run):
@@ -190,7 +185,7 @@ def test_the_target_as_its_own_draft_accepts_every_sampled_proposal(own_draft_ru
     stats = llm.engine.spec_decoding_stats
     assert stats.num_draft_tokens > before
     assert stats.num_accepted_tokens == stats.num_draft_tokens
-    assert_no_leak(llm)
+    assert_idle(llm)
 
 
 def test_stops_inside_an_accepted_run_cut_it_as_plain_decoding_does(
@@ -213,7 +208,7 @@ def test_stops_inside_an_accepted_run_cut_it_as_plain_decoding_does(
         assert out.outputs[0].finish_reason == expected.outputs[0].finish_reason
     assert first_stop <= 6
     assert llm.engine.spec_decoding_stats.acceptance_rate == 1.0
-    assert_no_leak(llm)
+    assert_idle(llm)
 
 
 SEEDED = {
@@ -258,7 +253,7 @@ def test_seeded_sampling_gives_the_same_tokens_across_runs_and_batches(small_voc
         for token_ids, logprobs in completions:
             if params.logprobs is not None:
                 assert all(t in lp for t, lp in zip(token_ids, logprobs))
-    assert_no_leak(llm)
+    assert_idle(llm)
 
 
 def test_a_draft_of_another_vocabulary_size_is_a_value_error(tiny_llama, build_model, tmp_path):
@@ -306,7 +301,7 @@ def test_auto_with_the_target_as_its_own_draft_keeps_the_greedy_tokens(tiny_llam
     stats = llm.engine.spec_decoding_stats
     assert stats.num_draft_tokens > 0
     assert stats.num_accepted_tokens == stats.num_draft_tokens
-    assert_no_leak(llm)
+    assert_idle(llm)
 
 
 def test_auto_with_a_useless_draft_backs_off_to_no_draft(tiny_models, plain_llama):
@@ -319,7 +314,7 @@ def test_auto_with_a_useless_draft_backs_off_to_no_draft(tiny_models, plain_llam
         "num_speculative_tokens": "auto",
     }
     llm = LLM(tiny_models["llama"], speculative_config=spec, **BF16)
-    drafter = llm.engine.core.executor.worker.runner.proposer
+    drafter = in_process_runner(llm).proposer
     proposed = []
     propose = drafter.propose
     drafter.propose = lambda *args: proposed.append(propose(*args)) or proposed[-1]
@@ -329,7 +324,7 @@ def test_auto_with_a_useless_draft_backs_off_to_no_draft(tiny_models, plain_llam
     assert 1 <= stats.num_drafts <= 4
     drafted_steps = [p for p in proposed if any(p.values())]
     assert 1 <= len(drafted_steps) <= 4  # of ~80 steps
-    assert_no_leak(llm)
+    assert_idle(llm)
 
 
 def test_smollm2_bf16_greedy_bits_equal_with_ngram_and_with_itself_as_draft(default_model):
@@ -346,7 +341,7 @@ def test_smollm2_bf16_greedy_bits_equal_with_ngram_and_with_itself_as_draft(defa
     def run(**spec) -> list:
         llm = LLM(default_model, **kwargs, **spec)
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        assert_no_leak(llm)
+        assert_idle(llm)
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs], llm
 
     reference, _ = run()

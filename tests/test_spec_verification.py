@@ -10,6 +10,7 @@ position's noise, so bf16 outputs are the same bits, seeded sampling the same to
 from __future__ import annotations
 
 import pytest
+from conftest import assert_idle, make_llm
 
 from quire import LLM, SamplingParams
 from quire.engine.scheduler import Scheduler
@@ -63,7 +64,7 @@ PARAMS = {
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama) -> LLM:
-    return LLM(tiny_llama, dtype="bfloat16", num_kv_blocks=64)
+    return make_llm(tiny_llama, dtype="bfloat16")
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +86,4 @@ def test_verified_proposals_give_the_tokens_of_a_run_without_them(
     assert stats["proposed"] > 0
     if corrupt_every == 1000:  # every proposal accepted: up to 1 + k tokens a step
         assert llm.engine.num_steps - steps_before < params.max_tokens
-    kv = llm.engine.kv_manager
-    kv.check_invariants()
-    assert kv.num_free_blocks == kv.num_blocks
+    assert_idle(llm)

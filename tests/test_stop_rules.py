@@ -11,6 +11,7 @@ positive feature, and only EOS's LM-head row reads it. Every expected output bel
 from __future__ import annotations
 
 import pytest
+from conftest import make_llm
 from safetensors.torch import load_file, save_file
 
 from quire import LLM, SamplingParams
@@ -33,7 +34,7 @@ def eos_model(build_model, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def llm(eos_model) -> LLM:
-    return LLM(model=eos_model, dtype="float32", num_kv_blocks=64)
+    return make_llm(eos_model, dtype="float32")
 
 
 def generate(llm: LLM, **params):

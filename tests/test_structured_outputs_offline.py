@@ -9,6 +9,7 @@ import re
 
 import jsonschema
 import pytest
+from conftest import assert_idle
 
 from quire import LLM, SamplingParams
 from quire.sampling_params import StructuredOutputsParams
@@ -61,18 +62,12 @@ def mixed_reference(llm):
     return [o.outputs[0] for o in llm.chat(CONVERSATIONS, MIXED, use_tqdm=False)]
 
 
-def assert_no_leak(llm: LLM) -> None:
-    kv = llm.engine.kv_manager
-    kv.check_invariants()
-    assert kv.num_free_blocks == kv.num_blocks
-
-
 def test_constrained_outputs_validate(llm, mixed_reference):
     for params, output in zip(MIXED, mixed_reference):
         if params.structured_outputs is not None:
             assert output.finish_reason == "stop", output.text
             jsonschema.validate(json.loads(output.text), SCHEMA)
-    assert_no_leak(llm)
+    assert_idle(llm)
 
 
 def test_grammars_do_not_change_the_unconstrained_request_beside_them(llm, mixed_reference):
@@ -95,15 +90,15 @@ def test_ngram_speculation_keeps_the_constrained_tokens(default_model, mixed_ref
     assert json.loads(outputs[0].text) == json.loads(SAMPLE)
     stats = spec.engine.spec_decoding_stats
     assert stats.num_accepted_tokens > 0  # proposals were verified under the grammar
-    assert_no_leak(spec)
+    assert_idle(spec)
 
 
 def test_preemption_replays_without_advancing_the_grammar_twice(default_model, mixed_reference):
     small = LLM(default_model, dtype="bfloat16", num_kv_blocks=14, enable_prefix_caching=False)
     outputs = [o.outputs[0] for o in small.chat(CONVERSATIONS, MIXED, use_tqdm=False)]
-    assert small.engine.scheduler.num_preemptions > 0
+    assert small.stats().num_preemptions > 0
     assert [o.token_ids for o in outputs] == [o.token_ids for o in mixed_reference]
-    assert_no_leak(small)
+    assert_idle(small)
 
 
 def test_n_sequences_each_follow_the_grammar(llm):
@@ -153,7 +148,7 @@ def test_an_invalid_grammar_raises_before_anything_is_queued(llm):
     with pytest.raises(ValueError, match=r"^structured_outputs\.regex is invalid: "):
         llm.generate(["a", "b"], [PLAIN, bad], use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
-    assert_no_leak(llm)
+    assert_idle(llm)
 
 
 def test_a_core_in_its_own_process_compiles_and_follows_its_grammars(default_model, llm):

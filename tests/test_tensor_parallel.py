@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+from conftest import assert_idle, make_llm, process_exists, worker_pids
 from test_quantized_gguf import PROSE
 
 from quire import LLM, SamplingParams
@@ -98,7 +99,7 @@ def test_two_ranks_give_one_ranks_greedy_tokens_llama(models, tp_llama):
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_two_ranks_give_one_ranks_greedy_tokens(models, tp_qwen, arch):
-    one = LLM(models[arch], dtype="float32", num_kv_blocks=64)
+    one = make_llm(models[arch], dtype="float32")
     assert_close_greedy(run(one), run(tp_qwen[arch]))
 
 
@@ -117,18 +118,17 @@ def test_four_ranks_replicate_kv_heads_and_give_one_ranks_greedy_tokens(models):
 
 
 def test_shutdown_ends_every_rank(tp_qwen):
-    engine = tp_qwen["qwen3"].engine
-    processes = list(engine.core.executor._processes)
-    assert len(processes) == 2 and all(p.is_alive() for p in processes)
-    engine.shutdown()
-    assert not any(p.is_alive() for p in processes)
+    pids = worker_pids(tp_qwen["qwen3"])
+    assert len(pids) == 2 and all(map(process_exists, pids))
+    tp_qwen["qwen3"].engine.shutdown()
+    assert not any(map(process_exists, pids))
 
 
 def test_the_server_answers_with_two_ranks(tp_qwen):
     from test_api_server import ServerThread
 
     engine = tp_qwen["qwen2"].engine
-    processes = list(engine.core.executor._processes)
+    pids = worker_pids(tp_qwen["qwen2"])
     async_engine = AsyncLLM(engine, EngineMetrics("tiny"))
     server = ServerThread(build_app(async_engine, "tiny"))
     try:
@@ -139,7 +139,7 @@ def test_the_server_answers_with_two_ranks(tp_qwen):
     finally:
         server.stop()
         async_engine.shutdown()
-    assert not any(p.is_alive() for p in processes)
+    assert not any(map(process_exists, pids))
 
 
 def test_default_model_refuses_two_ranks_naming_the_sizes_that_work(default_model, tokenizer_dir):
@@ -211,7 +211,10 @@ def test_heads_not_divisible_fail_at_start(models):
 
 
 def test_tensor_parallel_runs_a_process_per_rank(tp_llama):
-    assert len(tp_llama.engine.core.executor._processes) == 2
+    states = tp_llama.engine.worker_states()
+    assert [s.rank for s in states] == [0, 1]
+    assert len({os.getpid(), *(s.pid for s in states)}) == 3
+    assert [s.num_kv_blocks for s in states] == [tp_llama.stats().num_kv_blocks] * 2
     assert EngineConfig(tensor_parallel_size=3).distributed_executor_backend == "mp"
 
 
@@ -229,26 +232,26 @@ def test_preemption_and_abort_free_every_block(tp_llama):
     engine = tp_llama.engine
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(100 * i + 10, 100 * i + 50))} for i in range(3)]
-    preemptions = engine.core.scheduler.num_preemptions
+    preemptions = tp_llama.stats().num_preemptions
     outputs = tp_llama.generate(prompts, params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [30, 30, 30]
-    assert engine.core.scheduler.num_preemptions > preemptions
+    assert tp_llama.stats().num_preemptions > preemptions
+    assert_idle(tp_llama)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"abort-{i}", prompt, params)
     engine.step()
     engine.abort_request([f"abort-{i}" for i in range(3)])
-    kv = engine.kv_manager
-    assert kv.num_free_blocks == kv.num_blocks
+    assert_idle(tp_llama)
 
 
 def test_a_killed_rank_fails_the_engine_within_seconds(tp_llama):
-    processes = list(tp_llama.engine.core.executor._processes)
-    os.kill(processes[1].pid, signal.SIGKILL)
+    pids = worker_pids(tp_llama)
+    os.kill(pids[1], signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(WorkerDiedError, match="worker rank 1 process died"):
         tp_llama.generate(PROMPTS, SamplingParams(max_tokens=4), use_tqdm=False)
     assert time.monotonic() - start < 5
-    assert not any(p.is_alive() for p in processes)  # rank 0 ended too
+    assert not any(map(process_exists, pids))  # rank 0 ended too
 
 
 def test_an_engine_core_process_with_ranks_is_refused_at_start():

@@ -15,10 +15,10 @@ import traceback
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import token_prompts
+from conftest import in_process_model, make_llm, token_prompts
 from test_quantized_gguf import TINY_LLAMA
 
-from quire import LLM, SamplingParams
+from quire import SamplingParams
 from quire.bench import gguf_files
 from quire.distributed.parallel_state import init_tensor_parallel
 from quire.executor.multiproc import free_port
@@ -55,11 +55,12 @@ def _run_rank(model: str, tokenizer: str, **engine_args) -> dict:
     batch and of a seeded sampled one."""
     from test_cpu_decode import check_each_fused_step
 
-    llm = LLM(model, dtype="bfloat16", num_kv_blocks=64, tokenizer=tokenizer, **engine_args)
-    runner = llm.engine.core.executor.worker.runner.target
+    llm = make_llm(model, dtype="bfloat16", tokenizer=tokenizer, **engine_args)
+    runner = in_process_model(llm)
     kept = {m.qtype for m in runner.model.modules() if isinstance(m, QuantizedLinear)}
-    result = {"cpu_step": runner.cpu_step is not None, "steps": [], "tokens": [], "kept": kept}
-    if runner.cpu_step is None:
+    cpu_step = llm.stats().c_decode_step
+    result = {"cpu_step": cpu_step, "steps": [], "tokens": [], "kept": kept}
+    if not cpu_step:
         return result
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -128,6 +128,15 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._dead is None and self._thread.is_alive()
 
+    def has_work(self) -> bool:
+        """Whether the engine has a request unfinished or K/V to move."""
+        return self._has_work()
+
+    def check_invariants(self) -> None:
+        """LLMEngine.check_invariants; for tests, once `has_work()` is False (it reads the
+        engine's state from the caller's thread, which is safe only while the engine waits)."""
+        self.engine.check_invariants()
+
     # ---- requests (any event loop) -------------------------------------------------------
     async def add_request(
         self,

@@ -18,6 +18,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from quire.config import QuireConfig
 from quire.engine.kv_manager import KVCacheManager
@@ -31,6 +32,9 @@ from quire.model.tokenizer import load_tokenizer
 from quire.structured_output.compiler import GrammarCompiler
 from quire.structured_output.manager import StructuredOutputManager
 
+if TYPE_CHECKING:
+    from quire.worker.worker import WorkerState
+
 logger = logging.getLogger(__name__)
 
 
@@ -41,6 +45,7 @@ class CoreStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    num_free_kv_blocks: int = 0
     num_preemptions: int = 0  # since start
     prefix_cache_queries: int = 0  # tokens looked up, since start
     prefix_cache_hits: int = 0
@@ -129,6 +134,10 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets the prefix cache's entries for free blocks: later prompts compute from cold."""
+        self.kv_manager.reset_prefix_cache()
+
     def has_kv_transfers(self) -> bool:
         """Whether K/V is being pulled or held for a decode instance: the core must keep
         stepping (with nothing to compute, such a step only moves K/V)."""
@@ -140,6 +149,7 @@ class EngineCore:
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
             kv_cache_usage=kv.usage,
+            num_free_kv_blocks=kv.num_free_blocks,
             num_preemptions=scheduler.num_preemptions,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
@@ -148,6 +158,42 @@ class EngineCore:
                 None if scheduler.kv_connector is None else scheduler.kv_connector.snapshot()
             ),
         )
+
+    def worker_states(self) -> list[WorkerState]:
+        return self.executor.worker_states()
+
+    def idle_problems(self) -> list[str]:
+        """What keeps the core from being idle, in words (none when idle): a request running,
+        waiting, waiting for K/V or leased; a KV block not free (the KV manager's books, checked
+        first, hold a block free exactly when its ref count is 0); on any rank, a request in the
+        worker's batch or draft state other than those the next step tells it to drop.
+        Raises AssertionError if the KV manager's books disagree."""
+        scheduler, kv = self.scheduler, self.kv_manager
+        kv.check_invariants()
+        problems = []
+        for name, ids in [
+            ("running", [r.request_id for r in scheduler.running]),
+            ("waiting", [r.request_id for r in scheduler.waiting]),
+            ("waiting for K/V", list(scheduler.waiting_for_kv)),
+            ("leased to a decode instance", list(scheduler.leased)),
+        ]:
+            if ids:
+                problems.append(f"{len(ids)} request(s) {name} ({', '.join(ids)})")
+        if kv.num_free_blocks != kv.num_blocks:
+            holders = ", ".join(sorted(kv.req_blocks)) or "no request"
+            problems.append(
+                f"{kv.num_blocks - kv.num_free_blocks} of {kv.num_blocks} KV blocks not free "
+                f"(held by {holders})"
+            )
+        dropping = set(scheduler.pending_drops)
+        for state in self.executor.worker_states():
+            for what, ids in [
+                ("in its batch", state.request_ids),
+                ("in its draft state", state.draft_request_ids),
+            ]:
+                if kept := sorted(set(ids) - dropping):
+                    problems.append(f"rank {state.rank} holds request(s) {kept} {what}")
+        return problems
 
     def step(self) -> list[EngineCoreOutput]:
         """One iteration; an output for every sequence that made progress (none when nothing

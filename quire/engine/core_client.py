@@ -16,14 +16,22 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from quire.config import QuireConfig
 from quire.engine.core import CoreStats, EngineCore, EngineCoreOutput
 from quire.engine.request import Request, RequestStatus
 from quire.executor import child_process
 
+if TYPE_CHECKING:
+    from quire.worker.worker import WorkerState
+
 _STALL_WAIT_S = 0.001  # the core's pause after a step that could schedule nothing
 _SHUTDOWN_TIMEOUT_S = 10.0
+_NEEDS_IN_PROCESS_CORE = (
+    "check_invariants and stats read the engine core's scheduler and workers: build the engine "
+    "with engine_core_process=False to call them."
+)
 
 
 class EngineCoreDiedError(RuntimeError):
@@ -66,6 +74,9 @@ class CoreProcessClient:
     def abort_all(self) -> None:
         self._send("abort_all", None)
 
+    def reset_prefix_cache(self) -> None:
+        self._send("reset_prefix_cache", None)
+
     def _send(self, kind: str, payload) -> None:
         try:
             self._pipe.send((kind, payload))
@@ -80,6 +91,12 @@ class CoreProcessClient:
     def stats(self) -> CoreStats:
         """As of the last step received."""
         return self._stats
+
+    def idle_problems(self) -> list[str]:
+        raise RuntimeError(_NEEDS_IN_PROCESS_CORE)
+
+    def worker_states(self) -> list[WorkerState]:
+        raise RuntimeError(_NEEDS_IN_PROCESS_CORE)
 
     def _receive(self):
         return child_process.receive(self._pipe, self._process, "engine-core", EngineCoreDiedError)
@@ -123,6 +140,8 @@ def _core_main(pipe: Connection, config: QuireConfig) -> None:
                 core.abort_requests(*payload)
             elif kind == "abort_all":
                 core.abort_all()
+            elif kind == "reset_prefix_cache":
+                core.reset_prefix_cache()
         try:
             outputs = core.step()
         except Exception:

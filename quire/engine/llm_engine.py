@@ -24,12 +24,20 @@ from quire.engine.speculator import SpecDecodingStats
 from quire.messages import TopLogprobs
 from quire.model.model_config import ModelConfig, load_model_config
 from quire.model.tokenizer import load_tokenizer
-from quire.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from quire.outputs import (
+    CompletionOutput,
+    EngineStats,
+    Logprob,
+    PositionLogprobs,
+    RequestOutput,
+)
 from quire.sampling_params import SamplingParams
 from quire.structured_output.compiler import GrammarCompiler
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from quire.worker.worker import WorkerState
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +166,45 @@ class LLMEngine:
     def core_stats(self) -> CoreStats:
         return self.core.stats()
 
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine: pool, queues, counters, the worker's fast paths. Needs the
+        engine core in this process."""
+        core = self.core.stats()
+        worker = self.core.worker_states()[0]
+        spec = core.spec_decoding
+        return EngineStats(
+            num_kv_blocks=self.num_kv_blocks,
+            num_free_kv_blocks=core.num_free_kv_blocks,
+            num_running=core.num_running,
+            num_waiting=core.num_waiting,
+            num_steps=self.num_steps,
+            num_preemptions=core.num_preemptions,
+            prefix_cache_queries=core.prefix_cache_queries,
+            prefix_cache_hits=core.prefix_cache_hits,
+            spec_decode_num_drafts=0 if spec is None else spec.num_drafts,
+            spec_decode_num_draft_tokens=0 if spec is None else spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=0 if spec is None else spec.num_accepted_tokens,
+            c_decode_step=worker.c_decode_step,
+            cuda_graphs=worker.cuda_graphs,
+            gemv_path=worker.gemv_path,
+            qmatmul_path=worker.qmatmul_path,
+        )
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError saying what is wrong unless the engine is idle: no request
+        unfinished, every KV block free with ref count 0, and no request left on any rank's
+        worker (EngineCore.idle_problems). Needs the engine core in this process."""
+        problems = []
+        if self.groups:
+            problems.append(f"{len(self.groups)} request(s) unfinished ({', '.join(self.groups)})")
+        problems += self.core.idle_problems()
+        if problems:
+            raise AssertionError("The engine is not idle: " + "; ".join(problems) + ".")
+
+    def worker_states(self) -> list[WorkerState]:
+        """What each rank's worker holds and which fast paths it runs, in rank order."""
+        return self.core.worker_states()
+
     @property
     def spec_decoding_stats(self) -> SpecDecodingStats | None:
         """Speculative decoding's running totals; None when it is off."""
@@ -263,6 +310,11 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets the prefix cache's entries for free blocks (vLLM's `reset_prefix_cache`):
+        later prompts are computed from cold, e.g. for a benchmark or a reference run."""
+        self.core.reset_prefix_cache()
 
     def has_kv_transfers(self) -> bool:
         """Whether K/V is being pulled, or held for a decode instance: step on even when no

@@ -115,6 +115,9 @@ class Scheduler:
         self.num_preemptions = 0
         self._sent: dict[str, _SentState] = {}
         self._finished_ids: list[str] = []  # dropped since the last step, for the worker
+        # The last message's drops (finished, preempted) until `update` confirms its step ran: a
+        # step that failed, or was never run (nothing scheduled), sends them again.
+        self._unconfirmed_drops: list[str] = []
 
     # ---- admission and removal -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -164,6 +167,12 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.requests)
+
+    @property
+    def pending_drops(self) -> list[str]:
+        """Requests the workers may still hold that the next step's message tells them to drop:
+        finished since the last step, or dropped by a message whose step did not run."""
+        return [*self._unconfirmed_drops, *self._finished_ids]
 
     # ---- the step ------------------------------------------------------------------------
     @property
@@ -454,7 +463,8 @@ class Scheduler:
                 parent_sent.num_tokens, list(parent_sent.block_ids)
             )
             forks.append(ForkedRequestData(child.request_id, parent.request_id, child.index))
-        finished_ids, self._finished_ids = self._finished_ids, []
+        finished_ids, self._finished_ids = self.pending_drops, []
+        self._unconfirmed_drops = [*finished_ids, *preempted_ids]
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -500,6 +510,7 @@ class Scheduler:
         the KV of the accepted ones and gives back the slots of the rest. Returns each request
         that got tokens with the tokens it kept; finished ones are already removed and freed.
         Requests whose prompt's K/V arrived from a prefill instance get their first token."""
+        self._unconfirmed_drops = []
         updated = []
         if runner_output.kv_connector_output is not None:
             updated = self._kv_arrived(runner_output.kv_connector_output, runner_output.logprobs)

@@ -15,7 +15,7 @@ from quire.config import EngineConfig
 from quire.engine.llm_engine import LLMEngine, PromptType
 from quire.engine_args import EngineArgs
 from quire.entrypoints.chat_template import render_chat
-from quire.outputs import RequestOutput
+from quire.outputs import EngineStats, RequestOutput
 from quire.sampling_params import SamplingParams
 
 ChatMessages = list[dict[str, object]]
@@ -57,6 +57,18 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def stats(self) -> EngineStats:
+        """A snapshot: KV blocks (all, free), running and waiting requests, steps, preemptions,
+        prefix-cache queries and hits, speculative decoding's counters, and which fast paths the
+        worker runs (the C decode step, CUDA graphs, the matmul kernels' loops)."""
+        return self.engine.stats()
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError saying what is wrong unless the engine is idle: nothing
+        running or waiting, every KV block free with ref count 0, and on every rank no request
+        left in the worker. For tests, between `generate` calls."""
+        self.engine.check_invariants()
 
     def generate(
         self,

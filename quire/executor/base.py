@@ -8,8 +8,12 @@ message; rank 0's output is returned (executor/multiproc.py).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 from quire.messages import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from quire.worker.worker import WorkerState
 
 
 class Executor(ABC):
@@ -17,6 +21,10 @@ class Executor(ABC):
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    @abstractmethod
+    def worker_states(self) -> list[WorkerState]:
+        """Each rank's state, in rank order (between steps)."""
 
     @abstractmethod
     def shutdown(self) -> None:

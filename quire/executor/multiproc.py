@@ -22,12 +22,16 @@ import socket
 import sys
 import traceback
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from quire.config import QuireConfig
 from quire.distributed.parallel_state import RankPlacement
 from quire.executor import child_process
 from quire.executor.base import Executor
 from quire.messages import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from quire.worker.worker import WorkerState
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +70,19 @@ class MultiprocExecutor(Executor):
         logger.info("Started %d worker process(es), rendezvous port %d", world_size, port)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._call_all("execute", scheduler_output)[0]
+
+    def worker_states(self) -> list[WorkerState]:
+        return self._call_all("state", None)
+
+    def _call_all(self, kind: str, payload) -> list:
+        """Sends (kind, payload) to every rank; their answers, in rank order."""
         if not self._processes:
             raise WorkerDiedError("The workers have ended; this engine can run no more steps.")
         try:
             for pipe in self._pipes:
-                pipe.send(("execute", scheduler_output))
-            return self._receive_all()[0]
+                pipe.send((kind, payload))
+            return self._receive_all()
         except BaseException:
             self._end_workers()  # the other ranks may wait in a collective forever
             raise
@@ -167,6 +178,9 @@ def _worker_main(pipe: Connection, config: QuireConfig, placement: RankPlacement
             sys.stderr.flush()
             os._exit(0)
         try:
-            pipe.send(("output", worker.execute_model(payload)))
+            if kind == "state":
+                pipe.send(("state", worker.state()))
+            else:
+                pipe.send(("output", worker.execute_model(payload)))
         except Exception:
             pipe.send(("error", traceback.format_exc()))

@@ -6,7 +6,7 @@ from quire.config import QuireConfig
 from quire.executor.base import Executor
 from quire.executor.plugins import make_kv_connector, make_proposer
 from quire.messages import ModelRunnerOutput, SchedulerOutput
-from quire.worker.worker import Worker
+from quire.worker.worker import Worker, WorkerState
 
 
 class UniprocExecutor(Executor):
@@ -20,6 +20,9 @@ class UniprocExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def worker_states(self) -> list[WorkerState]:
+        return [self.worker.state()]
 
     def shutdown(self) -> None:
         """Closes the worker's KV transfer endpoint, if any; the worker lives and dies with the

@@ -126,6 +126,10 @@ class DraftModelProposer:
     def drafts(self) -> Mapping[str, Draft]:
         return self._drafts
 
+    @property
+    def req_ids(self) -> set[str]:
+        return {*self._drafts, *self._written, *self._valid}
+
     def drop(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
             self._drafts.pop(req_id, None)

@@ -62,6 +62,11 @@ class Proposer(Protocol):
         """Forgets finished and preempted requests."""
         ...
 
+    @property
+    def req_ids(self) -> set[str]:
+        """The requests it keeps state for (none once every request has been dropped)."""
+        ...
+
     def propose(self, sampled: SampledStep) -> dict[str, list[int]]:
         """The proposals for the next step, per request that sampled."""
         ...

@@ -4,16 +4,34 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
 from quire.config import QuireConfig
 from quire.distributed.parallel_state import RankPlacement, init_tensor_parallel
+from quire.kernels.cpu import gemv, qmatmul
 from quire.messages import ModelRunnerOutput, SchedulerOutput
 from quire.worker.model_runner import ModelRunner
 from quire.worker.protocols import KVConnector, Proposer
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """What one rank holds and which fast paths it runs: plain data, for `LLM.check_invariants`
+    and `LLM.stats` (the executor gathers one per rank)."""
+
+    rank: int
+    pid: int  # the process the rank runs in
+    num_kv_blocks: int
+    request_ids: tuple[str, ...]  # the requests in its InputBatch, sorted
+    draft_request_ids: tuple[str, ...]  # requests its proposer keeps state for, sorted
+    c_decode_step: bool  # decode steps run the fused C step (worker/cpu_step.py)
+    cuda_graphs: bool  # decode steps replay CUDA graphs (worker/cuda_graph.py)
+    gemv_path: str  # quire.kernels.cpu.gemv.path() in this rank's process
+    qmatmul_path: str  # quire.kernels.cpu.qmatmul.path() in this rank's process
 
 
 class Worker:
@@ -50,6 +68,22 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(scheduler_output)
+
+    def state(self) -> WorkerState:
+        """This rank's state, read from its runner (and its proposer)."""
+        runner = self.runner
+        drafted = set() if runner.proposer is None else runner.proposer.req_ids
+        return WorkerState(
+            rank=self.rank,
+            pid=os.getpid(),
+            num_kv_blocks=runner.num_blocks,
+            request_ids=tuple(sorted(runner.input_batch.requests)),
+            draft_request_ids=tuple(sorted(drafted)),
+            c_decode_step=runner.target.cpu_step is not None,
+            cuda_graphs=runner.target.cuda_graphs is not None,
+            gemv_path=gemv.path(),
+            qmatmul_path=qmatmul.path(),
+        )
 
     def shutdown(self) -> None:
         if self.runner.kv_connector is not None:
