@@ -5,8 +5,9 @@ vocabulary (49152 tokens), random weights, built in a temporary folder (`--model
 instead). What a step then costs is the host's work around the forward: scheduling, preparing
 the inputs, sampling, the stop rules, the outputs and their text.
 
-At each batch size B, B requests with short prompts decode (greedy unless --temperature), and
-two runs of steps are timed after a few warm-up steps:
+At each batch size B, B requests with short prompts decode (greedy unless --temperature; as
+LLM.generate makes them, with one output at the end, unless --stream), and two runs of steps
+are timed after a few warm-up steps:
 - decode: the steady state, every request decoding one token;
 - mixed: the same, with a new request of --chunk-len prompt tokens (and one output token)
   added before each step, so that each step also computes a prompt chunk.
@@ -39,6 +40,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from quire.sampling_params import RequestOutputKind
 
 # Phase -> the callables ("module:Class.method") whose time it counts. When the engine's or
 # the worker's code moves, re-point this table; nothing else names them.
@@ -163,6 +166,7 @@ def measure(
     prompt_len: int,
     chunk_len: int,
     temperature: float,
+    output_kind: RequestOutputKind,
     rng: random.Random,
 ) -> PhaseTimes:
     """Fills the engine with `batch_size` decoding requests, then times `num_steps` steps
@@ -170,8 +174,12 @@ def measure(
     from quire.sampling_params import SamplingParams
 
     vocab = range(10, min(engine.model_config.vocab_size, 40000))
-    decoding = SamplingParams(temperature=temperature, max_tokens=None, ignore_eos=True)
-    prefill = SamplingParams(temperature=temperature, max_tokens=1, ignore_eos=True)
+    decoding = SamplingParams(
+        temperature=temperature, max_tokens=None, ignore_eos=True, output_kind=output_kind
+    )
+    prefill = SamplingParams(
+        temperature=temperature, max_tokens=1, ignore_eos=True, output_kind=output_kind
+    )
     ids = [f"{kind}-{batch_size}-{i}" for i in range(batch_size)]
     for request_id in ids:
         engine.add_request(request_id, [rng.choice(vocab) for _ in range(prompt_len)], decoding)
@@ -259,6 +267,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument(
+        "--stream",
+        action="store_true",
+        help="requests as a streaming server makes them: an output each step, the text decoded "
+        "as tokens arrive (default: as LLM.generate makes them, one output at the end)",
+    )
+    p.add_argument(
         "--output-json",
         default=None,
         metavar="PATH",
@@ -322,6 +336,7 @@ def main(args: argparse.Namespace) -> int:
             f"The KV pool holds {engine.num_kv_blocks} blocks; a batch of {largest} needs about "
             f"{blocks}: raise --kv-cache-memory or --num-kv-blocks."
         )
+    output_kind = RequestOutputKind.CUMULATIVE if args.stream else RequestOutputKind.FINAL_ONLY
     timer = PhaseTimer(PHASES)
     rng = random.Random(args.seed)
     results = []
@@ -338,10 +353,12 @@ def main(args: argparse.Namespace) -> int:
                         args.prompt_len,
                         args.chunk_len,
                         args.temperature,
+                        output_kind,
                         rng,
                     )
                 )
     sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
+    sampling += ", streamed" if args.stream else ", outputs at the end"
     print(
         f"host time per step (µs, mean of {args.steps} steps): {model_name}, {sampling}, "
         f"{engine.config.device}, prompts of {args.prompt_len} tokens, mixed steps with a "
@@ -355,6 +372,7 @@ def main(args: argparse.Namespace) -> int:
             "model": model_name,
             "device": engine.config.device,
             "temperature": args.temperature,
+            "stream": args.stream,
             "prompt_len": args.prompt_len,
             "chunk_len": args.chunk_len,
             "phases": PHASES,
