@@ -452,16 +452,18 @@ def test_startup_times_each_phase_of_llm_and_the_serve_and_generate_commands(tin
 
 
 # ---- overhead --------------------------------------------------------------------------------
-def test_overhead_times_every_phase_of_decode_and_mixed_steps(tmp_path, capsys):
+@pytest.mark.parametrize("stream", [[], ["--stream"]])
+def test_overhead_times_every_phase_of_decode_and_mixed_steps(tmp_path, capsys, stream):
     from quire.bench.overhead import PHASES, REST
 
     out = tmp_path / "overhead.json"
-    argv = ["bench", "overhead", "--batch-sizes", "1", "3", "--steps", "2"]
+    argv = ["bench", "overhead", "--batch-sizes", "1", "3", "--steps", "2", *stream]
     assert main(argv + ["--output-json", str(out)]) == 0
     header = capsys.readouterr().out.splitlines()[1]
     assert header.split() == ["batch", "kind", "step", "per", "req", *PHASES, REST]
     report = _read_json(out)
-    assert report["model"].startswith("null-forward (1 layer, hidden 64, vocabulary 49152)")
+    assert report["model"] == "null-forward (1 layer, hidden 64, vocabulary 49152)"
+    assert report["stream"] is bool(stream)
     results = report["results"]
     assert [(r["batch_size"], r["kind"], r["steps"]) for r in results] == [
         (1, "decode", 2),

@@ -41,7 +41,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from quire.sampling_params import RequestOutputKind
+from quire.sampling_params import RequestOutputKind, SamplingParams
 
 # Phase -> the callables ("module:Class.method") whose time it counts. When the engine's or
 # the worker's code moves, re-point this table; nothing else names them.
@@ -171,8 +171,6 @@ def measure(
 ) -> PhaseTimes:
     """Fills the engine with `batch_size` decoding requests, then times `num_steps` steps
     (after a few untimed ones) of `kind`; aborts every request at the end."""
-    from quire.sampling_params import SamplingParams
-
     vocab = range(10, min(engine.model_config.vocab_size, 40000))
     decoding = SamplingParams(
         temperature=temperature, max_tokens=None, ignore_eos=True, output_kind=output_kind
@@ -200,7 +198,7 @@ def measure(
     timer.reset()
     times = [step() for _ in range(num_steps)]
     phase_s = dict(timer.seconds)
-    engine.abort_request(list(engine.groups))
+    engine.abort_request(ids)  # each mixed step's new request ended with its one token
     step_s = statistics.fmean(times)
     phase_us = {phase: s / num_steps * 1e6 for phase, s in phase_s.items()}
     phase_us[REST] = step_s * 1e6 - sum(phase_us.values())
