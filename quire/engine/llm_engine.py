@@ -67,7 +67,6 @@ class RequestGroup:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
-
     num_finished: int = 0  # of the sequences
 
     @property
