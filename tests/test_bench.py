@@ -460,7 +460,7 @@ def test_overhead_times_every_phase_of_decode_and_mixed_steps(tmp_path, capsys, 
     argv = ["bench", "overhead", "--batch-sizes", "1", "3", "--steps", "2", *stream]
     assert main(argv + ["--output-json", str(out)]) == 0
     header = capsys.readouterr().out.splitlines()[1]
-    assert header.split() == ["batch", "kind", "step", "per", "req", *PHASES, REST]
+    assert header.split() == ["batch", "kind", "step", "per", "req", *PHASES, REST, "(gc)"]
     report = _read_json(out)
     assert report["model"] == "null-forward (1 layer, hidden 64, vocabulary 49152)"
     assert report["stream"] is bool(stream)
@@ -476,6 +476,7 @@ def test_overhead_times_every_phase_of_decode_and_mixed_steps(tmp_path, capsys, 
         assert list(phases) == [*PHASES, REST]
         assert sum(phases.values()) == pytest.approx(r["step_us"])
         assert r["per_request_step_us"] == pytest.approx(r["step_us"] / r["batch_size"])
+        assert 0 <= r["gc_us"] < r["step_us"]
         # the C decode step samples inside the forward's call: nothing then counts as "sample"
         timed = [p for p in PHASES if p != "sample" or r["kind"] == "mixed"]
         assert all(phases[p] > 0 for p in timed), phases

@@ -15,7 +15,8 @@ are timed after a few warm-up steps:
 Each phase is the time spent in the callables PHASES names for it, less the time spent in
 those of other phases called from inside them (so the phases never count a moment twice), in
 microseconds per step; "step" is the wall time of `LLMEngine.step()` and "rest" what no phase
-holds. On the C decode step (a CPU, bf16, greedy) the LM head and the argmax run inside the
+holds. "(gc)" is the time Python's garbage collector ran, inside the phases it interrupted: a
+full collection walks every object alive, so its pauses grow with everything imported. On the C decode step (a CPU, bf16, greedy) the LM head and the argmax run inside the
 forward's one C call: "forward" holds them and "sample" only what is left around it. Phases
 are timed in this process: the engine core and the worker must run in it too.
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import gc
 import importlib
 import itertools
 import json
@@ -87,16 +89,26 @@ NULL_FORWARD_SHAPE = dict(
 
 class PhaseTimer:
     """Wraps the PHASES' callables, for as long as `timing` lasts, in timers that add each
-    call's own time (its time less that of the timed calls inside it) to its phase."""
+    call's own time (its time less that of the timed calls inside it) to its phase; counts the
+    garbage collector's pauses too (`gc_seconds`: inside whichever phase they interrupted)."""
 
     def __init__(self, phases: dict[str, list[str]]):
         self.phases = phases
         self.seconds = dict.fromkeys(phases, 0.0)
+        self.gc_seconds = 0.0
         self._nested: list[float] = []  # per timed call in progress: time of the timed calls in it
+        self._gc_start = 0.0
 
     def reset(self) -> None:
         for phase in self.seconds:
             self.seconds[phase] = 0.0
+        self.gc_seconds = 0.0
+
+    def _on_gc(self, event: str, info: dict[str, int]) -> None:
+        if event == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.gc_seconds += time.perf_counter() - self._gc_start
 
     def _wrap(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         nested, seconds = self._nested, self.seconds
@@ -125,8 +137,11 @@ class PhaseTimer:
                     original = owner.__dict__[name]
                     setattr(owner, name, self._wrap(phase, original))
                     patched.append((owner, name, original))
+            gc.callbacks.append(self._on_gc)
             yield self
         finally:
+            if self._on_gc in gc.callbacks:
+                gc.callbacks.remove(self._on_gc)
             for owner, name, original in reversed(patched):
                 setattr(owner, name, original)
 
@@ -151,6 +166,7 @@ class PhaseTimes:
     steps: int
     step_us: float  # mean wall time of a step
     phase_us: dict[str, float]  # mean per step, every phase and REST: they add up to step_us
+    gc_us: float  # mean per step of the garbage collector's pauses, counted in the phases
 
     @property
     def per_request_step_us(self) -> float:
@@ -197,26 +213,29 @@ def measure(
         step()
     timer.reset()
     times = [step() for _ in range(num_steps)]
-    phase_s = dict(timer.seconds)
+    phase_s, gc_s = dict(timer.seconds), timer.gc_seconds
     engine.abort_request(ids)  # each mixed step's new request ended with its one token
     step_s = statistics.fmean(times)
     phase_us = {phase: s / num_steps * 1e6 for phase, s in phase_s.items()}
     phase_us[REST] = step_s * 1e6 - sum(phase_us.values())
-    return PhaseTimes(batch_size, kind, num_steps, step_s * 1e6, phase_us)
+    return PhaseTimes(batch_size, kind, num_steps, step_s * 1e6, phase_us, gc_s / num_steps * 1e6)
 
 
 def report(results: list[PhaseTimes]) -> str:
-    """A table: a row per batch size and kind, a column per phase, in µs per step."""
+    """A table: a row per batch size and kind, a column per phase, in µs per step, and the
+    garbage collector's share of them."""
     columns = [*PHASES, REST]
     width = max(len(c) for c in columns) + 3
     lines = [
         f"{'batch':>6s} {'kind':7s}{'step':>10s}{'per req':>9s}"
         + "".join(f"{c:>{width}s}" for c in columns)
+        + f"{'(gc)':>{width}s}"
     ]
     for r in results:
         lines.append(
             f"{r.batch_size:6d} {r.kind:7s}{r.step_us:10.0f}{r.per_request_step_us:9.1f}"
             + "".join(f"{r.phase_us[c]:{width}.0f}" for c in columns)
+            + f"{r.gc_us:{width}.0f}"
         )
     return "\n".join(lines)
 
