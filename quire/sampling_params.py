@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import numbers
@@ -83,6 +84,13 @@ class StructuredOutputsParams:
         return kind, text
 
 
+class RequestOutputKind(enum.Enum):
+    """Which steps give a request's caller a RequestOutput (vLLM's names)."""
+
+    CUMULATIVE = enum.auto()  # every step that made progress: the text and tokens so far
+    FINAL_ONLY = enum.auto()  # only the last: its text is decoded once, when it finishes
+
+
 @dataclass
 class SamplingParams:
     """How to generate one request's completions.
@@ -94,7 +102,8 @@ class SamplingParams:
     `structured_outputs` constrains the output to a JSON schema, regex, choice or grammar.
     `logit_bias` maps token ids to a bias in [-100, 100] added to their logits before the
     penalties and sampling (OpenAI's meaning: -100 all but bans a token, 100 all but forces it);
-    returned logprobs stay those of the raw logits.
+    returned logprobs stay those of the raw logits. `output_kind` FINAL_ONLY gives one output,
+    when the request finishes (LLM.generate's), instead of one a step.
     """
 
     n: int = 1
@@ -121,6 +130,7 @@ class SamplingParams:
     # on a prefill instance, {"do_remote_prefill": true, "transfer_id": .., "remote_host": ..,
     # "remote_port": ..} on a decode instance. Set by the router, not by users.
     kv_transfer_params: dict[str, Any] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine: the model's EOS ids (stops the request unless ignore_eos).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -180,6 +190,11 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be a list of non-negative integers.")
         if self.logit_bias is not None:
             _validate_logit_bias(self.logit_bias)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(
+                "output_kind must be a RequestOutputKind (CUMULATIVE or FINAL_ONLY), got "
+                f"{self.output_kind!r}."
+            )
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):

@@ -172,6 +172,7 @@ def test_workload_floor_is_prefill_at_peak_plus_each_decode_steps_bound():
 TINY_BENCHES = {
     "throughput": "--num-requests 2 --input-len 8 16 --output-len 2 4".split(),
     "latency": "--prompt-len 16 --batch-size 2 --decode-steps 2 --num-iters 1".split(),
+    "overhead": "--batch-sizes 2 --steps 1".split(),
     "speculative": "--num-prompts 1 --output-len 4 --rounds 2".split()
     + ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
 }
@@ -449,3 +450,49 @@ def test_startup_times_each_phase_of_llm_and_the_serve_and_generate_commands(tin
     parts = phases + ["huge_pages_s", "other_s"]
     assert sum(this.get(key, 0.0) for key in parts) == pytest.approx(this["llm_s"])
     assert report["baseline"] is None and len(report["runs"]["this"]) == 1
+
+
+# ---- overhead --------------------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [[], ["--stream"]])
+def test_overhead_times_every_phase_of_decode_and_mixed_steps(tmp_path, capsys, stream):
+    from quire.bench.overhead import PHASES, REST
+
+    out = tmp_path / "overhead.json"
+    argv = ["bench", "overhead", "--batch-sizes", "1", "3", "--steps", "2", *stream]
+    assert main(argv + ["--output-json", str(out)]) == 0
+    header = capsys.readouterr().out.splitlines()[1]
+    assert header.split() == ["batch", "kind", "step", "per", "req", *PHASES, REST, "(gc)"]
+    report = _read_json(out)
+    assert report["model"] == "null-forward (1 layer, hidden 64, vocabulary 49152)"
+    assert report["stream"] is bool(stream)
+    results = report["results"]
+    assert [(r["batch_size"], r["kind"], r["steps"]) for r in results] == [
+        (1, "decode", 2),
+        (1, "mixed", 2),
+        (3, "decode", 2),
+        (3, "mixed", 2),
+    ]
+    for r in results:
+        phases = r["phase_us"]
+        assert list(phases) == [*PHASES, REST]
+        assert sum(phases.values()) == pytest.approx(r["step_us"])
+        assert r["per_request_step_us"] == pytest.approx(r["step_us"] / r["batch_size"])
+        assert 0 <= r["gc_us"] < r["step_us"]
+        # the C decode step samples inside the forward's call: nothing then counts as "sample"
+        timed = [p for p in PHASES if p != "sample" or r["kind"] == "mixed"]
+        assert all(phases[p] > 0 for p in timed), phases
+
+
+def test_overhead_names_a_timed_method_that_is_gone():
+    from quire.bench.overhead import PhaseTimer
+
+    timer = PhaseTimer({"schedule": ["quire.engine.scheduler:Scheduler.plan"]})
+    with pytest.raises(ValueError, match="Scheduler.plan is gone: re-point PHASES"):
+        with timer.timing():
+            pass
+
+
+def test_overhead_asks_for_room_for_its_largest_batch(capsys):
+    argv = ["bench", "overhead", "--batch-sizes", "600"]
+    assert main(argv) == 2
+    assert "raise it to 601" in capsys.readouterr().err

@@ -8,6 +8,7 @@ from conftest import assert_idle, greedy
 from quire import LLM, SamplingParams
 from quire.config import EngineConfig
 from quire.engine.llm_engine import LLMEngine
+from quire.sampling_params import RequestOutputKind
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog because",
@@ -218,3 +219,37 @@ def test_outputs_come_back_in_prompt_order_with_prompt_fields(tiny_llama):
     assert outs[0].prompt == "b b b b b b b b b"
     assert outs[1].prompt is None and outs[1].prompt_token_ids == [5, 6, 7]
     assert outs[0].request_id != outs[1].request_id
+
+
+def test_a_final_only_request_gives_one_output_with_the_text_a_stream_ends_with(
+    tiny_llama, reference
+):
+    llm = LLM(model=tiny_llama, dtype="float32")
+    engine = llm.engine
+    stop_id = reference[0][5]  # ends by a stop token: its text leaves that token out
+    kinds = {"streamed": RequestOutputKind.CUMULATIVE, "final": RequestOutputKind.FINAL_ONLY}
+    for request_id, kind in kinds.items():
+        params = SamplingParams(
+            n=2, temperature=0, max_tokens=24, stop_token_ids=[stop_id], output_kind=kind
+        )
+        engine.add_request(request_id, PROMPTS[0], params)
+    outputs = {request_id: [] for request_id in kinds}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    streamed, (final,) = outputs["streamed"], outputs["final"]
+    assert len(streamed) == 6 and [o.finished for o in streamed] == [False] * 5 + [True]
+    expected = reference[0][:6]
+    text = llm.get_tokenizer().decode(expected[:-1])
+    for completions in (streamed[-1].outputs, final.outputs):
+        assert [c.token_ids for c in completions] == [expected, expected]
+        assert [c.text for c in completions] == [text, text]
+        assert [c.finish_reason for c in completions] == ["stop", "stop"]
+    assert final.finished
+    (generated,) = llm.generate(
+        [PROMPTS[0]],
+        SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id]),
+        use_tqdm=False,
+    )
+    assert generated.outputs[0].text == text
+    assert_idle(llm)

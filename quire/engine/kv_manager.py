@@ -174,7 +174,9 @@ class KVCacheManager:
         num_needed = max(num_needed - len(computed_blocks), 0)
         needs_cow = self._needs_copy_on_write(blocks, num_computed, num_new_tokens)
         # Hits sitting in the free list are taken out of it, so they count against free space.
-        num_hits_free = sum(1 for b in computed_blocks if b.ref_count == 0)
+        num_hits_free = (
+            sum(1 for b in computed_blocks if b.ref_count == 0) if computed_blocks else 0
+        )
         return num_computed, num_needed, needs_cow, num_needed + num_hits_free + needs_cow
 
     def _needs_copy_on_write(self, blocks: list[KVBlock], num_computed: int, num_new: int) -> bool:

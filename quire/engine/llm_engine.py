@@ -31,7 +31,7 @@ from quire.outputs import (
     PositionLogprobs,
     RequestOutput,
 )
-from quire.sampling_params import SamplingParams
+from quire.sampling_params import RequestOutputKind, SamplingParams
 from quire.structured_output.compiler import GrammarCompiler
 
 if TYPE_CHECKING:
@@ -56,10 +56,7 @@ class _Sequence:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     text: str = ""  # released so far (never a prefix of a stop string that may still match)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status.is_finished
+    num_decoded: int = 0  # of token_ids, those given to the detokenizer
 
 
 @dataclass
@@ -77,12 +74,17 @@ class RequestGroup:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    num_finished: int = 0  # of the sequences
 
     @property
     def finished(self) -> bool:
-        return len(self.sequences) == self.params.n and all(
-            s.is_finished for s in self.sequences.values()
-        )
+        return self.num_finished == self.params.n
+
+    @property
+    def text_each_step(self) -> bool:
+        """Whether its text is decoded as tokens arrive: for an output each step, or for stop
+        strings to be found; else once, when the sequence finishes."""
+        return self.params.output_kind is RequestOutputKind.CUMULATIVE or bool(self.params.stop)
 
     @property
     def sequence_ids(self) -> list[str]:
@@ -332,16 +334,17 @@ class LLMEngine:
 
     def _process(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
         now = time.monotonic()
+        groups = self.groups
         touched: dict[str, RequestGroup] = {}
         stopped: list[str] = []
         for out in core_outputs:
-            group = self.groups.get(out.group_id)
+            group = groups.get(out.group_id)
             if group is None:
                 continue
             seq = group.sequences.get(out.index)
             if seq is None:  # the first output of this sequence (a fork's, or the first's)
                 seq = group.sequences[out.index] = self._new_sequence(group, out.req_id)
-            elif seq.is_finished:  # ended here by a stop string; a core process ran on
+            elif seq.status.is_finished:  # ended here by a stop string; a core process ran on
                 continue
             if group.first_scheduled_time is None:
                 group.first_scheduled_time = out.first_scheduled_time
@@ -353,23 +356,27 @@ class LLMEngine:
                 group.prompt_logprobs.extend(dicts[max(num_returned, 0) :])
             if not out.new_token_ids:
                 if out.status == RequestStatus.FINISHED_ERROR:  # failed before any token
-                    seq.status, seq.stop_reason = out.status, out.stop_reason
+                    self._set_status(group, seq, out.status, out.stop_reason)
                     touched[group.request_id] = group
                 continue
             touched[group.request_id] = group
             if group.first_token_time is None:
                 group.first_token_time = now
                 group.num_cached_tokens = out.num_cached_tokens
-            if self._append(seq, out):
+            if self._append(group, seq, out):
                 stopped.append(seq.req_id)
-        self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if stopped:
+            self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
 
         outputs = []
         for group in touched.values():
-            outputs.append(self._make_output(group))
-            if group.finished:
+            finished = group.finished
+            if finished:
                 group.finished_time = now
-                del self.groups[group.request_id]
+                del groups[group.request_id]
+            elif group.params.output_kind is RequestOutputKind.FINAL_ONLY:
+                continue
+            outputs.append(self._make_output(group, finished))
         return outputs
 
     def _new_sequence(self, group: RequestGroup, req_id: str) -> _Sequence:
@@ -377,23 +384,43 @@ class LLMEngine:
         logprobs = [] if group.params.logprobs is not None else None
         return _Sequence(req_id, detokenizer, logprobs=logprobs)
 
-    def _append(self, seq: _Sequence, out: EngineCoreOutput) -> bool:
-        """Takes a step's new tokens into the sequence, one by one into the detokenizer; True
-        when a stop string ended it (the core must then end it too). A step can bring several
-        tokens (verified speculative ones): those after a stop string's are dropped."""
+    @staticmethod
+    def _set_status(
+        group: RequestGroup, seq: _Sequence, status: RequestStatus, reason: int | str | None
+    ) -> None:
+        if status.is_finished and not seq.status.is_finished:
+            group.num_finished += 1
+        seq.status, seq.stop_reason = status, reason
+
+    def _append(self, group: RequestGroup, seq: _Sequence, out: EngineCoreOutput) -> bool:
+        """Takes a step's new tokens into the sequence and, where its text is decoded as tokens
+        arrive (`text_each_step`) or it finishes, into the detokenizer; True when a stop string
+        ended it (the core must then end it too). A step can bring several tokens (verified
+        speculative ones): with stop strings they go to the detokenizer one by one, and those
+        after a stop string's are dropped."""
         new_ids = out.new_token_ids
-        text_ids = new_ids
-        if out.status == RequestStatus.FINISHED_STOPPED:
-            text_ids = text_ids[:-1]  # ended by a stop token (EOS, stop_token_ids): not text
-        num_before = len(seq.token_ids)
         stop = None
-        for i, token_id in enumerate(text_ids, start=1):
-            stop = seq.detokenizer.update([token_id], num_before + i)
-            if stop is not None:
-                new_ids = new_ids[:i]
-                break
+        if group.text_each_step or out.status.is_finished:
+            text_ids = new_ids
+            if seq.num_decoded < len(seq.token_ids):  # decoded once, at the end
+                text_ids = seq.token_ids[seq.num_decoded :] + new_ids
+            if out.status == RequestStatus.FINISHED_STOPPED:
+                text_ids = text_ids[:-1]  # ended by a stop token (EOS, stop_token_ids): not text
+            detokenizer = seq.detokenizer
+            num_tokens = len(seq.token_ids) + len(new_ids)
+            if not group.params.stop:
+                if text_ids:
+                    detokenizer.update(text_ids, num_tokens)
+            else:
+                num_before = len(seq.token_ids)  # with stop strings, every token is decoded
+                for i, token_id in enumerate(text_ids, start=1):
+                    stop = detokenizer.update([token_id], num_before + i)
+                    if stop is not None:
+                        new_ids = new_ids[:i]
+                        break
+            seq.num_decoded = len(seq.token_ids) + len(new_ids)
         seq.token_ids.extend(new_ids)
-        seq.status, seq.stop_reason = out.status, out.stop_reason
+        self._set_status(group, seq, out.status, out.stop_reason)
         if seq.logprobs is not None and out.logprobs is not None:
             n, rows = len(new_ids), out.logprobs
             top = TopLogprobs(rows.token_ids[:n], rows.logprobs[:n], rows.ranks[:n])
@@ -401,7 +428,7 @@ class LLMEngine:
             seq.logprobs.extend(self._logprob_dicts(top))
         if stop is None:
             return False
-        seq.status, seq.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+        self._set_status(group, seq, RequestStatus.FINISHED_STOPPED, stop)
         return not out.status.is_finished  # else the core ended it already (max_tokens)
 
     def _logprob_dicts(self, top: TopLogprobs) -> list[PositionLogprobs]:
@@ -414,12 +441,12 @@ class LLMEngine:
             dicts.append(entry)
         return dicts
 
-    def _make_output(self, group: RequestGroup) -> RequestOutput:
+    def _make_output(self, group: RequestGroup, finished: bool) -> RequestOutput:
         completions = []
-        for index in sorted(group.sequences):
-            seq = group.sequences[index]
-            finished = seq.is_finished
-            seq.text += seq.detokenizer.get_delta_text(finished)
+        sequences = group.sequences
+        for index in sorted(sequences) if len(sequences) > 1 else sequences:
+            seq = sequences[index]
+            seq.text += seq.detokenizer.get_delta_text(seq.status.is_finished)
             completions.append(
                 CompletionOutput(
                     index=index,
@@ -444,7 +471,7 @@ class LLMEngine:
             prompt_token_ids=group.prompt_token_ids,
             prompt_logprobs=group.prompt_logprobs,
             outputs=completions,
-            finished=group.finished,
+            finished=finished,
             num_cached_tokens=group.num_cached_tokens,
             metrics=metrics,
         )

@@ -200,8 +200,7 @@ class Scheduler:
             num_new = num_new_tokens(
                 request, request.num_computed_tokens, budget, self.max_num_seqs
             )
-            is_decode = request.num_prompt_tokens <= request.num_computed_tokens
-            if is_decode:
+            if request.spec_token_ids and request.num_prompt_tokens <= request.num_computed_tokens:
                 num_new += self._trim_spec_tokens(request, budget - num_new)
             lookahead = self._lookahead(request, request.num_computed_tokens + num_new)
             while not self.kv_manager.allocate_slots(request, num_new, num_lookahead=lookahead):
@@ -232,7 +231,11 @@ class Scheduler:
         None for a request that forks this step: nothing proposes for it or its children until
         the next step, and forks must share no block past the partial one, which copy-on-write
         replaces as the table's last (kv_manager.py)."""
-        if num_computed_after < request.num_tokens or request.num_forks_pending:
+        if (
+            not self.num_lookahead_tokens
+            or num_computed_after < request.num_tokens
+            or request.num_forks_pending
+        ):
             return 0
         return max(min(self.num_lookahead_tokens, self.max_model_len - num_computed_after), 0)
 
@@ -383,6 +386,8 @@ class Scheduler:
         """Adds the request to the step; when this step samples its first token, forks the other
         n - 1 sequences of its group (they share its blocks and sample from its logits)."""
         scheduled.append((request, num_new))
+        if request.remote_decode_id is None and not request.num_forks_pending:
+            return  # the usual case: nothing to save for a decode instance, nothing to fork
         samples = request.num_computed_tokens + num_new >= request.num_tokens
         if samples and request.remote_decode_id is not None and not request.kv_saved:
             # Prefill instance: its first token is sampled now; its prompt's blocks are leased.
@@ -556,17 +561,16 @@ class Scheduler:
         params = request.sampling_params
         if request.remote_decode_id is not None:
             return RequestStatus.FINISHED_LENGTH  # prefill instance: the first token only
-        if request.num_output_tokens >= params.min_tokens:
+        num_tokens = len(request.token_ids)
+        num_output_tokens = num_tokens - request.num_prompt_tokens
+        if num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id in params.all_stop_token_ids:
                 request.stop_reason = token_id if token_id in params.stop_token_ids else None
                 return RequestStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-        if (
-            request.num_output_tokens >= request.max_tokens
-            or request.num_tokens >= self.max_model_len
-        ):
+        if num_output_tokens >= request.max_tokens or num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -99,13 +99,22 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _add_bench(subparsers: argparse._SubParsersAction) -> None:
-    from quire.bench import latency, pd_profile, serve, speculative, startup, throughput
+    from quire.bench import (
+        latency,
+        overhead,
+        pd_profile,
+        serve,
+        speculative,
+        startup,
+        throughput,
+    )
 
     p = subparsers.add_parser(
-        "bench", help="benchmarks: throughput, latency, serve, speculative, pd-profile, startup"
+        "bench",
+        help="benchmarks: throughput, latency, serve, speculative, pd-profile, startup, overhead",
     )
     benches = p.add_subparsers(dest="bench_command", required=True)
-    for module in (throughput, latency, serve, speculative, pd_profile, startup):
+    for module in (throughput, latency, serve, speculative, pd_profile, startup, overhead):
         module.add_parser(benches)
 
 

@@ -16,7 +16,7 @@ from quire.engine.llm_engine import LLMEngine, PromptType
 from quire.engine_args import EngineArgs
 from quire.entrypoints.chat_template import render_chat
 from quire.outputs import EngineStats, RequestOutput
-from quire.sampling_params import SamplingParams
+from quire.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessages = list[dict[str, object]]
 
@@ -92,6 +92,7 @@ class LLM:
                     f"Got {len(params)} SamplingParams for {len(prompts)} prompts: "
                     "pass one, or one per prompt."
                 )
+        params = [_final_only(p) for p in params]  # the outputs of finished requests only
         request_ids = [str(next(self._ids)) for _ in prompts]
         added: list[str] = []
         try:
@@ -158,3 +159,11 @@ class LLM:
         return render_chat(
             self.engine.tokenizer, messages, tools, add_generation_prompt, chat_template
         )
+
+
+def _final_only(params: SamplingParams | None) -> SamplingParams:
+    """A copy of `params` whose request gives one output, when it finishes (its text decoded
+    then, once, unless stop strings need it as it grows)."""
+    params = (params or SamplingParams()).clone()
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    return params
