@@ -21,9 +21,10 @@ from quire.attention.backend import AttentionMetadata
 from quire.attention.forward_context import forward_context
 from quire.attention.torch_backend import TorchAttentionBackend
 from quire.config import EngineConfig
-from quire.kernels.cpu import gemv
-from quire.layers.linear import packed_linear_supported
+from quire.kernels.cpu import gemv, qmatmul
+from quire.layers.linear import PackedLinear, packed_linear_supported
 from quire.layers.lora_linear import LoRAMapping, lora_context
+from quire.layers.quantized_linear import QuantizedLinear
 from quire.lora import LoRAAdapterError, LoRAConfig, LoRAManager, LoRARequest, load_adapter
 from quire.lora.ops import TorchLoRAOps
 from quire.model.loader import load_model, load_model_config
@@ -76,8 +77,8 @@ def adapted(request, build_model, tmp_path_factory) -> dict[str, str]:
     }
 
 
-def quire_model(base: str, dtype: str = "float32", max_loras: int = 2, max_lora_rank: int = 16):
-    config = EngineConfig(model=base, dtype=dtype)
+def quire_model(base: str, dtype: str = "float32", max_loras: int = 2, quantization: str = "auto"):
+    config = EngineConfig(model=base, dtype=dtype, quantization=quantization)
     model_config = load_model_config(config)
     model = load_model(
         config,
@@ -85,7 +86,7 @@ def quire_model(base: str, dtype: str = "float32", max_loras: int = 2, max_lora_
         getattr(torch, dtype),
         64,
         max_loras=max_loras,
-        max_lora_rank=max_lora_rank,
+        max_lora_rank=16,
     )
     return model, model_config
 
@@ -539,8 +540,22 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype):
     not (gemv.available() and packed_linear_supported("cpu", torch.bfloat16)),
     reason="bf16 batch invariance of the base model needs the GEMV kernel (AVX-512 BF16)",
 )
-def test_a_requests_bf16_hidden_states_do_not_depend_on_the_adapters_beside_it(adapted):
-    model, model_config = quire_model(adapted["base"], dtype="bfloat16")
+@pytest.mark.parametrize(
+    "quantization",
+    [
+        "auto",
+        pytest.param(
+            "int8",
+            marks=pytest.mark.skipif(not qmatmul.available(), reason="the C kernels are off here"),
+        ),
+    ],
+)
+def test_a_requests_bf16_hidden_states_do_not_depend_on_the_adapters_beside_it(
+    adapted, quantization
+):
+    model, model_config = quire_model(adapted["base"], "bfloat16", quantization=quantization)
+    base_type = QuantizedLinear if quantization == "int8" else PackedLinear
+    assert isinstance(model.layers[0].mlp.down_proj.base, base_type)  # adapters beside any base
     manager = LoRAManager(LoRAConfig(max_loras=2), model_config, model)
     for i, name in enumerate(["plain", "patterned"]):
         manager.add(LoRARequest(name, i + 1, adapted[name]))
