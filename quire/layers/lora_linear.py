@@ -176,6 +176,7 @@ class LoRALinear(nn.Module):
     ):
         super().__init__()
         self.base = base
+        self.in_features, self.out_features = base.in_features, base.out_features  # this rank's
         self.module_names = tuple(modules)
         self.layer_idx = layer_idx
         self.max_rank = max_rank
