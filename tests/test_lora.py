@@ -45,7 +45,9 @@ PATTERNED = dict(
     rank_pattern={"v_proj": 4, "down_proj": 16},
     alpha_pattern={"o_proj": 3},
 )
-PROMPTS = [[5, 17, 300, 42, 7, 99], [11, 12, 13, 14, 15, 200, 201, 3, 9], [88, 400, 2]]
+# prompt chunks (SGMV rows) and a one-token request (a BGMV row, as a decode's)
+PROMPTS = [[5, 17, 300, 42, 7, 99], [11, 12, 13, 14, 15, 200, 201, 3, 9], [88, 400, 2], [77]]
+ADAPTERS = ["plain", None, "patterned", "plain"]
 
 
 def make_adapter(base: str, path: str, seed: int, **lora) -> str:
@@ -128,9 +130,9 @@ def test_a_batch_of_the_base_and_two_adapters_gives_each_request_peft_logits(ada
     for i, name in enumerate(["plain", "patterned"]):
         manager.add(LoRARequest(name, i + 1, adapted[name]))
     slots = manager.activate(["plain", "patterned"])
-    hidden = forward(model, model_config, PROMPTS, [slots["plain"], -1, slots["patterned"]])
+    hidden = forward(model, model_config, PROMPTS, [slots.get(a, -1) for a in ADAPTERS])
     logits = model.compute_logits(hidden).split([len(p) for p in PROMPTS])
-    for prompt, adapter, got in zip(PROMPTS, ["plain", None, "patterned"], logits):
+    for prompt, adapter, got in zip(PROMPTS, ADAPTERS, logits):
         want = peft_logits(adapted["base"], adapted.get(adapter), prompt)
         base = peft_logits(adapted["base"], None, prompt)
         assert adapter is None or (want - base).abs().max() > 0.1  # the adapter changes them
@@ -559,9 +561,7 @@ def test_a_requests_bf16_hidden_states_do_not_depend_on_the_adapters_beside_it(
     manager = LoRAManager(LoRAConfig(max_loras=2), model_config, model)
     for i, name in enumerate(["plain", "patterned"]):
         manager.add(LoRARequest(name, i + 1, adapted[name]))
-    slots = manager.activate(["plain", "patterned"])
-    batch = forward(model, model_config, PROMPTS, [slots["plain"], -1, slots["patterned"]])
-    batch = batch.split([len(p) for p in PROMPTS])
-    assert torch.equal(forward(model, model_config, PROMPTS[:1], [slots["plain"]]), batch[0])
-    assert torch.equal(forward(model, model_config, PROMPTS[2:], [slots["patterned"]]), batch[2])
-    assert torch.equal(forward(model, model_config, PROMPTS[1:2], [-1]), batch[1])
+    slots = [manager.activate(["plain", "patterned"]).get(a, -1) for a in ADAPTERS]
+    batch = forward(model, model_config, PROMPTS, slots).split([len(p) for p in PROMPTS])
+    for i, prompt in enumerate(PROMPTS):
+        assert torch.equal(forward(model, model_config, [prompt], slots[i : i + 1]), batch[i])

@@ -18,7 +18,8 @@ from quire.lora.ops import TorchLoRAOps
 
 WORLD = 2
 HIDDEN, HEAD_DIM, ODD = 24, 3, 11
-SLOTS, SIZES = [0, -1, 1], [3, 1, 2]  # a prompt chunk on slot 0, a base row, two on slot 1
+# a prompt chunk on slot 0 (SGMV), a base-model row, two decode rows on slot 1 (BGMV)
+SLOTS, SIZES = [0, -1, 1, 1], [3, 1, 1, 1]
 ROW_SLOTS = [0, 0, 0, -1, 1, 1]
 
 

@@ -237,17 +237,17 @@ class LoRALinear(nn.Module):
         )
 
 
-def add_lora_layers(model: nn.Module, max_loras: int, max_rank: int) -> list[LoRALinear]:
+def add_lora_layers(model: nn.Module, max_loras: int, max_rank: int) -> int:
     """Wraps, in every decoder layer of `model`, each linear its class names in `lora_targets`
     (path under the layer -> the checkpoint modules it fuses) in a LoRALinear with `max_loras`
     empty slots of rank `max_rank`. Call it after the weights are loaded and before they are
-    packed or quantized. Returns the LoRALinears, layer by layer."""
-    wrapped = []
+    packed or quantized. Returns how many."""
+    count = 0
     for layer_idx, layer in enumerate(model.layers):
         for path, modules in model.lora_targets.items():
             parent_path, _, name = path.rpartition(".")
             parent = layer.get_submodule(parent_path)
             linear = LoRALinear(getattr(parent, name), modules, layer_idx, max_loras, max_rank)
             setattr(parent, name, linear)
-            wrapped.append(linear)
-    return wrapped
+            count += 1
+    return count
