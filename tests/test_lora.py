@@ -22,11 +22,12 @@ from quire.attention.forward_context import forward_context
 from quire.attention.torch_backend import TorchAttentionBackend
 from quire.config import EngineConfig
 from quire.kernels.cpu import gemv, qmatmul
+from quire.kernels.cpu import lora as lora_kernel
 from quire.layers.linear import PackedLinear, packed_linear_supported
 from quire.layers.lora_linear import LoRAMapping, lora_context
 from quire.layers.quantized_linear import QuantizedLinear
 from quire.lora import LoRAAdapterError, LoRAConfig, LoRAManager, LoRARequest, load_adapter
-from quire.lora.ops import TorchLoRAOps
+from quire.lora.ops import CpuLoRAOps, TorchLoRAOps, lora_ops
 from quire.model.loader import load_model, load_model_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing`:FutureWarning")
@@ -120,7 +121,7 @@ def forward(model, model_config, prompts: list[list[int]], slots: list[int]) -> 
     positions = torch.cat([torch.arange(n) for n in lens])
     mapping = LoRAMapping.from_requests(slots, lens)
     with torch.no_grad(), forward_context(metadata, caches, TorchAttentionBackend()):
-        with lora_context(mapping, TorchLoRAOps()):
+        with lora_context(mapping, lora_ops("cpu", dtype)):
             return model(input_ids, positions)
 
 
@@ -502,22 +503,41 @@ def test_a_steps_adapters_keep_their_slots_and_reuse_the_least_recently_active(m
 # --- batch invariance ---------------------------------------------------------------------
 
 
-def add_lora_rows(requests: list[tuple[int, torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
-    """TorchLoRAOps over one step of `requests` (slot, x rows, base output rows) with fixed
-    adapter slots (a q|k|v-like layer of 4 slots at rank 16); each request's output rows."""
+OPS = [
+    TorchLoRAOps,
+    pytest.param(
+        CpuLoRAOps,
+        marks=pytest.mark.skipif(
+            not lora_kernel.supported(torch.empty(0)), reason="the C kernels are off here"
+        ),
+    ),
+]
+
+
+def add_lora_rows(
+    ops, requests: list[tuple[int, torch.Tensor, torch.Tensor]], slot_of: dict[int, int]
+) -> list[torch.Tensor]:
+    """`ops` over one step of `requests` (adapter, x rows, base output rows; adapter -1: none),
+    adapter i in slot `slot_of[i]` of a q|k|v-like layer (4 slots, rank 16); each request's
+    output rows."""
     generator = torch.Generator().manual_seed(0)
-    lora_a = torch.randn(4, 3 * 16, 576, generator=generator) / 10
-    lora_b = torch.randn(4, 80, 16, generator=generator) / 10
+    adapters_a = torch.randn(4, 3 * 16, 576, generator=generator) / 10
+    adapters_b = torch.randn(4, 16, 80, generator=generator) / 10
+    lora_a, lora_b = torch.zeros_like(adapters_a), torch.zeros_like(adapters_b)
+    for adapter, slot in slot_of.items():
+        lora_a[slot], lora_b[slot] = adapters_a[adapter], adapters_b[adapter]
     x = torch.cat([rows for _, rows, _ in requests])
     out = torch.cat([rows for _, _, rows in requests])
     sizes = [rows.shape[0] for _, rows, _ in requests]
-    mapping = LoRAMapping.from_requests([slot for slot, _, _ in requests], sizes)
-    TorchLoRAOps().add_lora(out, x, lora_a, lora_b, [(0, 48), (48, 16), (64, 16)], mapping)
+    slots = [slot_of.get(adapter, -1) for adapter, _, _ in requests]
+    mapping = LoRAMapping.from_requests(slots, sizes)
+    ops().add_lora(out, x, lora_a, lora_b, [(0, 48), (48, 16), (64, 16)], mapping)
     return list(out.split(sizes))
 
 
+@pytest.mark.parametrize("ops", OPS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype):
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(ops, dtype):
     def rows(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         generator = torch.Generator().manual_seed(seed)
         return (
@@ -526,16 +546,33 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype):
         )
 
     prompt, decode = rows(7, 1), rows(1, 2)
-    alone = add_lora_rows([(2, *prompt), (1, *decode)])
+    alone = add_lora_rows(ops, [(2, *prompt), (1, *decode)], {2: 0, 1: 1})
     mixed = add_lora_rows(
+        ops,
         [(0, *rows(1, 3)), (1, *decode), (-1, *rows(5, 4)), (2, *prompt), (3, *rows(20, 5))]
-        + [(1, *rows(1, 6 + i)) for i in range(17)]
+        + [(1, *rows(1, 6 + i)) for i in range(17)],
+        {0: 0, 1: 1, 2: 2, 3: 3},  # adapter 2 in another slot than alone
     )
     assert torch.equal(mixed[3], alone[0])  # the prompt chunk (SGMV)
     assert torch.equal(mixed[1], alone[1])  # the decode row (BGMV)
-    chunks = [add_lora_rows([(2, x, out)])[0] for x, out in zip(*(t.split([3, 4]) for t in prompt))]
+    chunks = [
+        add_lora_rows(ops, [(2, x, out)], {2: 3})[0]
+        for x, out in zip(*(t.split([3, 4]) for t in prompt))
+    ]
     assert torch.equal(torch.cat(chunks), alone[0])  # chunked otherwise
     assert not torch.equal(alone[0], prompt[1])  # the adapter adds something
+
+
+@pytest.mark.skipif(not lora_kernel.supported(torch.empty(0)), reason="the C kernels are off")
+def test_the_c_kernel_adds_what_the_torch_ops_add():
+    def step(ops) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(0)
+        x, out = torch.randn(30, 576, generator=generator), torch.randn(30, 80, generator=generator)
+        requests = [(a, x[i : i + n], out[i : i + n]) for a, i, n in [(0, 0, 9), (-1, 9, 4)]]
+        requests += [(i % 4 - 1, x[i : i + 1], out[i : i + 1]) for i in range(13, 30)]
+        return torch.cat(add_lora_rows(ops, requests, {0: 2, 1: 0, 2: 1}))
+
+    torch.testing.assert_close(step(CpuLoRAOps), step(TorchLoRAOps), atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.skipif(

@@ -34,7 +34,7 @@ def test_triton_kernels_add_what_the_torch_ops_add(max_rank, out_slices):
     generator = torch.Generator().manual_seed(max_rank)
     in_features, out_features = 40, 40
     lora_a = torch.randn(3, len(out_slices) * max_rank, in_features, generator=generator)
-    lora_b = torch.randn(3, out_features, max_rank, generator=generator)
+    lora_b = torch.randn(3, max_rank, out_features, generator=generator)
     x = torch.randn(23, in_features, generator=generator)
     base = torch.randn(23, out_features, generator=generator)
     # prompt chunks (5, 9 rows), decode rows of three slots, and rows of the base model

@@ -4,8 +4,8 @@
 in a `LoRALinear` before the weights are packed or kept quantized, so the packing passes replace
 the base inside the wrapper and any base (nn.Linear shards, PackedLinear, QuantizedLinear)
 takes adapters. Each LoRALinear holds `max_loras` slots of stacked weights: A, the fused
-modules' ranks one under the other [max_loras, modules * max_rank, in], and B
-[max_loras, out, max_rank], zero-padded to `max_rank` (zeros add nothing), A already times the
+modules' ranks one under the other [max_loras, modules * max_rank, in], and B transposed
+[max_loras, max_rank, out] (each rank's row contiguous over the outputs), zero-padded to `max_rank` (zeros add nothing), A already times the
 adapter's scale. The adapter manager (quire/lora) writes a slot with `set_slot`.
 
 Which slot each token row uses is per-step state, so it is not on the modules: the worker sets
@@ -117,7 +117,7 @@ class LoRAOps(Protocol):
         out: torch.Tensor,  # [num_tokens, out] the base output
         x: torch.Tensor,  # [num_tokens, in]
         lora_a: torch.Tensor,  # [max_loras, modules * max_rank, in] float32, scale included
-        lora_b: torch.Tensor,  # [max_loras, out, max_rank] float32
+        lora_b: torch.Tensor,  # [max_loras, max_rank, out] float32 (B transposed)
         out_slices: Sequence[tuple[int, int]],  # per module: (first output column, columns)
         mapping: LoRAMapping,
     ) -> None: ...
@@ -192,7 +192,7 @@ class LoRALinear(nn.Module):
         )
         self.register_buffer(
             "lora_b",
-            torch.zeros(max_loras, base.out_features, max_rank, device=device),
+            torch.zeros(max_loras, max_rank, base.out_features, device=device),
             persistent=False,
         )
         self.slot_used = [False] * max_loras  # whether a slot adds anything here
@@ -210,7 +210,7 @@ class LoRALinear(nn.Module):
             self.a_columns.load(
                 self.lora_a[slot, i * r_max : i * r_max + w.rank], w.lora_a * w.scale
             )
-            self.b_rows[i].load(self.lora_b[slot, :, : w.rank], w.lora_b)
+            self.b_rows[i].load(self.lora_b[slot, : w.rank].t(), w.lora_b)
         self.slot_used[slot] = any(m in weights for m in self.module_names)
 
     def clear_slot(self, slot: int) -> None:

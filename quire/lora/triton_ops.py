@@ -79,7 +79,7 @@ def _shrink_kernel(
 @triton.jit
 def _expand_kernel(
     u_ptr,  # [rows with an adapter, R] float32, in sorted order
-    b_ptr,  # [max_loras, out, max_rank] float32
+    b_ptr,  # [max_loras, max_rank, out] float32 (B transposed)
     out_ptr,  # [num_tokens, out]
     sorted_rows_ptr,
     group_slots_ptr,
@@ -91,7 +91,7 @@ def _expand_kernel(
     out_first,  # this module's first output column (and row of B)
     stride_um,
     stride_bs,
-    stride_bn,
+    stride_br,
     stride_om,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -118,7 +118,7 @@ def _expand_kernel(
             other=0.0,
         )  # [BLOCK_M, BLOCK_K]
         b = tl.load(
-            b_ptr + slot * stride_bs + (out_first + offs_n)[None, :] * stride_bn + offs_r[:, None],
+            b_ptr + slot * stride_bs + offs_r[:, None] * stride_br + (out_first + offs_n)[None, :],
             mask=mask_r[:, None] & mask_n[None, :],
             other=0.0,
         )  # [BLOCK_K, BLOCK_N]: B^T's block
@@ -137,7 +137,7 @@ class TritonLoRAOps:
         out: torch.Tensor,  # [num_tokens, out]
         x: torch.Tensor,  # [num_tokens, in]
         lora_a: torch.Tensor,  # [max_loras, modules * max_rank, in]
-        lora_b: torch.Tensor,  # [max_loras, out, max_rank]
+        lora_b: torch.Tensor,  # [max_loras, max_rank, out]
         out_slices: Sequence[tuple[int, int]],
         mapping: LoRAMapping,
     ) -> None:
@@ -167,7 +167,7 @@ class TritonLoRAOps:
             BLOCK_N=BLOCK_N,
             BLOCK_K=BLOCK_K,
         )
-        max_rank = lora_b.shape[2]
+        max_rank = lora_b.shape[1]
         for i, (first, size) in enumerate(out_slices):
             _expand_kernel[(groups, row_blocks, triton.cdiv(size, BLOCK_N))](
                 u,
