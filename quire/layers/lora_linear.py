@@ -213,11 +213,6 @@ class LoRALinear(nn.Module):
             self.b_rows[i].load(self.lora_b[slot, : w.rank].t(), w.lora_b)
         self.slot_used[slot] = any(m in weights for m in self.module_names)
 
-    def clear_slot(self, slot: int) -> None:
-        self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
-        self.slot_used[slot] = False
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
         context = _current
         if context is None or not any(self.slot_used[s] for s in context.mapping.slots):
