@@ -116,9 +116,16 @@ class PackedRowParallelLinear(PackedLinear):
         super().__init__(weight, None, use_gemv=use_gemv)
         self.row_bias = None if bias is None else bias.detach()
 
-    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        out = all_reduce(super().forward(x, out_dtype))
+    def partial(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """This rank's product, before the sum over the ranks and the bias."""
+        return super().forward(x, out_dtype)
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        out = all_reduce(partial)
         return out if self.row_bias is None else out + self.row_bias
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.reduce(self.partial(x, out_dtype))
 
 
 def pack_linear_layers(module: nn.Module, *, use_gemv: bool) -> int:

@@ -156,8 +156,16 @@ class RowParallelLinear(nn.Linear):
             return
         self.shard().load(param.data, full)
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's product, before the sum over the ranks and the bias."""
+        return torch.nn.functional.linear(x, self.weight)
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The ranks' partial products summed, then the bias added once."""
+        out = all_reduce(partial)
+        return out if self.bias is None else out + self.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:
             return super().forward(x)
-        out = all_reduce(torch.nn.functional.linear(x, self.weight))
-        return out if self.bias is None else out + self.bias
+        return self.reduce(self.partial(x))

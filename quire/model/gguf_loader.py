@@ -31,7 +31,7 @@ ARCHITECTURES = {
 }
 
 # llama.cpp's converter permutes q/k rows for these architectures only (LlamaModel.permute)
-_ROTARY_PERMUTED = {"llama"}
+ROTARY_PERMUTED = {"llama"}
 
 # Hugging Face's default when a checkpoint states no rope base (llama.cpp's too)
 _DEFAULT_ROPE_THETA = 10000.0
@@ -42,7 +42,7 @@ _GLOBAL_NAMES = {
     "output": "lm_head",
 }
 
-_LAYER_NAMES = {
+LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -113,7 +113,7 @@ def decode_weight_bytes(path: str, keep_quantized: frozenset[str], itemsize: int
 def _iter_weights(
     reader: GGUFFile, config: dict, keep_quantized: frozenset[str]
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    permuted = config["model_type"] in _ROTARY_PERMUTED
+    permuted = config["model_type"] in ROTARY_PERMUTED
     heads_for = {
         "attn_q": config["num_attention_heads"],
         "attn_k": config["num_key_value_heads"],
@@ -126,7 +126,7 @@ def _iter_weights(
             # [rows, bytes per row]: whole blocks, so rows permute as the dequantized ones do
             raw = tensor.data
             if permuted and gguf_kind in heads_for:
-                raw = _unpermute_rotary(name, raw, heads_for[gguf_kind])
+                raw = unpermute_rotary(name, raw, heads_for[gguf_kind])
             shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # GGUF lists ne0 (K) first
             yield name, QuantizedWeight(np.array(raw, np.uint8), qtype, shape)
             continue
@@ -140,7 +140,7 @@ def _iter_weights(
         # the reader gives the data in torch order already: [rows, bytes per row] for blocks
         weights = dequantize(tensor.data, tensor.tensor_type)
         if permuted and gguf_kind in heads_for:
-            weights = _unpermute_rotary(name, weights, heads_for[gguf_kind])
+            weights = unpermute_rotary(name, weights, heads_for[gguf_kind])
         # an unquantized tensor is still a read-only view of the memory map: copy only that one
         yield name, torch.from_numpy(np.require(weights, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
     _parsed.cache_clear()  # every weight is loaded: the file's memory map can go
@@ -228,8 +228,8 @@ def _hf_name(gguf_name: str) -> tuple[str, str]:
     """(HF parameter name, llama.cpp tensor kind) for a GGUF tensor name."""
     if match := _LAYER_TENSOR.fullmatch(gguf_name):
         layer, kind, suffix = match.groups()
-        if kind in _LAYER_NAMES:
-            return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}", kind
+        if kind in LAYER_NAMES:
+            return f"model.layers.{layer}.{LAYER_NAMES[kind]}.{suffix}", kind
     elif match := _GLOBAL_TENSOR.fullmatch(gguf_name):
         kind, suffix = match.groups()
         if kind in _GLOBAL_NAMES:
@@ -237,7 +237,7 @@ def _hf_name(gguf_name: str) -> tuple[str, str]:
     raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face name in quire's loader.")
 
 
-def _unpermute_rotary(name: str, weights: np.ndarray, num_heads: int) -> np.ndarray:
+def unpermute_rotary(name: str, weights: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation, from halves-interleaved back to HF's rotate-half order.
 
     llama.cpp reshapes each head's rows as [2, head_dim // 2] and swaps the axes; this swaps them

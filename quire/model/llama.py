@@ -76,6 +76,14 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
+    # the linears an adapter may target, under each decoder layer -> the checkpoint modules
+    # each fuses, in its rows' order (layers/lora_linear.py)
+    lora_targets = {
+        "self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "self_attn.o_proj": ("o_proj",),
+        "mlp.gate_up_proj": ("gate_proj", "up_proj"),
+        "mlp.down_proj": ("down_proj",),
+    }
 
     def __init__(self, config: ModelConfig, max_position: int):
         super().__init__()

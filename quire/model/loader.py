@@ -15,6 +15,7 @@ from torch import nn
 
 from quire.kernels.cpu import qmatmul
 from quire.layers.linear import PackedLinear, pack_linear_layers, packed_linear_supported
+from quire.layers.lora_linear import add_lora_layers
 from quire.layers.quantized_linear import (
     KERNEL_TYPES,
     QuantizedLinear,
@@ -114,8 +115,16 @@ def pack_weights(model: nn.Module, use_gemv: bool) -> None:
 
 
 def load_model(
-    config: LoadConfig, model_config: ModelConfig, dtype: torch.dtype, max_position: int
+    config: LoadConfig,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    max_position: int,
+    *,
+    max_loras: int = 0,
+    max_lora_rank: int = 0,
 ) -> nn.Module:
+    """The model with its weights; with `max_loras` > 0 every linear an adapter may target
+    holds that many adapter slots of rank `max_lora_rank` (layers/lora_linear.py)."""
     start = time.perf_counter()
     model_class = get_model_class(model_config.architecture)
     # Built without initializing weights (the checkpoint overwrites them), then materialized.
@@ -143,6 +152,11 @@ def load_model(
             raise ModelFileError(f"{config.model}: {error}") from None
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
+    if max_loras:  # before packing: the packed or quantized base goes inside the wrapper
+        count = add_lora_layers(model, max_loras, max_lora_rank)
+        logger.info(
+            "%d linears take adapters: %d slots of rank %d", count, max_loras, max_lora_rank
+        )
     if keep_quantized:
         logger.info("%d linear layers kept in GGUF blocks", quantize_weights(model))
     if config.quantization == "int8":

@@ -86,6 +86,9 @@ _SIGNATURES = {
     "apply_token_bitmask_f32": [_P, _I64, _P, _I64, _P, _I64, _I32],
     # ShmGroup*, x (bf16), number of elements.
     "shm_all_reduce_bf16": [_P, _P, _I64],
+    # is_bf16, x, x row stride, out, out row stride, lora_a, lora_b, token slots, out slices;
+    # modules, tokens, in, out, max_rank, num_threads (lora.c).
+    "lora_add": [_I32, _P, _I64, _P, _I64] + [_P] * 4 + [_I32, _I64] + [_I32] * 4,
     # DecodeModel*, DecodeStep*, token ids, positions, hidden, residual, out.
     "decode_step_bf16": [_P] * 7,
     # The same, then logits (float32) and the argmax ids (int64).
