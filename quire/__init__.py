@@ -13,6 +13,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "100000")
 from quire.config import EngineConfig
 from quire.engine_args import EngineArgs
 from quire.entrypoints.llm import LLM
+from quire.lora_request import LoRARequest
 from quire.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from quire.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -24,6 +25,7 @@ __all__ = [
     "EngineConfig",
     "EngineStats",
     "Logprob",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",

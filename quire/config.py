@@ -23,6 +23,8 @@ import torch
 from quire.engine_args import ATTENTION_BACKENDS, DEVICES, QUANTIZATIONS, EngineArgs
 from quire.kernels import kv_format
 from quire.layers.linear import onednn_runs_bf16
+from quire.lora.config import LoRAConfig
+from quire.lora_request import LoRARequest, parse_lora_module
 from quire.model.model_config import ModelConfig, ModelShape, load_model_config
 
 logger = logging.getLogger(__name__)
@@ -241,6 +243,7 @@ class EngineConfig(EngineArgs):
                 "method 'ngram', or tensor_parallel_size 1."
             )
         self._resolve_kv_transfer()
+        self._check_lora()
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
@@ -305,6 +308,36 @@ class EngineConfig(EngineArgs):
         if self.kv_port is not None and not 0 < self.kv_port < 65536:
             raise ValueError(f"kv_port must be in 1..65535, got {self.kv_port}.")
 
+    def _check_lora(self) -> None:
+        if not self.enable_lora:
+            if self.lora_modules:
+                raise ValueError("lora_modules needs enable_lora (--enable-lora).")
+            return
+        self.lora_config()  # ValueError naming the knob
+        if self.disaggregation_mode is not None:
+            raise ValueError(
+                "enable_lora does not run with disaggregation yet (a decode instance would need "
+                "the prefill instance's adapters); serve adapters from a collocated instance."
+            )
+        for request in self.lora_requests():
+            if not os.path.exists(request.lora_path):
+                raise FileNotFoundError(
+                    f"lora module {request.lora_name!r}: {request.lora_path} does not exist; "
+                    "give a PEFT adapter folder or a GGUF LoRA file."
+                )
+        names = [r.lora_name for r in self.lora_requests()]
+        if len(set(names)) < len(names):
+            raise ValueError(f"lora_modules names an adapter twice: {sorted(names)}.")
+
+    def lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+
+    def lora_requests(self) -> list[LoRARequest]:
+        """`lora_modules` as LoRARequests, with ids 1, 2, ... in order."""
+        return [parse_lora_module(text, i) for i, text in enumerate(self.lora_modules or (), 1)]
+
     @property
     def is_gguf(self) -> bool:
         return self.model.endswith(".gguf")
@@ -362,6 +395,36 @@ class ModelSettings:
     gemv: bool
     device: str
     seed: int  # of torch's generator: sampling without a per-request seed
+
+    def _check_lora(self) -> None:
+        if not self.enable_lora:
+            if self.lora_modules:
+                raise ValueError("lora_modules needs enable_lora (--enable-lora).")
+            return
+        self.lora_config()  # ValueError naming the knob
+        if self.disaggregation_mode is not None:
+            raise ValueError(
+                "enable_lora does not run with disaggregation yet (a decode instance would need "
+                "the prefill instance's adapters); serve adapters from a collocated instance."
+            )
+        for request in self.lora_requests():
+            if not os.path.exists(request.lora_path):
+                raise FileNotFoundError(
+                    f"lora module {request.lora_name!r}: {request.lora_path} does not exist; "
+                    "give a PEFT adapter folder or a GGUF LoRA file."
+                )
+        names = [r.lora_name for r in self.lora_requests()]
+        if len(set(names)) < len(names):
+            raise ValueError(f"lora_modules names an adapter twice: {sorted(names)}.")
+
+    def lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+
+    def lora_requests(self) -> list[LoRARequest]:
+        """`lora_modules` as LoRARequests, with ids 1, 2, ... in order."""
+        return [parse_lora_module(text, i) for i, text in enumerate(self.lora_modules or (), 1)]
 
     @property
     def is_gguf(self) -> bool:
@@ -424,6 +487,7 @@ class QuireConfig:
     device: DeviceConfig
     speculative: SpeculativeConfig | None
     kv_transfer: KVTransferConfig | None
+    lora: LoRAConfig | None  # multi-LoRA serving (enable_lora)
 
     def with_kv_pool(self, num_kv_blocks: int) -> QuireConfig:
         """This config with the KV pool's size the workers measured, and max_model_len cut to
@@ -507,4 +571,5 @@ def resolve_config(config: EngineConfig) -> QuireConfig:
         ),
         speculative=config.speculative_config,
         kv_transfer=kv_transfer,
+        lora=config.lora_config(),
     )

@@ -216,6 +216,23 @@ class EngineArgs:
         env="QUIRE_HUGE_PAGES",
         help="put the CPU weights and KV cache on transparent huge pages",
     )
+    enable_lora: bool = _knob(
+        False,
+        help="serve LoRA adapters beside the base model: each request chooses one (the OpenAI "
+        "`model` field, or LLM.generate's lora_request), several mixed in one step",
+    )
+    lora_modules: list[str] | None = _knob(
+        help="adapters to load at start, each name=path (a PEFT folder or a GGUF LoRA file) or "
+        'vLLM\'s JSON \'{"name": ..., "path": ...}\'; needs --enable-lora',
+        metavar="NAME=PATH",
+    )
+    max_loras: int = _knob(4, help="most distinct adapters in one step (the adapter slots)")
+    max_lora_rank: int = _knob(
+        16, help="the largest adapter rank the slots hold: 8, 16, 32, 64, 128 or 256"
+    )
+    max_cpu_loras: int | None = _knob(
+        help="adapters kept loaded, least recently used evicted (default: max(max_loras, 8))"
+    )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -255,6 +272,9 @@ class EngineArgs:
             kwargs["help"] = help_text
             if _scalar_type(hints[f.name]) is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
+            elif typing.get_origin(_scalar_type(hints[f.name])) is list:
+                kwargs["nargs"] = "+"
+                kwargs["metavar"] = f.metadata["metavar"] or f.name.upper()
             else:
                 kwargs["type"] = _parser(_scalar_type(hints[f.name]))
                 kwargs["choices"] = f.metadata["choices"]
@@ -314,6 +334,8 @@ def _json_object(text: str) -> dict:
 
 
 def _is_a(value: Any, expected: type) -> bool:
+    if typing.get_origin(expected) is list:  # of strings
+        return isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
     if expected is dict:  # a dict, or the validated config EngineConfig made of it
         return isinstance(value, dict) or dataclasses.is_dataclass(value)
     if expected is bool:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from quire.lora_request import LoRARequest
 from quire.sampling_params import SamplingParams
 
 
@@ -33,6 +34,7 @@ class NewRequestData:
     index: int  # which of its group's n completions: part of its sampling noise's key
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hits: their K/V is already in the blocks
+    lora_request: LoRARequest | None = None  # the adapter it runs (its name versioned)
 
 
 @dataclass

@@ -64,6 +64,12 @@ EXPECTED_FLAGS = {
     "--no-cpu-amx": "cpu_amx",
     "--huge-pages": "huge_pages",
     "--no-huge-pages": "huge_pages",
+    "--enable-lora": "enable_lora",
+    "--no-enable-lora": "enable_lora",
+    "--lora-modules": "lora_modules",
+    "--max-loras": "max_loras",
+    "--max-lora-rank": "max_lora_rank",
+    "--max-cpu-loras": "max_cpu_loras",
 }
 
 

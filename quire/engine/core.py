@@ -109,6 +109,7 @@ class EngineCore:
             ),
             speculator=self.speculator,
             structured_output=self.structured_output,
+            max_loras=0 if config.lora is None else config.lora.max_loras,
         )
         self.num_steps = 0
 

@@ -81,7 +81,7 @@ class KVCacheManager:
         hashes = self.req_block_hashes.setdefault(request.request_id, [])
         bs = self.block_size
         for i in range(len(hashes), num_full_blocks):
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else request.prefix_key
             hashes.append(hash_block(parent, request.token_ids[i * bs : (i + 1) * bs]))
         return hashes
 

@@ -7,6 +7,7 @@ EngineCore (engine/core.py) that schedules and runs steps on plain token ids.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import numbers
 import os
@@ -21,6 +22,8 @@ from quire.engine.core_client import CoreProcessClient
 from quire.engine.detokenizer import IncrementalDetokenizer
 from quire.engine.request import Request, RequestStatus
 from quire.engine.speculator import SpecDecodingStats
+from quire.lora.adapter import load_adapter
+from quire.lora_request import LoRARequest
 from quire.messages import TopLogprobs
 from quire.model.model_config import ModelConfig, load_model_config
 from quire.model.tokenizer import load_tokenizer
@@ -148,6 +151,60 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
         self.groups: dict[str, RequestGroup] = {}
+        # Multi-LoRA: the adapters requests may name, each with the number of its load (a
+        # reload under the same name is another adapter to the workers and the prefix cache).
+        self.lora_config = config.lora_config()
+        self.loras: dict[str, tuple[LoRARequest, int]] = {}
+        self._lora_loads = itertools.count(1)
+        for lora_request in config.lora_requests():
+            self.add_lora(lora_request)
+
+    # ---- adapters (multi-LoRA) ---------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Makes an adapter available to requests by its name, checked against the base model
+        (LoRAAdapterError, a ValueError naming the file and field, if it does not fit). Raises
+        ValueError if LoRA is off or the name is taken."""
+        if self.lora_config is None:
+            raise ValueError("LoRA adapters need enable_lora (--enable-lora).")
+        if lora_request.lora_name in self.loras:
+            raise ValueError(
+                f"An adapter named {lora_request.lora_name!r} is already loaded: unload it first, "
+                "or give this one another name."
+            )
+        load_adapter(
+            lora_request.lora_name,
+            lora_request.lora_path,
+            self.model_config,
+            self.lora_config.max_lora_rank,
+        )
+        self.loras[lora_request.lora_name] = (lora_request, next(self._lora_loads))
+
+    def remove_lora(self, name: str) -> None:
+        """Unloads adapter `name`: new requests cannot name it; running ones finish with it.
+        Raises KeyError for a name not loaded."""
+        if name not in self.loras:
+            raise KeyError(f"No adapter named {name!r} is loaded.")
+        del self.loras[name]
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [lora_request for lora_request, _ in self.loras.values()]
+
+    def _worker_lora(self, lora_request: LoRARequest | None) -> LoRARequest | None:
+        """The adapter as the core and workers see it (its name carries its load's number);
+        loads it first if it is new (LLM.generate's lora_request)."""
+        if lora_request is None:
+            return None
+        known = self.loras.get(lora_request.lora_name)
+        if known is None:
+            self.add_lora(lora_request)
+            known = self.loras[lora_request.lora_name]
+        elif known[0].lora_path != lora_request.lora_path:
+            raise ValueError(
+                f"Adapter {lora_request.lora_name!r} is loaded from {known[0].lora_path}, not "
+                f"{lora_request.lora_path}: unload it first, or give the other another name."
+            )
+        loaded, version = known
+        return LoRARequest(f"{loaded.lora_name}@{version}", loaded.lora_int_id, loaded.lora_path)
 
     @property
     def scheduler(self):  # inspection of an in-process core (tests)
@@ -239,10 +296,13 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Validates and queues a request. Raises ValueError (engine untouched) on bad input."""
+        """Validates and queues a request, with `lora_request`'s adapter if given. Raises
+        ValueError (engine untouched) on bad input."""
         if request_id in self.groups:
             raise ValueError(f"Request id {request_id!r} is already in use.")
+        worker_lora = self._worker_lora(lora_request)
         params = (params or SamplingParams()).clone()
         max_num_seqs = self.config.max_num_seqs
         if params.n > max_num_seqs:
@@ -276,6 +336,7 @@ class LLMEngine:
             max_tokens=max_tokens,
             group_id=request_id,
             arrival_time=group.arrival_time,
+            lora_request=worker_lora,
         )
         self.groups[request_id] = group
         self.core.add_request(request)

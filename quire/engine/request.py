@@ -7,6 +7,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import xxhash
+
+from quire.lora_request import LoRARequest
 from quire.outputs import PositionLogprobs
 from quire.sampling_params import SamplingParams
 
@@ -56,6 +59,9 @@ class Request:
     group_id: str = ""  # the id of the caller's request; forks share it
     index: int = 0  # which of the group's n completions this is
     arrival_time: float = field(default_factory=time.monotonic)
+    # The adapter it runs (multi-LoRA): its name carries the load's version ("sql@2"), so a
+    # reload is another adapter to the workers and the prefix cache.
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id
@@ -85,6 +91,14 @@ class Request:
         self.remote_prefill: RemotePrefill | None = None
         self.remote_decode_id: str | None = None
         self.kv_saved = False  # its blocks are promised to a lease (prefill instance)
+        # The root of its prefix-cache hashes: the same tokens under another adapter (or another
+        # load of one) share no block.
+        lora = self.lora_request
+        self.prefix_key: int | None = (
+            None
+            if lora is None
+            else xxhash.xxh3_64_intdigest(f"{lora.lora_name}\0{lora.lora_path}".encode())
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -115,6 +129,7 @@ class Request:
             group_id=self.group_id,
             index=index,
             arrival_time=self.arrival_time,
+            lora_request=self.lora_request,
         )
         child.token_ids = list(self.token_ids)
         child.status = self.status

@@ -90,6 +90,7 @@ class Scheduler:
         kv_connector: KVConnectorScheduler | None = None,
         speculator: Speculator | None = None,
         structured_output: StructuredOutputManager | None = None,
+        max_loras: int = 0,
     ):
         """`speculator`: the proposals to verify and the draft lengths each step asks;
         `structured_output`: the step's grammar bitmask. The scheduler asks both while it
@@ -97,6 +98,8 @@ class Scheduler:
         self.kv_manager = kv_manager
         self.speculator = speculator
         self.structured_output = structured_output
+        # Multi-LoRA: the most distinct adapters among running requests (so in any step).
+        self.max_loras = max_loras
         # Prefill/decode disaggregation (kv_transfer/scheduler_connector.py): requests waiting
         # for their prompt's K/V (decode instance), finished requests whose blocks are leased
         # until a decode instance has pulled them, by transfer id (prefill instance).
@@ -266,8 +269,15 @@ class Scheduler:
         scheduled: list[tuple[Request, int]],
         forked: list[tuple[Request, Request]],
     ) -> int:
+        adapters = self._running_adapters() if self.max_loras else set()
         while self.waiting and budget > 0:
             request = self.waiting[0]
+            lora = request.lora_request
+            if lora is not None and lora.lora_name not in adapters:
+                if len(adapters) >= self.max_loras:
+                    # Its adapter waits for a slot; nothing passes it, so it is next when one
+                    # frees (the running adapters' requests finish: none is admitted meanwhile).
+                    break
             num_seqs = len(self.running) + len(forked) + 1 + request.num_forks_pending
             # requests waiting for their K/V run as soon as it arrives, their forks with them
             num_seqs += sum(1 + r.num_forks_pending for r in self.waiting_for_kv.values())
@@ -295,9 +305,14 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if lora is not None:
+                adapters.add(lora.lora_name)
             self._schedule(request, num_new, scheduled, forked)
             budget -= num_new
         return budget
+
+    def _running_adapters(self) -> set[str]:
+        return {r.lora_request.lora_name for r in self.running if r.lora_request is not None}
 
     def _admit_remote_prefill(self, request: Request) -> bool:
         """Decode instance: allocates blocks for the request's whole prompt (its local
@@ -446,6 +461,7 @@ class Scheduler:
                         index=request.index,
                         block_ids=block_ids,
                         num_computed_tokens=request.num_computed_tokens,
+                        lora_request=request.lora_request,
                     )
                 )
                 self._sent[request_id] = _SentState(request.num_tokens, block_ids)

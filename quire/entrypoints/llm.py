@@ -15,6 +15,7 @@ from quire.config import EngineConfig
 from quire.engine.llm_engine import LLMEngine, PromptType
 from quire.engine_args import EngineArgs
 from quire.entrypoints.chat_template import render_chat
+from quire.lora_request import LoRARequest
 from quire.outputs import EngineStats, RequestOutput
 from quire.sampling_params import RequestOutputKind, SamplingParams
 
@@ -75,9 +76,12 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in the order of the prompts.
-        Bad input (an invalid prompt or params) raises ValueError before anything is queued."""
+        `lora_request`: the adapter every prompt runs, or one per prompt (None: the base model;
+        needs `enable_lora=True`). Bad input (an invalid prompt, params or adapter) raises
+        ValueError before anything is queued."""
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -92,12 +96,21 @@ class LLM:
                     f"Got {len(params)} SamplingParams for {len(prompts)} prompts: "
                     "pass one, or one per prompt."
                 )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(
+                    f"Got {len(loras)} lora_requests for {len(prompts)} prompts: pass one, or "
+                    "one per prompt."
+                )
         params = [_final_only(p) for p in params]  # the outputs of finished requests only
         request_ids = [str(next(self._ids)) for _ in prompts]
         added: list[str] = []
         try:
-            for request_id, prompt, p in zip(request_ids, prompts, params):
-                self.engine.add_request(request_id, prompt, p)
+            for request_id, prompt, p, lora in zip(request_ids, prompts, params, loras):
+                self.engine.add_request(request_id, prompt, p, lora_request=lora)
                 added.append(request_id)
         except Exception:
             self.engine.abort_request(added)
@@ -132,6 +145,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Renders each conversation with the chat template (the model's, or `chat_template`, a
         Jinja template's text), handing it `tools`, then generates. Bad messages or a template
@@ -146,7 +160,7 @@ class LLM:
             )
             ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(
         self,

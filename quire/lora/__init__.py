@@ -4,8 +4,9 @@ each token row's delta (ops.py on CPU, triton_ops.py on GPU). The linears that t
 quire/layers/lora_linear.py's."""
 
 from quire.lora.adapter import LoRAAdapter, LoRAAdapterError, load_adapter
-from quire.lora.config import LoRAConfig, LoRARequest
+from quire.lora.config import LoRAConfig
 from quire.lora.manager import LoRAManager
+from quire.lora_request import LoRARequest
 
 __all__ = [
     "LoRAAdapter",

@@ -1,5 +1,6 @@
-"""LoRAConfig (how many adapters a step and the process hold, and their largest rank) and
-LoRARequest (which adapter a request runs), spelled as vLLM spells them."""
+"""LoRAConfig: how many adapters a step and the process hold, and their largest rank, spelled
+as vLLM spells them (LoRARequest, which adapter a request runs, is plain data in
+quire/lora_request.py)."""
 
 from __future__ import annotations
 
@@ -28,26 +29,4 @@ class LoRAConfig:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras!r}) must be an integer of at least "
                 f"max_loras ({self.max_loras}): every adapter in a step is kept loaded."
-            )
-
-
-@dataclass(frozen=True)
-class LoRARequest:
-    """The adapter a request runs: `lora_name` (what the OpenAI `model` field names),
-    `lora_int_id` (a positive id, unique per adapter) and `lora_path` (a PEFT folder or a GGUF
-    LoRA file)."""
-
-    lora_name: str
-    lora_int_id: int
-    lora_path: str
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.lora_name, str) or not self.lora_name:
-            raise ValueError(f"lora_name must be a non-empty string, not {self.lora_name!r}.")
-        if type(self.lora_int_id) is not int or self.lora_int_id < 1:
-            raise ValueError(f"lora_int_id must be a positive integer, not {self.lora_int_id!r}.")
-        if not isinstance(self.lora_path, str) or not self.lora_path:
-            raise ValueError(
-                f"lora_path must name a PEFT adapter folder or a GGUF LoRA file, not "
-                f"{self.lora_path!r}."
             )

@@ -20,7 +20,8 @@ from torch import nn
 
 from quire.layers.lora_linear import LoRALinear
 from quire.lora.adapter import LoRAAdapter, LoRAAdapterError, load_adapter
-from quire.lora.config import LoRAConfig, LoRARequest
+from quire.lora.config import LoRAConfig
+from quire.lora_request import LoRARequest
 from quire.model.model_config import ModelConfig
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from quire.lora_request import LoRARequest
 from quire.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from quire.sampling_params import SamplingParams
 
@@ -34,6 +35,7 @@ class RequestState:
     # fork (its parent returns them), not resumed after its prompt was done.
     returns_prompt_logprobs: bool
     spec_token_ids: list[int] = field(default_factory=list)  # this step's proposals
+    lora_request: LoRARequest | None = None  # the adapter it runs
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -123,6 +125,7 @@ class InputBatch:
             index=new.index,
             num_computed_tokens=new.num_computed_tokens,
             returns_prompt_logprobs=params.prompt_logprobs is not None and not new.output_token_ids,
+            lora_request=new.lora_request,
         )
 
     def _apply(self, cached: CachedRequestData) -> None:
@@ -148,6 +151,7 @@ class InputBatch:
             index=index,
             num_computed_tokens=parent.num_computed_tokens,
             returns_prompt_logprobs=False,
+            lora_request=parent.lora_request,
         )
 
     def _remove(self, req_id: str) -> None:

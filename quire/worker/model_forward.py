@@ -28,6 +28,7 @@ from quire.attention.backend import AttentionBackend, AttentionMetadata
 from quire.attention.forward_context import forward_context
 from quire.config import ModelSettings, QuireConfig
 from quire.distributed.parallel_state import all_ranks_agree, tp_size
+from quire.lora.config import LoRAConfig
 from quire.model.loader import load_model
 from quire.model.model_config import ModelConfig
 from quire.worker import host_memory, kv_cache
@@ -66,10 +67,19 @@ class ModelForward:
         max_position: int,
         backend: AttentionBackend,
         huge_pages: bool,
+        lora: LoRAConfig | None = None,
     ) -> ModelForward:
         """Loads `settings.model`'s weights (this rank's share) for positions below
-        `max_position`; on a CPU onto huge pages if `huge_pages`."""
-        model = load_model(settings, settings.architecture, settings.dtype, max_position)
+        `max_position`; on a CPU onto huge pages if `huge_pages`; with `lora`, every linear an
+        adapter may target holds its adapter slots."""
+        model = load_model(
+            settings,
+            settings.architecture,
+            settings.dtype,
+            max_position,
+            max_loras=0 if lora is None else lora.max_loras,
+            max_lora_rank=0 if lora is None else lora.max_lora_rank,
+        )
         if settings.device == "cpu" and huge_pages:
             host_memory.move_to_huge_pages(model)
         return cls(model, settings.architecture, backend)

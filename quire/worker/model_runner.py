@@ -15,11 +15,16 @@ path that cannot, gives None, and the step goes the usual way.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 
 from quire.config import QuireConfig
 from quire.kernels import cpu as cpu_kernels
 from quire.kernels import kv_format
+from quire.layers.lora_linear import LoRAMapping, lora_context
+from quire.lora.manager import LoRAManager
+from quire.lora.ops import lora_ops
 from quire.messages import ModelRunnerOutput, SchedulerOutput, TopLogprobs
 from quire.sample.sampler import compute_topk_logprobs
 from quire.sample.step_sampler import GrammarMask, Row, StepSampler, accept, takes_argmax
@@ -46,8 +51,18 @@ class ModelRunner:
             )
         )
         self.target = ModelForward.load(
-            model, model.max_model_len, make_backend(device.attention_backend), cache.huge_pages
+            model,
+            model.max_model_len,
+            make_backend(device.attention_backend),
+            cache.huge_pages,
+            config.lora,
         )
+        self.loras = (
+            None
+            if config.lora is None
+            else LoRAManager(config.lora, model.architecture, self.target.model)
+        )
+        self.lora_ops = None if config.lora is None else lora_ops(self.device, model.dtype)
         self.proposer = proposer
         self.kv_connector = kv_connector
         target = self.target
@@ -82,7 +97,11 @@ class ModelRunner:
         kv_output = None
         if self.kv_connector is not None:  # pulled K/V lands before the batch reads it
             kv_output = self.kv_connector.before_forward(output.kv_connector_metadata)
+        if self.loras is not None:
+            self._release_adapters(output)
         step = self.input_batch.update(output)
+        if self.loras is not None:
+            self._acquire_adapters(output)
         if self.proposer is not None:
             self.proposer.drop([*output.finished_req_ids, *output.preempted_req_ids])
         if output.block_copies:
@@ -93,7 +112,8 @@ class ModelRunner:
         result = ModelRunnerOutput({})
         if step:
             inputs = self.inputs.build(step)
-            result = self._run(output, step, inputs)
+            with self._adapters(step):
+                result = self._run(output, step, inputs)
             if self.proposer is not None:
                 result.draft_token_ids = self.proposer.propose(
                     self._sampled_step(output, step, inputs, result.sampled_token_ids)
@@ -137,6 +157,41 @@ class ModelRunner:
             sample = self.sampler(logits, rows, grammar, drafts)
         result.sampled_token_ids, result.logprobs = sample.accepted, sample.logprobs
         return result
+
+    # ---- adapters (multi-LoRA) --------------------------------------------------------------
+    def _release_adapters(self, output: SchedulerOutput) -> None:
+        """The dropped requests no longer hold their adapters."""
+        requests = self.input_batch.requests
+        for req_id in (*output.finished_req_ids, *output.preempted_req_ids):
+            state = requests.get(req_id)
+            if state is not None and state.lora_request is not None:
+                self.loras.release(state.lora_request.lora_name)
+
+    def _acquire_adapters(self, output: SchedulerOutput) -> None:
+        """New requests load (unless loaded) and hold their adapters; forks hold their
+        parent's."""
+        requests = self.input_batch.requests
+        for new in output.scheduled_new_reqs:
+            if new.lora_request is not None:
+                self.loras.add(new.lora_request)
+                self.loras.acquire(new.lora_request.lora_name)
+        for fork in output.forked_reqs:
+            lora = requests[fork.req_id].lora_request
+            if lora is not None:
+                self.loras.acquire(lora.lora_name)
+
+    def _adapters(self, step: Step) -> AbstractContextManager:
+        """The step's adapter rows for every LoRALinear, where a request of the step runs one
+        (none: the base model's linears alone)."""
+        if self.loras is None or all(s.lora_request is None for s, _ in step):
+            return nullcontext()
+        names = [s.lora_request.lora_name for s, _ in step if s.lora_request is not None]
+        slot_of = self.loras.activate(names)
+        slots = [
+            -1 if s.lora_request is None else slot_of[s.lora_request.lora_name] for s, _ in step
+        ]
+        mapping = LoRAMapping.from_requests(slots, [n for _, n in step], self.device)
+        return lora_context(mapping, self.lora_ops)
 
     def _sampled_step(
         self,
