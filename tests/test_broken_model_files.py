@@ -160,3 +160,26 @@ def test_a_tensor_of_the_wrong_shape_is_named(model_copy):
         f"{model_copy}: Checkpoint tensor 'layers.0.mlp.down_proj.weight' has shape (64, 128), "
         "expected (64, 96)."
     )
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [{"tensor_parallel_size": 2}, {"engine_core_process": True}],
+    ids=["tensor-parallel ranks", "engine-core process"],
+)
+def test_a_missing_tensor_is_named_from_a_child_process(model_copy, engine_args, capsys):
+    """The ranks and the engine core load the model in processes of their own: the same one
+    line reaches the user, and `quire generate` exits 2 with it."""
+    weights = load_file(model_copy / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, model_copy / "model.safetensors", metadata={"format": "pt"})
+    expected = f"{model_copy}: Checkpoint is missing tensors: ['layers.1.mlp.down_proj.weight']"
+    with pytest.raises(ModelFileError) as error:
+        LLM(str(model_copy), **SMALL_POOL, **engine_args)
+    assert str(error.value) == expected
+    flags = [f"--{name.replace('_', '-')}" for name in engine_args]
+    if "tensor_parallel_size" in engine_args:
+        flags.append("2")
+    argv = ["generate", "hi", "--model", str(model_copy), "--kv-cache-memory", str(8 << 20)]
+    assert main(argv + flags) == 2
+    assert capsys.readouterr().err.strip() == f"error: {expected}"

@@ -231,3 +231,21 @@ def test_lora_modules_load_at_start_and_a_bad_one_fails_the_start(tiny_llama, ad
         LLM(tiny_llama, enable_lora=True, lora_modules=["just-a-path"])
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LLM(tiny_llama, enable_lora=True, lora_modules=["a=/nonexistent/adapter"])
+
+
+def test_a_bad_lora_module_fails_the_start_before_the_model_loads(
+    tiny_llama, adapters, monkeypatch
+):
+    from quire.worker import model_forward
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the adapters were checked")
+
+    monkeypatch.setattr(model_forward, "load_model", no_load)
+    with pytest.raises(ValueError, match="rank"):  # b has rank 16
+        LLM(
+            tiny_llama,
+            enable_lora=True,
+            max_lora_rank=8,
+            lora_modules=[f"b={adapters['b'].lora_path}"],
+        )

@@ -119,8 +119,8 @@ class CoreProcessClient:
 def _core_main(pipe: Connection, config: QuireConfig) -> None:
     try:
         core = EngineCore(config)
-    except BaseException:
-        pipe.send(("error", traceback.format_exc()))
+    except BaseException as error:
+        pipe.send(("error", child_process.error_message(error)))
         return
     pipe.send(("ready", core.config))
     # A reader thread takes every command as it arrives, so the front end never waits on a

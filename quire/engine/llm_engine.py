@@ -140,6 +140,14 @@ class LLMEngine:
             model_config.eos_token_ids,
             config.grammar_cache_bytes,
         )
+        # Multi-LoRA: the adapters requests may name (checked before the model loads), each
+        # with the number of its load (a reload under the same name is another adapter to the
+        # workers and the prefix cache).
+        self.lora_config = config.lora_config()
+        self.loras: dict[str, tuple[LoRARequest, int]] = {}
+        self._lora_loads = itertools.count(1)
+        for lora_request in config.lora_requests():
+            self.add_lora(lora_request)
         if config.engine_core_process:
             self.core = CoreProcessClient(quire_config)
         else:
@@ -151,13 +159,6 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
         self.groups: dict[str, RequestGroup] = {}
-        # Multi-LoRA: the adapters requests may name, each with the number of its load (a
-        # reload under the same name is another adapter to the workers and the prefix cache).
-        self.lora_config = config.lora_config()
-        self.loras: dict[str, tuple[LoRARequest, int]] = {}
-        self._lora_loads = itertools.count(1)
-        for lora_request in config.lora_requests():
-            self.add_lora(lora_request)
 
     # ---- adapters (multi-LoRA) ---------------------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> None:

@@ -161,8 +161,8 @@ def _worker_main(pipe: Connection, config: QuireConfig, placement: RankPlacement
             proposer=make_proposer(config),
             kv_connector=make_kv_connector(config),
         )
-    except BaseException:
-        pipe.send(("error", traceback.format_exc()))
+    except BaseException as error:
+        pipe.send(("error", child_process.error_message(error)))
         return
     pipe.send(("ready", worker.num_kv_blocks))
     while True:
