@@ -249,3 +249,23 @@ def test_a_bad_lora_module_fails_the_start_before_the_model_loads(
             max_lora_rank=8,
             lora_modules=[f"b={adapters['b'].lora_path}"],
         )
+
+
+def test_tensor_parallel_2_with_adapters_gives_the_tokens_of_one_rank(
+    f32_llm, tiny_llama, adapters
+):
+    """Each rank holds its shard of A (row-parallel) or B (column-parallel), loaded by the rank
+    itself from the request's adapter."""
+    loras = [adapters["a"], None, adapters["b"]]
+    tp2 = LLM(
+        tiny_llama,
+        dtype="float32",
+        num_kv_blocks=64,
+        enable_lora=True,
+        tensor_parallel_size=2,
+    )
+    try:
+        assert tokens(tp2, PROMPTS, loras) == tokens(f32_llm, PROMPTS, loras)
+        assert_idle(tp2)
+    finally:
+        tp2.engine.shutdown()
