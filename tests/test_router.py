@@ -275,6 +275,18 @@ def test_cache_aware_follows_the_longest_prefix_unless_load_is_imbalanced():
     assert policy.choose([a, b], system + "third").url == "b"
 
 
+def test_cache_aware_keeps_the_same_prompt_under_two_adapters_apart():
+    """A LoRA adapter (the `model` field) computes other K/V for the same prompt: the prefix
+    tree keys on it, so a request follows the instance that ran its adapter's prefix."""
+    a, b = loaded("a", 0), loaded("b", 0)
+    policy = CacheAware(cache_threshold=0.5, balance_abs_threshold=4, balance_rel_threshold=1.5)
+    system = "You are a helpful assistant. " * 4
+    assert policy.choose([a, b], system + "first", {"model": "sql"}).url == "a"
+    assert policy.choose([a, b], system + "first", {"model": "chat"}).url == "b"  # no hit on a
+    assert policy.choose([a, b], system + "second", {"model": "sql"}).url == "a"
+    assert policy.choose([a, b], system + "second", {"model": "chat"}).url == "b"
+
+
 @pytest.mark.parametrize(
     ("load_a", "load_b", "routed_to"),
     [

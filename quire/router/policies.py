@@ -143,14 +143,23 @@ class CacheAware(Policy):
         if imbalanced:
             chosen = min(instances, key=lambda instance: instance.load)
         else:
-            matches = [instance.tree.match(text) for instance in instances]
+            key = cache_key(text, body)
+            matches = [instance.tree.match(key) for instance in instances]
             best = max(range(len(instances)), key=matches.__getitem__)
-            if text and matches[best] / len(text) > self.cache_threshold:
+            if text and matches[best] / len(key) > self.cache_threshold:
                 chosen = instances[best]
             else:
                 chosen = min(instances, key=lambda instance: instance.tree.size)
-        chosen.tree.insert(text)
+        chosen.tree.insert(cache_key(text, body))
         return chosen
+
+
+def cache_key(text: str, body: dict | None) -> str:
+    """What an instance's prefix cache holds a request's prompt under: its `model` (a LoRA
+    adapter's name, or the base model's) and its text. The same prompt under two adapters has
+    different K/V, so it shares no cached prefix."""
+    model = (body or {}).get("model")
+    return text if not isinstance(model, str) else f"{model}\0{text}"
 
 
 def make_policy(name: str) -> Policy:
