@@ -210,11 +210,16 @@ class EngineConfig(EngineArgs):
             )
         if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
             self.distributed_executor_backend = "mp"  # a process per rank
-        if self.engine_core_process and self.distributed_executor_backend != "uni":
+        if self.engine_core_process and self.distributed_executor_backend == "mp":
             raise ValueError(
-                f"engine_core_process cannot start workers ({self.distributed_executor_backend}, "
-                "or tensor_parallel_size > 1) yet: its process is a daemon, which may have no "
+                "engine_core_process cannot start worker processes (mp, or "
+                "tensor_parallel_size > 1) yet: its process is a daemon, which may have no "
                 "children. Run the engine core in the front end's process."
+            )
+        if self.engine_core_process and self.distributed_executor_backend == "ray":
+            raise ValueError(
+                "engine_core_process does not drive Ray actors (distributed_executor_backend "
+                "ray) yet: run the engine core in the front end's process."
             )
         self._check_ray_arguments()
         if self.tensor_parallel_port is not None and not 0 < self.tensor_parallel_port < 65536:

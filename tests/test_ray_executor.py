@@ -24,7 +24,8 @@ SMALL_OBJECT_STORE = 100 * 2**20
 
 @pytest.fixture(scope="module")
 def nodes():
-    """The ids of two Ray nodes on this machine, one CPU each, with this process connected.
+    """The ids of two Ray nodes on this machine (the head with two CPUs, the other with one),
+    with this process connected.
 
     Ray's memory monitor is off: it kills a node's workers when the whole host is short of
     memory, and on a shared CI host that is other processes' doing, not these small actors'."""
@@ -33,7 +34,7 @@ def nodes():
         cluster = Cluster(
             initialize_head=True,
             head_node_args=dict(
-                num_cpus=1, object_store_memory=SMALL_OBJECT_STORE, include_dashboard=False
+                num_cpus=2, object_store_memory=SMALL_OBJECT_STORE, include_dashboard=False
             ),
         )
         worker = cluster.add_node(num_cpus=1, object_store_memory=SMALL_OBJECT_STORE)
@@ -45,7 +46,7 @@ def nodes():
 
 @pytest.fixture(scope="module")
 def spread_llm(nodes, tiny_llama):
-    """Two ranks, one on each node (STRICT_SPREAD)."""
+    """Two ranks, one on each node (STRICT_SPREAD): no shared memory between them."""
     llm = make_llm(
         tiny_llama,
         dtype="float32",
@@ -61,6 +62,22 @@ def the_placement_group() -> dict:
     """The one placement group of the cluster that holds resources (Ray's table)."""
     (group,) = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
     return group
+
+
+def test_ranks_packed_on_one_node_run_the_c_step_over_shared_memory(nodes, tiny_llama):
+    """STRICT_PACK, the default: both ranks on the one node with room for them, where the
+    decode step's all-reduces go through shared memory, inside the C step."""
+    llm = make_llm(
+        tiny_llama, dtype="bfloat16", tensor_parallel_size=2, distributed_executor_backend="ray"
+    )
+    try:
+        assert list(the_placement_group()["bundles_to_node_id"].values()) == [nodes[0]] * 2
+        assert [s.c_decode_step for s in llm.engine.worker_states()] == [True, True]
+        outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=4), use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4, 4]
+        assert_idle(llm)
+    finally:
+        llm.engine.shutdown()
 
 
 def test_ranks_on_two_nodes_give_one_ranks_greedy_tokens(nodes, spread_llm, tiny_llama):
@@ -114,3 +131,8 @@ def test_ray_arguments_without_the_ray_backend_are_refused(name, value):
         match=f"{name} places the ranks of distributed_executor_backend 'ray'; with 'mp' leave",
     ):
         EngineConfig(tensor_parallel_size=2, **{name: value})
+
+
+def test_an_engine_core_process_with_ray_ranks_is_refused_at_start():
+    with pytest.raises(ValueError, match="engine_core_process does not drive Ray actors"):
+        EngineConfig(distributed_executor_backend="ray", engine_core_process=True)
