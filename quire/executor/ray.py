@@ -120,24 +120,20 @@ class RayExecutor(Executor):
                 ).remote()
                 for rank in range(world_size)
             ]
-            nodes = self._call_all("node")
-            port = parallel.tensor_parallel_port or self._call(0, "free_port")
+            nodes = self._call_all("node")  # (node id, address) per rank
             node_ids = [node_id for node_id, _ in nodes]
-            host = nodes[0][1]
-            same_host = len(set(node_ids)) == 1
-            self.num_kv_blocks = min(
-                self._gather(
-                    [
-                        actor.start.remote(
-                            config,
-                            RankPlacement(rank, world_size, port, None, host, same_host),
-                            node_ids[:rank].count(node_ids[rank]),
-                            cpus,
-                        )
-                        for rank, actor in enumerate(self._actors)
-                    ]
-                )
+            host = nodes[0][1]  # the ranks meet at rank 0's node
+            port = (
+                parallel.tensor_parallel_port
+                or self._gather([self._actors[0].free_port.remote()])[0]
             )
+            same_host = len(set(node_ids)) == 1  # by node id, not address: shared memory
+            starts = []
+            for rank, actor in enumerate(self._actors):
+                placement = RankPlacement(rank, world_size, port, None, host, same_host)
+                local_index = node_ids[:rank].count(node_ids[rank])  # among its node's ranks
+                starts.append(actor.start.remote(config, placement, local_index, cpus))
+            self.num_kv_blocks = min(self._gather(starts))
         except BaseException:
             self.shutdown()
             raise
@@ -155,9 +151,6 @@ class RayExecutor(Executor):
 
     def worker_states(self) -> list[WorkerState]:
         return self._call_all("state")
-
-    def _call(self, rank: int, method: str) -> Any:
-        return self._gather([getattr(self._actors[rank], method).remote()])[0]
 
     def _call_all(self, method: str, *args: Any) -> list:
         """Calls `method` on every rank; their answers, in rank order."""
