@@ -20,7 +20,13 @@ from typing import Any
 
 import torch
 
-from quire.engine_args import ATTENTION_BACKENDS, DEVICES, QUANTIZATIONS, EngineArgs
+from quire.engine_args import (
+    ATTENTION_BACKENDS,
+    DEVICES,
+    QUANTIZATIONS,
+    RAY_PLACEMENT_STRATEGIES,
+    EngineArgs,
+)
 from quire.kernels import kv_format
 from quire.layers.linear import onednn_runs_bf16
 from quire.lora.config import LoRAConfig
@@ -198,10 +204,11 @@ class EngineConfig(EngineArgs):
                 "(attention_backend torch); the Triton (GPU) kernels read auto or bfloat16 "
                 "caches. Use kv_cache_dtype auto or bfloat16 on a GPU."
             )
-        if self.distributed_executor_backend not in ("uni", "mp"):
+        if self.distributed_executor_backend not in ("uni", "mp", "ray"):
             raise ValueError(
-                "distributed_executor_backend must be 'uni' (in process) or 'mp' (a worker "
-                f"process per rank); got {self.distributed_executor_backend!r}."
+                "distributed_executor_backend must be 'uni' (in process), 'mp' (a worker "
+                "process per rank) or 'ray' (a Ray actor per rank); got "
+                f"{self.distributed_executor_backend!r}."
             )
         if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
             self.distributed_executor_backend = "mp"  # a process per rank
@@ -211,6 +218,12 @@ class EngineConfig(EngineArgs):
                 "tensor_parallel_size > 1) yet: its process is a daemon, which may have no "
                 "children. Run the engine core in the front end's process."
             )
+        if self.engine_core_process and self.distributed_executor_backend == "ray":
+            raise ValueError(
+                "engine_core_process does not drive Ray actors (distributed_executor_backend "
+                "ray) yet: run the engine core in the front end's process."
+            )
+        self._check_ray_arguments()
         if self.tensor_parallel_port is not None and not 0 < self.tensor_parallel_port < 65536:
             raise ValueError(
                 f"tensor_parallel_port must be in 1..65535, got {self.tensor_parallel_port}."
@@ -253,6 +266,29 @@ class EngineConfig(EngineArgs):
             shape.check_tensor_parallel_size(self.tensor_parallel_size)
             if self.max_model_len is not None:
                 shape.check_max_model_len(self.max_model_len)
+
+    def _check_ray_arguments(self) -> None:
+        if self.ray_placement_strategy not in RAY_PLACEMENT_STRATEGIES:
+            raise ValueError(
+                "ray_placement_strategy must be one of "
+                f"{', '.join(RAY_PLACEMENT_STRATEGIES)}; got {self.ray_placement_strategy!r}."
+            )
+        if self.distributed_executor_backend != "ray":
+            for name in ("ray_address", "ray_placement_strategy"):
+                if getattr(self, name) != getattr(EngineArgs, name):
+                    raise ValueError(
+                        f"{name} places the ranks of distributed_executor_backend 'ray'; with "
+                        f"{self.distributed_executor_backend!r} leave it out, or use 'ray'."
+                    )
+            return
+        address = self.ray_address
+        if address is not None and address != "auto":
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(
+                    f"ray_address must be HOST:PORT (the head node's, as `ray start --head` "
+                    f"prints it) or auto; got {address!r}."
+                )
 
     def _resolve_kv_transfer(self) -> None:
         """vLLM's kv_transfer_config as quire's flags; the KV endpoint's port chosen free."""
@@ -453,7 +489,9 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int
     tensor_parallel_port: int | None
-    distributed_executor_backend: str  # "uni" | "mp"
+    distributed_executor_backend: str  # "uni" | "mp" | "ray"
+    ray_address: str | None  # ray: the cluster to join (None: start one here)
+    ray_placement_strategy: str  # ray: the placement group's strategy
     engine_core_process: bool
 
 
@@ -559,6 +597,8 @@ def resolve_config(config: EngineConfig) -> QuireConfig:
             tensor_parallel_size=config.tensor_parallel_size,
             tensor_parallel_port=config.tensor_parallel_port,
             distributed_executor_backend=config.distributed_executor_backend,
+            ray_address=config.ray_address,
+            ray_placement_strategy=config.ray_placement_strategy,
             engine_core_process=config.engine_core_process,
         ),
         device=DeviceConfig(

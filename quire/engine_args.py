@@ -30,6 +30,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("auto", "none", "int8")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+RAY_PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")  # Ray's names
 
 
 def _knob(
@@ -122,8 +123,22 @@ class EngineArgs:
     seed: int = _knob(0, help="seed of torch's generator, for sampling without a per-request seed")
     distributed_executor_backend: str = _knob(
         "uni",
-        choices=("uni", "mp"),
-        help="where the workers run: uni, in the engine core's process; mp, a process per rank",
+        choices=("uni", "mp", "ray"),
+        help="where the workers run: uni, in the engine core's process; mp, a process per rank "
+        "on this host; ray, a Ray actor per rank on any node of a Ray cluster (--ray-address)",
+    )
+    ray_address: str | None = _knob(
+        metavar="ADDRESS",
+        help="the Ray cluster to join (HOST:PORT of its head, or auto: the one this node "
+        "belongs to), for --distributed-executor-backend ray and quire cluster; default: start "
+        "a one-node cluster here",
+    )
+    ray_placement_strategy: str = _knob(
+        "STRICT_PACK",
+        choices=RAY_PLACEMENT_STRATEGIES,
+        help="how Ray places the ranks (--distributed-executor-backend ray): STRICT_PACK, all "
+        "on one node (a tensor-parallel step all-reduces twice a layer); PACK, SPREAD or "
+        "STRICT_SPREAD let them span nodes, each all-reduce then crossing the network",
     )
     tensor_parallel_size: int = _knob(
         1,
@@ -132,7 +147,8 @@ class EngineArgs:
         "the cores); the model's head counts must divide by it",
     )
     tensor_parallel_port: int | None = _knob(
-        help="TCP port on 127.0.0.1 where the tensor-parallel ranks meet (default: a free one)"
+        help="TCP port where the tensor-parallel ranks meet, on rank 0's host (127.0.0.1 with "
+        "mp; default: a free one)"
     )
     engine_core_process: bool = _knob(
         False,

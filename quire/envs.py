@@ -10,6 +10,9 @@ Not read here, but set by quire: GOMP_SPINCOUNT. `quire/__init__.py` sets it (un
 set) to 100000 before torch is imported, because libgomp reads it once when torch loads: with no
 spin count, libgomp throttles its spin-wait on small machines and its threads sleep between the
 hundreds of short parallel regions of a CPU decode step, each region then paying a futex wake-up.
+A Ray rank whose group spans nodes sets GLOO_SOCKET_IFNAME (unless set) to the interface of its
+node's Ray address (executor/ray.py): gloo otherwise binds what the host name resolves to, often
+a loopback address the other nodes cannot reach.
 """
 
 from __future__ import annotations

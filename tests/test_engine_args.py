@@ -38,6 +38,8 @@ EXPECTED_FLAGS = {
     "--no-enforce-eager": "enforce_eager",
     "--seed": "seed",
     "--distributed-executor-backend": "distributed_executor_backend",
+    "--ray-address": "ray_address",
+    "--ray-placement-strategy": "ray_placement_strategy",
     "--tensor-parallel-size": "tensor_parallel_size",
     "-tp": "tensor_parallel_size",
     "--tensor-parallel-port": "tensor_parallel_port",

@@ -89,7 +89,8 @@ def test_an_unknown_name_is_an_attribute_error() -> None:
 
 
 def test_no_other_module_reads_the_environment() -> None:
-    """Only envs.py reads variables; quire/__init__.py sets GOMP_SPINCOUNT (see envs.py)."""
+    """Only envs.py reads variables; quire/__init__.py sets GOMP_SPINCOUNT, and a Ray rank
+    GLOO_SOCKET_IFNAME (see envs.py)."""
     readers = re.compile(r"os\.environ|os\.getenv|getenv\(")
     found = [
         f"{path.relative_to(QUIRE_DIR)}: {line.strip()}"
@@ -98,4 +99,7 @@ def test_no_other_module_reads_the_environment() -> None:
         for line in path.read_text().splitlines()
         if readers.search(line)
     ]
-    assert found == ['__init__.py: os.environ.setdefault("GOMP_SPINCOUNT", "100000")']
+    assert found == [
+        '__init__.py: os.environ.setdefault("GOMP_SPINCOUNT", "100000")',
+        'executor/ray.py: os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)',
+    ]

@@ -22,13 +22,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RankPlacement:
-    """Where a worker runs: its rank of `world_size`, the rendezvous port, and the cores it is
-    pinned to (None: not pinned, one thread)."""
+    """Where a worker runs: its rank of `world_size`, the rendezvous address (rank 0's host and
+    a port there), the cores it is pinned to (None: not pinned, one thread), and whether every
+    rank runs on this host (so they may share memory)."""
 
     rank: int = 0
     world_size: int = 1
     port: int = 0
     cores: list[int] | None = None
+    host: str = "127.0.0.1"
+    same_host: bool = True
 
 
 @dataclass
@@ -55,13 +58,15 @@ def init_tensor_parallel(
     port: int,
     device: str,
     shm_bytes: int,
+    host: str = "127.0.0.1",
 ) -> None:
-    """Joins the group of `world_size` ranks rendezvousing at 127.0.0.1:`port` (gloo on CPU,
-    NCCL on a GPU). On CPU, all-reduces of up to `shm_bytes` go through shared memory."""
+    """Joins the group of `world_size` ranks rendezvousing at `host`:`port` (gloo on CPU, NCCL
+    on a GPU). On CPU, all-reduces of up to `shm_bytes` go through shared memory (0: none, for
+    ranks on different hosts)."""
     global _group
     backend = "nccl" if device == "cuda" else "gloo"
     dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size
     )
     shm = None
     if device == "cpu" and shm_bytes > 0:

@@ -4,6 +4,7 @@ the engine's flags from EngineArgs (engine_args.py); its own options are declare
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import socket
@@ -349,13 +350,6 @@ def _add_cluster(subparsers: argparse._SubParsersAction) -> None:
         "model_tag", nargs="?", default=None, metavar="MODEL", help="the model, as --model"
     )
     placement = p.add_argument_group("cluster arguments")
-    placement.add_argument(
-        "--ray-address",
-        default=None,
-        metavar="ADDRESS",
-        help="the Ray cluster to join (HOST:6379, or auto: the one this node belongs to); "
-        "default: start a one-node cluster here",
-    )
     for role in ("prefill", "decode", "collocated"):
         placement.add_argument(
             f"--num-{role}", type=int, default=0, metavar="N", help=f"{role} instances"
@@ -386,11 +380,13 @@ def _run_cluster(args: argparse.Namespace) -> int:
         logging.getLogger("quire").setLevel(logging.INFO)
     counts = {"prefill": args.num_prefill, "decode": args.num_decode}
     counts["collocated"] = args.num_collocated
-    check_arguments(EngineArgs.from_cli_args(args), counts)  # before Ray starts
+    # --ray-address (an engine argument) is the cluster's; the instances inside it join none
+    engine_args = dataclasses.replace(EngineArgs.from_cli_args(args), ray_address=None)
+    check_arguments(engine_args, counts)  # before Ray starts
     connect(args.ray_address, counts)
     try:
         cluster = QuireCluster(
-            EngineArgs.from_cli_args(args),
+            engine_args,
             counts,
             policy=args.policy,
             host=args.host,

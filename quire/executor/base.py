@@ -2,7 +2,8 @@
 
 `uni` keeps the one worker in the engine's process (no copies, no IPC: the default on one
 device). `mp` runs each rank's worker in a process of its own and sends it the step as a
-message; rank 0's output is returned (executor/multiproc.py).
+message; rank 0's output is returned (executor/multiproc.py). `ray` does the same with each rank
+a Ray actor, on any node of a Ray cluster (executor/ray.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ from quire.messages import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from quire.worker.worker import WorkerState
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker (process or Ray actor) ended while the engine needed it."""
 
 
 class Executor(ABC):

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from quire.config import QuireConfig
 from quire.distributed.parallel_state import RankPlacement
 from quire.executor import child_process
-from quire.executor.base import Executor
+from quire.executor.base import Executor, WorkerDiedError
 from quire.messages import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -36,10 +36,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _SHUTDOWN_TIMEOUT_S = 10.0
-
-
-class WorkerDiedError(RuntimeError):
-    """A worker process ended while the engine needed it."""
 
 
 class MultiprocExecutor(Executor):

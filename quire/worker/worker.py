@@ -57,7 +57,8 @@ class Worker:
                 placement.world_size,
                 placement.port,
                 config.device.device,
-                shm_bytes=rows * hidden_size * max(dtype.itemsize, 4),
+                shm_bytes=rows * hidden_size * max(dtype.itemsize, 4) if placement.same_host else 0,
+                host=placement.host,
             )
         torch.manual_seed(config.model.seed)  # the unseeded sampling noise: the same on every rank
         self.runner = ModelRunner(config, proposer, kv_connector)

@@ -1,0 +1,275 @@
+"""RayExecutor: each tensor-parallel rank a Ray actor running quire's Worker, placed by a Ray
+placement group on any node of a Ray cluster; each step sent to every rank, rank 0's output
+returned.
+
+The executor joins the cluster at `ray_address` (or starts a one-node cluster here), reserves a
+bundle of CPUs per rank (`ray_placement_strategy`: STRICT_PACK keeps a tensor-parallel group on
+one node) and starts an actor in each. The actors report their node; rank 0's picks a free port,
+and the ranks form their gloo group (NCCL on a GPU) at rank 0's node address. Ranks that all
+share one node all-reduce through shared memory, as `mp`'s do; otherwise every collective goes
+over gloo, bound to the interface of each node's Ray address. Each rank is pinned to its share
+of its node's cores (those of the ranks of this executor on that node).
+
+A rank whose actor dies (killed, crashed, its node lost) fails the step that waits on it with
+`WorkerDiedError` naming the rank, as soon as Ray reports it, whichever rank the engine waits on;
+a rank whose step raised sends its traceback. Either way the other ranks may be stuck in a
+collective, so every actor is killed and the executor runs no more steps.
+
+This module imports Ray; it is imported only when the backend is `ray` (make_executor).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import TYPE_CHECKING, Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from quire.config import QuireConfig
+from quire.distributed.parallel_state import RankPlacement
+from quire.executor.base import Executor, WorkerDiedError
+from quire.messages import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from quire.worker.worker import WorkerState
+
+logger = logging.getLogger(__name__)
+
+PLACEMENT_TIMEOUT_S = 60.0  # for Ray to reserve every rank's CPUs
+CONNECT_TIMEOUT_S = 5.0  # for the head at ray_address to accept a TCP connection
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+
+
+class RankActor:
+    """One rank inside its Ray actor: where it runs, then its Worker and the calls the
+    executor makes on it."""
+
+    def __init__(self) -> None:
+        self.worker: Any = None
+
+    def node(self) -> tuple[str, str]:
+        """(Ray node id, the node's address as the cluster knows it)."""
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        """A TCP port nothing listens on now at this node's address (the OS picks it)."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((ray.util.get_node_ip_address(), 0))
+            return sock.getsockname()[1]
+
+    def start(
+        self, config: QuireConfig, placement: RankPlacement, local_index: int, cpus: int
+    ) -> int:
+        """Builds the rank's Worker (joining the group), pinned to the `local_index`-th share
+        of `cpus` of this node's cores; its KV pool in blocks."""
+        from quire.executor.plugins import make_kv_connector, make_proposer
+        from quire.worker.worker import Worker
+
+        if not placement.same_host:
+            interface = interface_of(ray.util.get_node_ip_address())
+            if interface is not None:  # else gloo binds what the host name resolves to
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+        cores = sorted(os.sched_getaffinity(0))[local_index * cpus : (local_index + 1) * cpus]
+        placement = RankPlacement(
+            placement.rank,
+            placement.world_size,
+            placement.port,
+            cores if len(cores) == cpus else None,
+            placement.host,
+            placement.same_host,
+        )
+        self.worker = Worker(
+            config,
+            placement,
+            proposer=make_proposer(config),
+            kv_connector=make_kv_connector(config),
+        )
+        return self.worker.num_kv_blocks
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)
+
+    def state(self) -> WorkerState:
+        return self.worker.state()
+
+
+class RayExecutor(Executor):
+    def __init__(self, config: QuireConfig):
+        parallel = config.parallel
+        world_size = parallel.tensor_parallel_size
+        self._started_ray = connect(parallel.ray_address)
+        self._actors: list[Any] = []
+        self._group: Any = None
+        try:
+            cpus = cpus_per_rank(world_size)
+            self._group = place(world_size, cpus, parallel.ray_placement_strategy)
+            actor_class = ray.remote(RankActor)
+            group_id = self._group.id.hex()
+            self._actors = [
+                actor_class.options(
+                    name=f"quire-rank-{rank}-{group_id}",  # `ray list actors` names each rank
+                    num_cpus=cpus,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        self._group, placement_group_bundle_index=rank
+                    ),
+                ).remote()
+                for rank in range(world_size)
+            ]
+            nodes = self._call_all("node")  # (node id, address) per rank
+            node_ids = [node_id for node_id, _ in nodes]
+            host = nodes[0][1]  # the ranks meet at rank 0's node
+            port = (
+                parallel.tensor_parallel_port
+                or self._gather([self._actors[0].free_port.remote()])[0]
+            )
+            same_host = len(set(node_ids)) == 1  # by node id, not address: shared memory
+            starts = []
+            for rank, actor in enumerate(self._actors):
+                placement = RankPlacement(rank, world_size, port, None, host, same_host)
+                local_index = node_ids[:rank].count(node_ids[rank])  # among its node's ranks
+                starts.append(actor.start.remote(config, placement, local_index, cpus))
+            self.num_kv_blocks = min(self._gather(starts))
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info(
+            "Started %d Ray actor(s) of %d CPU(s) on %d node(s), rendezvous %s:%d",
+            world_size,
+            cpus,
+            len(set(node_ids)),
+            host,
+            port,
+        )
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._call_all("execute", scheduler_output)[0]
+
+    def worker_states(self) -> list[WorkerState]:
+        return self._call_all("state")
+
+    def _call_all(self, method: str, *args: Any) -> list:
+        """Calls `method` on every rank; their answers, in rank order."""
+        if not self._actors:
+            raise WorkerDiedError("The workers have ended; this engine can run no more steps.")
+        return self._gather([getattr(actor, method).remote(*args) for actor in self._actors])
+
+    def _gather(self, refs: list) -> list:
+        """The results of one call per rank (`refs` in rank order), taken as they come, so a
+        rank that died raises WorkerDiedError while the others wait on it in a collective; any
+        failure ends every rank."""
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        results: list[Any] = [None] * len(refs)
+        pending = list(refs)
+        try:
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1)
+                for ref in done:
+                    results[rank_of[ref]] = _result(ref, rank_of[ref])
+        except BaseException:
+            self._end_workers()  # the other ranks may wait in a collective forever
+            raise
+        return results
+
+    def _end_workers(self) -> None:
+        for actor in self._actors:
+            ray.kill(actor, no_restart=True)
+        self._actors = []
+        if self._group is not None:
+            remove_placement_group(self._group)
+            self._group = None
+
+    def shutdown(self) -> None:
+        """Kills the actors (nothing in them needs an orderly end) and frees their CPUs; ends
+        Ray if this executor started or joined it."""
+        self._end_workers()
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+
+def _result(ref: Any, rank: int) -> Any:
+    try:
+        return ray.get(ref)
+    except RayActorError as error:
+        raise WorkerDiedError(
+            f"The worker rank {rank} actor died: {str(error).splitlines()[0]}"
+        ) from error
+    except RayTaskError as error:
+        raise RuntimeError(f"The worker rank {rank} failed:\n{error}") from error
+
+
+def connect(address: str | None) -> bool:
+    """Joins the Ray cluster at `address` ("auto": the one this node belongs to), or starts a
+    one-node cluster here; whether this call did (False: this process was connected already).
+    A HOST:PORT where nothing answers is a ValueError at once, not Ray's minute of retries."""
+    if address is not None and address != "auto":
+        host, _, port = address.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+        except OSError as error:
+            raise ValueError(_unreachable(address, error)) from error
+    if ray.is_initialized():
+        return False
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    except ConnectionError as error:
+        raise ValueError(_unreachable(address, error)) from error
+    return True
+
+
+def _unreachable(address: str | None, error: Exception) -> str:
+    return (
+        f"No Ray cluster answers at ray_address {address!r} ({error}): start one with "
+        "`ray start --head --port 6379` and give HEAD_IP:6379, or leave ray_address out to "
+        "start a one-node cluster here."
+    )
+
+
+def cpus_per_rank(world_size: int) -> int:
+    """The CPUs each rank reserves: an equal share of the largest node's, at least one."""
+    largest = max(
+        (node["Resources"].get("CPU", 0) for node in ray.nodes() if node["Alive"]), default=0
+    )
+    return max(1, int(largest) // world_size)
+
+
+def place(world_size: int, cpus: int, strategy: str) -> Any:
+    """A placement group of one bundle of `cpus` CPUs per rank, once Ray has reserved them."""
+    group = placement_group([{"CPU": cpus}] * world_size, strategy=strategy)
+    try:
+        ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+    except GetTimeoutError:
+        remove_placement_group(group)
+        raise ValueError(
+            f"Ray could not place {world_size} ranks of {cpus} CPU(s) each ({strategy}) within "
+            f"{PLACEMENT_TIMEOUT_S:g} s; the cluster has {ray.available_resources()} free. Add "
+            "nodes, lower tensor_parallel_size, or (STRICT_PACK needs one node with every "
+            "rank's CPUs) choose another ray_placement_strategy."
+        ) from None
+    return group
+
+
+def interface_of(ip: str) -> str | None:
+    """The name of this host's network interface with IPv4 address `ip`, or None (none has
+    it, or no Linux ioctl to ask)."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                address = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, request)[20:24]
+            except OSError:
+                continue  # no IPv4 address
+            if socket.inet_ntoa(address) == ip:
+                return name
+    return None
