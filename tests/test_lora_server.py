@@ -26,6 +26,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing`:Futu
 MODEL = "tiny"
 PROMPT = [5, 17, 300, 42, 7, 99, 3]
 MAX_TOKENS = 8
+LONG = 500  # tokens: a stream that outlasts a few HTTP round trips
 MAX_LORA_RANK = 8
 
 
@@ -164,31 +165,32 @@ def test_an_adapter_loaded_at_run_time_serves_until_unloaded(server, reference, 
     assert [c["id"] for c in httpx.get(server.url + "/v1/models").json()["data"]] == [MODEL, "a"]
 
 
+def running_adapters(server: ServerThread) -> tuple[str, str, str]:
+    """quire:lora_requests_info's labels: running and waiting adapters, max_lora."""
+    (info,) = samples(server, "quire:lora_requests_info")
+    labels = info.labels
+    return labels["running_lora_adapters"], labels["waiting_lora_adapters"], labels["max_lora"]
+
+
 def test_unloading_an_adapter_lets_its_running_request_finish(lora_server, reference, adapters):
     server, engine = lora_server
     assert load(server, "c", adapters["c"]).status_code == 200
-    body = {"model": "c", "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    body = {"model": "c", "prompt": PROMPT, "max_tokens": LONG, "temperature": 0}
     body |= {"ignore_eos": True, "stream": True}
     parts = []
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as stream:
-        lines = stream.iter_lines()
-        for line in lines:
-            if line.startswith("data: {"):
-                parts.append(json.loads(line[6:])["choices"][0]["text"])
-                break
-        (info,) = samples(server, "quire:lora_requests_info")
-        assert (info.labels["running_lora_adapters"], info.labels["max_lora"]) == ("c", "4")
+        lines = (json.loads(line[6:]) for line in stream.iter_lines() if line[6:7] == "{")
+        parts.append(next(lines)["choices"][0]["text"])
+        assert running_adapters(server) == ("c", "", "4")
         assert unload(server, "c").status_code == 200
-        for line in lines:
-            if line.startswith("data: {"):
-                event = json.loads(line[6:])
-                assert "error" not in event, event
-                parts.append(event["choices"][0]["text"])
-    assert "".join(parts) == reference("c", 24)
+        assert running_adapters(server) == ("c", "", "4")  # unloaded while it runs
+        for event in lines:
+            assert "error" not in event, event
+            parts.append(event["choices"][0]["text"])
+    assert "".join(parts) == reference("c", LONG)
     assert error(complete(server, "c")) == (404, "model", "model_not_found")
     assert_idle(engine)
-    (info,) = samples(server, "quire:lora_requests_info")
-    assert (info.labels["running_lora_adapters"], info.labels["waiting_lora_adapters"]) == ("", "")
+    assert running_adapters(server) == ("", "", "4")
 
 
 def test_loading_a_name_taken_or_the_base_models_is_400(server, adapters):
@@ -304,3 +306,31 @@ def test_bench_throughput_runs_a_lora_mix_beside_the_base_model(tiny_llama, adap
     assert report["ratio_lora_mix_over_base"] == pytest.approx(
         mix["output_tokens_per_s"] / base["output_tokens_per_s"]
     )
+
+
+def test_bench_latency_times_the_decodes_with_a_lora_mix(tiny_llama, adapters, tmp_path):
+    out = tmp_path / "latency.json"
+    argv = ["bench", "latency", "--model", tiny_llama, "--prompt-len", "16", "--batch-size", "2"]
+    argv += ["--decode-steps", "2", "--num-iters", "1", "--no-perplexity", "--output-json"]
+    argv += [str(out), "--kv-cache-memory", str(8 << 20), "--enable-lora"]
+    argv += ["--lora-modules", f"a={adapters['a']}", "--lora-mix", "a,base"]
+    assert main(argv) == 0
+    with open(out) as f:
+        report = json.load(f)
+    assert report["lora_mix"] == ["a", "base"]
+    assert [d["batch_size"] for d in report["lora_decode"]] == [1, 2]
+    assert all(d["steps"] == 2 and d["step_seconds"] > 0 for d in report["lora_decode"])
+
+
+def test_bench_serve_sends_the_model_names_round_robin(server, tokenizer_dir, tmp_path):
+    before = lora_requests(server, "a")
+    out = tmp_path / "serve.json"
+    argv = ["bench", "serve", "--base-url", server.url, "--tokenizer", tokenizer_dir]
+    argv += ["--num-prompts", "4", "--input-len", "5", "10", "--output-len", "3", "6"]
+    argv += ["--models", "a,base", "--output-json", str(out)]
+    assert main(argv) == 0
+    with open(out) as f:
+        report = json.load(f)
+    assert report["models"] == ["a", MODEL]
+    assert (report["runs"][0]["completed"], report["runs"][0]["failed"]) == (4, 0)
+    assert lora_requests(server, "a") == before + 3  # the probe's one, then requests 0 and 2
