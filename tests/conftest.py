@@ -1,6 +1,6 @@
 """Shared fixtures and helpers: the default GGUF model's tokenizer, tiny random Hugging Face
-checkpoints, engines over them (`make_llm`), LoRA adapters on them (`make_adapter`), greedy parameters
-(`greedy`) and the idle invariant (`assert_idle`)."""
+checkpoints, engines over them (`make_llm`), LoRA adapters on them (`make_adapter`), greedy
+parameters (`greedy`) and the idle invariant (`assert_idle`)."""
 
 from __future__ import annotations
 

@@ -120,6 +120,24 @@ def test_the_model_field_chooses_the_adapter(server, reference):
     assert reference("a") != reference(None)  # the adapter changes the output
 
 
+def test_chat_completions_choose_the_adapter_too(server, reference_llm, adapters):
+    messages = [{"role": "user", "content": "Hi"}]
+    body = {"model": "a", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+    response = server.post("/v1/chat/completions", json=body | {"ignore_eos": True})
+    lora = LoRARequest("a", 1, adapters["a"])
+    (expected,) = reference_llm.chat(
+        messages, greedy(MAX_TOKENS), use_tqdm=False, lora_request=lora
+    )
+    assert response.json()["model"] == "a"
+    assert response.json()["choices"][0]["message"]["content"] == expected.outputs[0].text
+
+
+def test_tokenize_takes_an_adapters_name(server):
+    response = server.post("/tokenize", json={"model": "a", "prompt": "Hello"})
+    assert response.json()["tokens"] == [19556]
+    assert error(server.post("/tokenize", json={"model": "x", "prompt": "Hi"}))[0] == 404
+
+
 def test_the_base_models_name_or_none_runs_no_adapter(server, reference):
     for model in (MODEL, None):
         response = complete(server, model)
@@ -253,6 +271,14 @@ def test_the_flag_needs_enable_lora(tiny_llama):
             build_app(engine, MODEL, allow_runtime_lora_updating=True)
     finally:
         engine.shutdown()
+
+
+def test_quire_serve_refuses_the_flag_without_enable_lora_before_loading(tiny_llama, capsys):
+    argv = ["serve", tiny_llama, "--port", "0", "--allow-runtime-lora-updating"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        "error: --allow-runtime-lora-updating needs --enable-lora: adapters load into its slots.\n"
+    )
 
 
 # ---- metrics ---------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """AsyncLLM: an asyncio front over LLMEngine.
 
 One background thread owns the engine and runs the step loop; nothing else touches the engine.
-Callers talk to it through a command queue (add, abort, adapter changes, shutdown) and get each request's outputs
-through an asyncio queue fed from the thread with `call_soon_threadsafe`, one call per event loop
-per step. The thread steps while any request is live, so concurrent requests batch together, and
-blocks on the command queue when idle.
+Callers talk to it through a command queue (add, abort, adapter changes, shutdown) and get each
+request's outputs through an asyncio queue fed from the thread with `call_soon_threadsafe`, one
+call per event loop per step. The thread steps while any request is live, so concurrent requests
+batch together, and blocks on the command queue when idle.
 
 `from_engine_config` builds the engine on that thread too, so that it is the only thread with
 OpenMP workers: a second pool (the main thread's, after loading the weights) made libgomp stop

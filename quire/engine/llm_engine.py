@@ -204,9 +204,8 @@ class LLMEngine:
         """The adapters of running requests and of waiting ones, by the names requests gave
         them, sorted (one that was unloaded while its requests run is still named)."""
         stats = self.core.stats()
-        return _user_lora_names(stats.running_lora_adapters), _user_lora_names(
-            stats.waiting_lora_adapters
-        )
+        running = _user_lora_names(stats.running_lora_adapters)
+        return running, _user_lora_names(stats.waiting_lora_adapters)
 
     def _worker_lora(self, lora_request: LoRARequest | None) -> LoRARequest | None:
         """The adapter as the core and workers see it (its name carries its load's number);

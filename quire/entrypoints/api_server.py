@@ -1,17 +1,17 @@
 """The OpenAI-compatible HTTP server: `build_app(engine)` makes the FastAPI app, `serve` runs it.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both streamed as server-sent events with
-`stream: true`), GET /v1/models, GET /health, GET /metrics, POST /tokenize, POST /detokenize,
-GET /version, GET /ready, and with --allow-runtime-lora-updating POST /v1/load_lora_adapter and
-POST /v1/unload_lora_adapter (vLLM's). A request's `model` chooses the LoRA adapter it runs (the
-base model's served name, or none: no adapter). Errors use OpenAI's body `{"error": {"message", "type", "param",
-"code"}}`: 400 for bad input (pydantic's checks, then SamplingParams' and the engine's
-ValueErrors), 401 for a missing or wrong API key, 404 for an unknown model or adapter, 413 for a body over
-`max_request_bytes`, 503 with Retry-After when `max_num_seqs + max_queued_requests` requests are
-already in (quire.entrypoints.admission), 504 for a request past its deadline (its `timeout`
-field or the server's `request_timeout`, from arrival; a stream gets an error event instead). A
-client that disconnects, mid-stream or while waiting for a whole response, has its requests
-aborted at once; so has a request past its deadline.
+`stream: true`), GET /v1/models, GET /health, GET /metrics, POST /tokenize, POST /detokenize, GET
+/version, GET /ready, and with --allow-runtime-lora-updating POST /v1/load_lora_adapter and POST
+/v1/unload_lora_adapter (vLLM's). A request's `model` chooses the LoRA adapter it runs (the base
+model's served name, or none: no adapter). Errors use OpenAI's body `{"error": {"message", "type",
+"param", "code"}}`: 400 for bad input (pydantic's checks, then SamplingParams' and the engine's
+ValueErrors), 401 for a missing or wrong API key, 404 for an unknown model or adapter, 413 for a
+body over `max_request_bytes`, 503 with Retry-After when `max_num_seqs + max_queued_requests`
+requests are already in (quire.entrypoints.admission), 504 for a request past its deadline (its
+`timeout` field or the server's `request_timeout`, from arrival; a stream gets an error event
+instead). A client that disconnects, mid-stream or while waiting for a whole response, has its
+requests aborted at once; so has a request past its deadline.
 
 Tokenizing, rendering chat templates and detokenizing prompts run on a TokenizerPool, never on
 the event loop, and a text prompt longer than the pool's character bound is rejected untokenized:
@@ -808,10 +808,7 @@ def build_app(
         raise ValueError(
             f"grammar_compile_timeout must be > 0 seconds, got {grammar_compile_timeout}."
         )
-    if allow_runtime_lora_updating and engine.engine.lora_config is None:
-        raise ValueError(
-            "--allow-runtime-lora-updating needs --enable-lora: adapters load into its slots."
-        )
+    _check_lora_updating(allow_runtime_lora_updating, engine.engine.config)
     if chat_template is not None:
         check_chat_template(engine.tokenizer, chat_template)
     tokenizers = TokenizerPool(engine.tokenizer, engine.max_model_len)
@@ -943,6 +940,13 @@ def build_app(
     return app
 
 
+def _check_lora_updating(allow_runtime_lora_updating: bool, config: EngineConfig) -> None:
+    if allow_runtime_lora_updating and not config.enable_lora:
+        raise ValueError(
+            "--allow-runtime-lora-updating needs --enable-lora: adapters load into its slots."
+        )
+
+
 def _error_response(status: int, message: str, code: str) -> JSONResponse:
     return APIError(status, message, code=code).response()
 
@@ -1006,6 +1010,7 @@ def serve(
 
     if not shutdown_timeout >= 0:
         raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {shutdown_timeout}.")
+    _check_lora_updating(allow_runtime_lora_updating, config)  # before the model loads
     name = served_model_name or DEFAULT_MODEL_NAME
     metrics = EngineMetrics(
         name, log_requests=log_requests, log_stats_interval_s=10.0 if log_stats else None

@@ -2,8 +2,8 @@
 
 FastAPI's generated document describes pydantic's 422 and JSON everywhere. This server answers
 bad input with 400 and OpenAI's error body, may answer 401 (API key, with WWW-Authenticate),
-404 (unknown model or adapter), 408 (a body not received within --request-body-timeout), 413 (a body over
---max-request-bytes), 500 (the engine failed the request), 503 (the engine
+404 (unknown model or adapter), 408 (a body not received within --request-body-timeout), 413 (a
+body over --max-request-bytes), 500 (the engine failed the request), 503 (the engine
 stopped, or the admission queue is full), 504 (the request's deadline passed), streams
 text/event-stream,
 answers /health with an empty body and /metrics in Prometheus' text format. Limits that depend
