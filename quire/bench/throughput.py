@@ -370,14 +370,15 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def _print_table(results: list[ThroughputResult]) -> None:
+    width = max(36, *(len(r.engine) + 2 for r in results))
     header = (
-        f"{'engine':<36}{'requests':>9}{'prompt tok':>12}{'output tok':>12}"
+        f"{'engine':<{width}}{'requests':>9}{'prompt tok':>12}{'output tok':>12}"
         f"{'time (s)':>10}{'out tok/s':>11}{'total tok/s':>12}"
     )
     print(header)
     for r in results:
         print(
-            f"{r.engine:<36}{r.requests:>9}{r.prompt_tokens:>12}{r.output_tokens:>12}"
+            f"{r.engine:<{width}}{r.requests:>9}{r.prompt_tokens:>12}{r.output_tokens:>12}"
             f"{r.elapsed_s:>10.1f}{r.output_tokens_per_s:>11.1f}{r.total_tokens_per_s:>12.1f}"
         )
 
