@@ -1,6 +1,6 @@
 """Shared fixtures and helpers: the default GGUF model's tokenizer, tiny random Hugging Face
-checkpoints, engines over them (`make_llm`), greedy parameters (`greedy`) and the idle invariant
-(`assert_idle`)."""
+checkpoints, engines over them (`make_llm`), LoRA adapters on them (`make_adapter`), greedy
+parameters (`greedy`) and the idle invariant (`assert_idle`)."""
 
 from __future__ import annotations
 
@@ -84,6 +84,22 @@ def greedy(max_tokens: int, **kwargs) -> SamplingParams:
     """Greedy decoding of exactly `max_tokens` tokens (EOS ignored); `kwargs` are further
     SamplingParams fields."""
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(base: str, path: str, seed: int, **lora) -> str:
+    """A peft LoRA adapter with random (non-zero) A and B on `base`, saved at `path`; `lora`
+    are LoraConfig's fields (r, lora_alpha, target_modules: default every linear)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    torch.manual_seed(seed)
+    config = LoraConfig(init_lora_weights=False, **{"target_modules": LORA_MODULES, **lora})
+    get_peft_model(model, config).save_pretrained(path)
+    return path
 
 
 def make_llm(model: str, **engine_args) -> LLM:

@@ -40,9 +40,9 @@ def prompts(engine, monkeypatch) -> list[str]:
     recorded: list[str] = []
     add_request = engine.add_request
 
-    def recording_add_request(request_id, prompt, params):
+    def recording_add_request(request_id, prompt, params, **kwargs):
         recorded.append(prompt["prompt"])
-        add_request(request_id, prompt, params)
+        add_request(request_id, prompt, params, **kwargs)
 
     monkeypatch.setattr(engine, "add_request", recording_add_request)
     return recorded

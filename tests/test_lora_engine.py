@@ -8,26 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_idle, greedy
-from peft import LoraConfig, PeftModel, get_peft_model
+from conftest import assert_idle, greedy, make_adapter
+from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from quire import LLM, LoRARequest, SamplingParams
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing`:FutureWarning")
 
-MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = [[5, 17, 300, 42, 7, 99, 3], [11, 12, 13, 14, 15, 200, 201, 3, 9] * 3, [88, 400, 2]]
 MAX_TOKENS = 12
-
-
-def make_adapter(base: str, path: str, seed: int, **lora) -> str:
-    """A peft adapter with random (non-zero) A and B on `base`, saved at `path`."""
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    torch.manual_seed(seed)
-    config = LoraConfig(init_lora_weights=False, **{"target_modules": MODULES, **lora})
-    get_peft_model(model, config).save_pretrained(path)
-    return path
 
 
 def peft_greedy(base: str, adapter: str | None, prompt: list[int]) -> list[int]:

@@ -13,6 +13,10 @@ one moment, as the project's benchmarks take every comparison. 1.0 is the roofli
 decode without a grammar and then with a JSON-schema grammar on every request (GRAMMAR_SCHEMA,
 long enough never to end within the steps), at batch 1 and batch B; the overhead is each round's
 ratio of median step times, reported as the median over the rounds and their spread.
+
+`--lora-mix a,b,base` (with `--enable-lora --lora-modules a=PATH b=PATH`) then times the decodes
+again with request i running the i-th name of the mix round-robin (`base`: no adapter), and
+reports each step time against the base model's.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from quire.bench import roofline
 from quire.bench.models import add_model_dir_arg, resolve_model
 from quire.bench.perplexity import prose_perplexity
 from quire.bench.speculative import describe_spec_decoding, spec_decoding_report
+from quire.bench.throughput import parse_lora_mix
 from quire.kernels import kv_format
 from quire.kernels.cpu import gemv, qmatmul
 from quire.model import gguf_loader, loader
@@ -135,12 +140,14 @@ def measure_decode(
     rng: random.Random,
     structured_outputs=None,
     weight_bytes: int | None = None,
+    loras: list | None = None,
 ) -> DecodeResult:
     """Prefills `batch_size` requests, then times `num_steps` steps in which every request
     decodes one token (or, under speculation, what it verifies: `tokens_per_step` counts them,
     while the floor still counts one token per request), each followed by a bandwidth probe. A
     step's floor uses the requests' context lengths at that step and `weight_bytes` (default:
-    every weight in the model's dtype). `structured_outputs` constrains every request."""
+    every weight in the model's dtype). `structured_outputs` constrains every request; request
+    i runs the adapter loras[i % len] (LoRARequests, None for the base model) if given."""
     from quire.sampling_params import SamplingParams
 
     mc, dtype = engine.model_config, engine.dtype
@@ -150,8 +157,10 @@ def measure_decode(
     )
     ids = [f"decode-{batch_size}-{i}" for i in range(batch_size)]
     num_output = dict.fromkeys(ids, 0)
-    for request_id in ids:
-        engine.add_request(request_id, _random_prompt(rng, prompt_len, mc.vocab_size), params)
+    for i, request_id in enumerate(ids):
+        lora = loras[i % len(loras)] if loras else None
+        prompt = _random_prompt(rng, prompt_len, mc.vocab_size)
+        engine.add_request(request_id, prompt, params, lora_request=lora)
 
     def step() -> None:
         outputs = engine.step()
@@ -275,6 +284,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="rounds of decode without / with a JSON-schema grammar (0: skip)",
     )
     p.add_argument(
+        "--lora-mix",
+        default=None,
+        metavar="NAMES",
+        help="also time the decodes with these adapters of --lora-modules round-robin over the "
+        "batch, comma-separated, base for none (e.g. a,b,base)",
+    )
+    p.add_argument(
         "--perplexity",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -302,6 +318,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--grammar-rounds must be >= 0.")
     args.model = resolve_model(args.model, args.model_dir)
     engine = LLM.from_engine_config(EngineArgs.from_cli_args(args).create_engine_config()).engine
+    lora_mix = parse_lora_mix(args.lora_mix, engine)
     mc, dtype, device = engine.model_config, engine.dtype, engine.config.device
     hardware = roofline.measure_hardware(device, dtype)
     rng = random.Random(args.seed)
@@ -317,6 +334,23 @@ def main(args: argparse.Namespace) -> int:
         )
         for b in batch_sizes
     ]
+    lora_decodes = []
+    if lora_mix:
+        loras = [None if name == "base" else engine.get_lora(name) for name in lora_mix]
+        lora_decodes = [
+            measure_decode(
+                engine,
+                b,
+                args.prompt_len,
+                args.decode_steps,
+                bandwidth_probe,
+                rng,
+                None,
+                weight_bytes,
+                loras,
+            )
+            for b in batch_sizes
+        ]
 
     grammar = [
         measure_grammar_overhead(
@@ -364,6 +398,12 @@ def main(args: argparse.Namespace) -> int:
             f"floor {d.roofline_seconds * 1e3:.2f} ms "
             f"-> {d.roofline_fraction:.1%} of the memory roofline"
         )
+    for d, base in zip(lora_decodes, decodes):
+        print(
+            f"decode batch {d.batch_size} with LoRA mix {args.lora_mix}: "
+            f"{d.step_seconds * 1e3:.2f} ms/step (median {d.median_step_seconds * 1e3:.2f}), "
+            f"{d.tokens_per_s:.1f} tok/s, {d.tokens_per_s / base.tokens_per_s:.2f}x the base model"
+        )
     for d in decodes if engine.spec_decoding_stats is not None else []:
         print(
             f"decode batch {d.batch_size}: {d.tokens_per_step / d.batch_size:.2f} tokens per request a step"
@@ -391,6 +431,9 @@ def main(args: argparse.Namespace) -> int:
         "decode": [asdict(d) | {"tokens_per_s": d.tokens_per_s} for d in decodes],
         "grammar": [asdict(g) for g in grammar],
     }
+    if lora_mix:
+        report["lora_mix"] = lora_mix
+        report["lora_decode"] = [asdict(d) | {"tokens_per_s": d.tokens_per_s} for d in lora_decodes]
     if accuracy:
         report["perplexity"] = {"value": accuracy[0], "tokens": accuracy[1]}
     spec = spec_decoding_report(engine)

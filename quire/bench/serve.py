@@ -11,7 +11,9 @@ as a Poisson process at `--request-rate` requests/s (inf: all at once), capped a
   E2E   time from sending to the end of the stream
 Goodput counts the requests that meet every SLO of `--goodput ttft:MS tpot:MS e2el:MS`.
 Each rate gets its own prompts (seed + i for the i-th rate), so no run is served from the prefix
-cache that an earlier one filled.
+cache that an earlier one filled. `--models a,b,base` sends request i with the i-th of those
+`model` names round-robin (LoRA adapters of a multi-LoRA server; `base` is --model, or the
+server's first model).
 """
 
 from __future__ import annotations
@@ -150,7 +152,7 @@ async def _arrivals(num: int, request_rate: float, rng: random.Random) -> AsyncI
 
 async def run_benchmark(
     base_url: str,
-    model: str,
+    model: str | Sequence[str],
     requests: Sequence[ServeRequest],
     request_rate: float,
     max_concurrency: int | None = None,
@@ -158,8 +160,10 @@ async def run_benchmark(
     seed: int = 0,
     show_progress: bool = True,
 ) -> tuple[list[RequestResult], float]:
-    """Sends every request on its arrival time; returns the results (in request order) and the
-    wall time from the first send to the last response."""
+    """Sends every request on its arrival time, request i with `model`, or with model[i % len]
+    for several names; returns the results (in request order) and the wall time from the first
+    send to the last response."""
+    models = [model] if isinstance(model, str) else list(model)
     url = completions_url(base_url)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -169,7 +173,7 @@ async def run_benchmark(
     )
     async with httpx.AsyncClient(timeout=None, limits=limits, headers=headers) as client:
 
-        async def send(request: ServeRequest) -> RequestResult:
+        async def send(request: ServeRequest, model: str) -> RequestResult:
             if semaphore is None:
                 result = await send_request(client, url, model, request)
             else:
@@ -181,7 +185,7 @@ async def run_benchmark(
         start = time.perf_counter()
         tasks = []
         async for i in _arrivals(len(requests), request_rate, random.Random(seed)):
-            tasks.append(asyncio.create_task(send(requests[i])))
+            tasks.append(asyncio.create_task(send(requests[i], models[i % len(models)])))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     bar.close()
@@ -331,6 +335,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--model", default=None, help="model name to request (default: the server's first)"
     )
     p.add_argument(
+        "--models",
+        default=None,
+        metavar="NAMES",
+        help="model names sent round-robin, comma-separated, base for --model (e.g. the LoRA "
+        "adapters a,b,base)",
+    )
+    p.add_argument(
         "--tokenizer", default=None, help="makes the prompts (default: quire's default model's)"
     )
     p.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
@@ -408,17 +419,22 @@ def main(args: argparse.Namespace) -> int:
     _check_args(args)
     slos = parse_goodput(args.goodput)
     model = args.model or asyncio.run(served_model(args.base_url, args.api_key))
+    models = [model]
+    if args.models is not None:
+        models = [model if name == "base" else name for name in args.models.split(",")]
     tokenizer = load_tokenizer(args.tokenizer or default_model_path())
-    probe = [ServeRequest("Hello", 1, 2)]
-    (probe_result,), _ = asyncio.run(
+    probe = [ServeRequest("Hello", 1, 2)] * len(models)  # one request per model name
+    probe_results, _ = asyncio.run(
         run_benchmark(
-            args.base_url, model, probe, math.inf, None, args.api_key, show_progress=False
+            args.base_url, models, probe, math.inf, None, args.api_key, show_progress=False
         )
     )
-    if not probe_result.success:
-        raise ValueError(
-            f"The server at {completions_url(args.base_url)} failed: {probe_result.error}"
-        )
+    for name, result in zip(models, probe_results):
+        if not result.success:
+            raise ValueError(
+                f"The server at {completions_url(args.base_url)} failed for model {name}: "
+                f"{result.error}"
+            )
 
     runs = []
     for i, rate in enumerate(args.request_rate):
@@ -429,7 +445,7 @@ def main(args: argparse.Namespace) -> int:
         )
         results, duration = asyncio.run(
             run_benchmark(
-                args.base_url, model, requests, rate, args.max_concurrency, args.api_key, seed
+                args.base_url, models, requests, rate, args.max_concurrency, args.api_key, seed
             )
         )
         metrics = compute_metrics(results, duration, slos)
@@ -444,6 +460,7 @@ def main(args: argparse.Namespace) -> int:
         "command": " ".join(sys.argv),
         "base_url": args.base_url,
         "model": model,
+        "models": models,
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,
         "output_len": args.output_len,

@@ -9,6 +9,10 @@ seeded stream, so a scaled-down run is a prefix of the full one.
     W1: SmolLM2-135M (the default model), 256 requests, prompts 100-1024, outputs 100-512
     W2: a random Qwen3-0.6B-shaped model (quire.bench.models), 64 requests, prompts 100-512,
         outputs 64-256
+
+`--lora-mix a,b,base` (with `--enable-lora --lora-modules a=PATH b=PATH`) runs the workload a
+second time in the same run, request i with the i-th name of the mix round-robin (`base`: no
+adapter), after the prefix cache is reset, and reports its output tok/s over the base model's.
 """
 
 from __future__ import annotations
@@ -118,20 +122,48 @@ def _check_output_tokens(engine: str, requests: list[BenchRequest], output_token
 
 
 # ---- quire -----------------------------------------------------------------------------------
-def run_quire(llm, requests: list[BenchRequest]) -> ThroughputResult:
-    """Times `LLM.generate` over the whole workload after a short warm-up."""
+def run_quire(
+    llm, requests: list[BenchRequest], lora_mix: list[str] | None = None
+) -> ThroughputResult:
+    """Times `LLM.generate` over the whole workload after a short warm-up; with `lora_mix`,
+    request i runs the adapter named lora_mix[i % len] (`base`: none)."""
     from quire.sampling_params import SamplingParams
 
-    llm.generate([list(range(1, 17))], SamplingParams(max_tokens=4), use_tqdm=False)
+    loras = None
+    engine = "quire"
+    if lora_mix:
+        adapters = [None if name == "base" else llm.engine.get_lora(name) for name in lora_mix]
+        loras = [adapters[i % len(adapters)] for i in range(len(requests))]
+        engine = f"quire, LoRA mix {','.join(lora_mix)}"
+    warm_up = SamplingParams(max_tokens=4)
+    for lora in dict.fromkeys(loras or [None]):
+        llm.generate([list(range(1, 17))], warm_up, use_tqdm=False, lora_request=lora)
     params = [
         SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len) for r in requests
     ]
     start = time.perf_counter()
-    outputs = llm.generate([r.prompt_token_ids for r in requests], params)
+    outputs = llm.generate([r.prompt_token_ids for r in requests], params, lora_request=loras)
     elapsed = time.perf_counter() - start
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    _check_output_tokens("quire", requests, output_tokens)
-    return _result("quire", requests, output_tokens, elapsed)
+    _check_output_tokens(engine, requests, output_tokens)
+    return _result(engine, requests, output_tokens, elapsed)
+
+
+def parse_lora_mix(text: str | None, engine) -> list[str] | None:
+    """`--lora-mix a,b,base` as names, each an adapter the engine loaded or `base`; ValueError
+    naming what to load otherwise."""
+    if text is None:
+        return None
+    names = text.split(",")
+    loaded = {r.lora_name for r in engine.list_loras()}
+    unknown = [name for name in names if name != "base" and name not in loaded]
+    if unknown or not all(names):
+        raise ValueError(
+            f"--lora-mix {text}: each name must be an adapter of --lora-modules "
+            f"({', '.join(sorted(loaded)) or 'none loaded'}) or base; load "
+            f"{', '.join(unknown) or 'the adapters'} with --enable-lora --lora-modules NAME=PATH."
+        )
+    return names
 
 
 # ---- transformers ----------------------------------------------------------------------------
@@ -288,6 +320,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="output tokens, drawn uniformly (default: the workload's)",
     )
     p.add_argument(
+        "--lora-mix",
+        default=None,
+        metavar="NAMES",
+        help="also run the workload with these adapters of --lora-modules round-robin over the "
+        "requests, comma-separated, base for none (e.g. a,b,base), and report it against the "
+        "base model",
+    )
+    p.add_argument(
         "--compare",
         choices=["transformers"],
         default=None,
@@ -330,14 +370,15 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def _print_table(results: list[ThroughputResult]) -> None:
+    width = max(36, *(len(r.engine) + 2 for r in results))
     header = (
-        f"{'engine':<36}{'requests':>9}{'prompt tok':>12}{'output tok':>12}"
+        f"{'engine':<{width}}{'requests':>9}{'prompt tok':>12}{'output tok':>12}"
         f"{'time (s)':>10}{'out tok/s':>11}{'total tok/s':>12}"
     )
     print(header)
     for r in results:
         print(
-            f"{r.engine:<36}{r.requests:>9}{r.prompt_tokens:>12}{r.output_tokens:>12}"
+            f"{r.engine:<{width}}{r.requests:>9}{r.prompt_tokens:>12}{r.output_tokens:>12}"
             f"{r.elapsed_s:>10.1f}{r.output_tokens_per_s:>11.1f}{r.total_tokens_per_s:>12.1f}"
         )
 
@@ -386,6 +427,7 @@ def main(args: argparse.Namespace) -> int:
 
     llm = LLM.from_engine_config(EngineArgs.from_cli_args(args).create_engine_config())
     engine = llm.engine
+    lora_mix = parse_lora_mix(args.lora_mix, engine)
     requests = make_requests(
         num_requests, input_len, output_len, args.seed, engine.model_config.vocab_size
     )
@@ -402,6 +444,9 @@ def main(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     results = [run_quire(llm, requests)]
+    if lora_mix:
+        engine.reset_prefix_cache()  # the mix's base requests must not hit the first run's blocks
+        results.append(run_quire(llm, requests, lora_mix))
     spec_decoding = spec_decoding_report(engine)
     describe_spec_decoding(engine)
     model_path, dtype, device = engine.config.model, engine.dtype, engine.config.device
@@ -437,9 +482,14 @@ def main(args: argparse.Namespace) -> int:
             "input_len": list(input_len),
             "output_len": list(output_len),
             "seed": args.seed,
+            "lora_mix": lora_mix,
         },
         "results": [r.to_dict() for r in results],
     }
+    if lora_mix:
+        ratio = results[1].output_tokens_per_s / results[0].output_tokens_per_s
+        report["ratio_lora_mix_over_base"] = ratio
+        print(f"LoRA mix / base model: {ratio:.2f}x output tokens/s")
     if spec_decoding is not None:
         report["spec_decoding"] = spec_decoding
     if args.roofline:

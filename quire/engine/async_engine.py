@@ -1,10 +1,10 @@
 """AsyncLLM: an asyncio front over LLMEngine.
 
 One background thread owns the engine and runs the step loop; nothing else touches the engine.
-Callers talk to it through a command queue (add, abort, shutdown) and get each request's outputs
-through an asyncio queue fed from the thread with `call_soon_threadsafe`, one call per event loop
-per step. The thread steps while any request is live, so concurrent requests batch together, and
-blocks on the command queue when idle.
+Callers talk to it through a command queue (add, abort, adapter changes, shutdown) and get each
+request's outputs through an asyncio queue fed from the thread with `call_soon_threadsafe`, one
+call per event loop per step. The thread steps while any request is live, so concurrent requests
+batch together, and blocks on the command queue when idle.
 
 `from_engine_config` builds the engine on that thread too, so that it is the only thread with
 OpenMP workers: a second pool (the main thread's, after loading the weights) made libgomp stop
@@ -44,6 +44,7 @@ from quire.config import EngineConfig
 from quire.engine.host_threads import release_openmp_threads
 from quire.engine.llm_engine import LLMEngine, PromptType
 from quire.engine.metrics import EngineMetrics
+from quire.lora_request import LoRARequest
 from quire.outputs import RequestOutput
 from quire.sampling_params import SamplingParams
 
@@ -79,6 +80,16 @@ class _AddRequest:
     arrival_time: float
     stream: _Stream
     added: asyncio.Future
+    lora_request: LoRARequest | str | None
+
+
+@dataclass
+class _Call:
+    """`function(engine)` to run on the engine thread; its result or error settles `done`."""
+
+    function: Callable[[LLMEngine], object]
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future
 
 
 @dataclass
@@ -112,6 +123,8 @@ class AsyncLLM:
         """Starts the engine thread and returns once it has built the engine."""
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # owned by the engine thread
+        # The engine's adapters as of its last command, replaced whole by the engine thread.
+        self._loras: dict[str, LoRARequest] = {}
         self._dead: BaseException | None = None
         ready: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(
@@ -144,8 +157,12 @@ class AsyncLLM:
         prompt: PromptType,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Queues a request and returns its output stream once the engine has accepted it.
+        `lora_request`: the adapter it runs: a LoRARequest (loaded first if new, as
+        LLMEngine.add_request), or the name of a loaded one (KeyError if none is loaded under
+        that name when the engine takes the request); None: the base model.
 
         Raises ValueError (the engine untouched) on bad input. Closing the stream before the
         last output aborts the request; so does cancelling this call.
@@ -155,7 +172,9 @@ class AsyncLLM:
         stream = _Stream(loop, asyncio.Queue())
         added = loop.create_future()
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self._commands.put(_AddRequest(request_id, prompt, params, arrival_time, stream, added))
+        self._commands.put(
+            _AddRequest(request_id, prompt, params, arrival_time, stream, added, lora_request)
+        )
         self._check_alive()  # a loop that died before taking the command never will
         try:
             await added
@@ -169,14 +188,42 @@ class AsyncLLM:
         prompt: PromptType,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        lora_request: LoRARequest | str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Cumulative outputs of one request until it finishes; leaving early aborts it."""
-        stream = await self.add_request(request_id or uuid.uuid4().hex, prompt, params)
+        """Cumulative outputs of one request until it finishes; leaving early aborts it.
+        `lora_request` as add_request's."""
+        stream = await self.add_request(
+            request_id or uuid.uuid4().hex, prompt, params, lora_request=lora_request
+        )
         try:
             async for output in stream:
                 yield output
         finally:
             await stream.aclose()
+
+    # ---- adapters (any event loop) -------------------------------------------------------
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """LLMEngine.add_lora on the engine thread: ValueError if the name is taken or LoRA is
+        off, LoRAAdapterError (a ValueError) naming what does not fit."""
+        await self._call(lambda engine: engine.add_lora(lora_request))
+
+    async def remove_lora(self, name: str) -> None:
+        """LLMEngine.remove_lora on the engine thread: requests that run the adapter finish
+        with it. KeyError if no adapter of that name is loaded."""
+        await self._call(lambda engine: engine.remove_lora(name))
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters loaded, as of the engine thread's last command (add_lora and
+        remove_lora return once it shows their change). Safe from any thread."""
+        return list(self._loras.values())
+
+    async def _call(self, function: Callable[[LLMEngine], object]) -> object:
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._commands.put(_Call(function, loop, done))
+        self._check_alive()
+        return await done
 
     def abort(self, request_ids: str | Iterable[str]) -> None:
         """Ends requests and frees their KV blocks after the current step. Safe from any thread;
@@ -239,6 +286,7 @@ class AsyncLLM:
             self.metrics = metrics or EngineMetrics(
                 self.engine.config.model, log_stats_interval_s=None
             )
+            self._refresh_loras()
         except BaseException as error:
             self._dead = error
             ready.set_exception(error)
@@ -273,6 +321,8 @@ class AsyncLLM:
                 return
             if isinstance(command, _AddRequest):
                 _call_soon(command.stream.loop, _settle, command.added, error)
+            elif isinstance(command, _Call):
+                _call_soon(command.loop, _settle, command.done, error)
 
     def _handle_commands(self, block: bool) -> _Shutdown | None:
         """Runs queued commands (waiting for one if `block`); the shutdown once told to."""
@@ -289,6 +339,8 @@ class AsyncLLM:
                 return command
             if isinstance(command, _AddRequest):
                 self._add(command)
+            elif isinstance(command, _Call):
+                self._run_call(command)
             else:
                 aborted += command.request_ids
             try:
@@ -297,21 +349,44 @@ class AsyncLLM:
                 break
         if aborted:
             self._abort(aborted)
+        self._refresh_loras()  # an added request may have loaded its adapter
         self.metrics.update_gauges(self.engine)
         return None
 
-    def _add(self, command: _AddRequest) -> None:
+    def _run_call(self, command: _Call) -> None:
         try:
+            result = command.function(self.engine)
+        except Exception as error:
+            _call_soon(command.loop, _settle, command.done, error)
+        else:
+            self._refresh_loras()
+            _call_soon(command.loop, _set_result, command.done, result)
+
+    def _refresh_loras(self) -> None:
+        self._loras = {r.lora_name: r for r in self.engine.list_loras()}
+
+    def _add(self, command: _AddRequest) -> None:
+        lora = command.lora_request
+        try:
+            if isinstance(lora, str):
+                lora = self.engine.get_lora(lora)
             self.engine.add_request(
-                command.request_id, command.prompt, command.params, command.arrival_time
+                command.request_id,
+                command.prompt,
+                command.params,
+                command.arrival_time,
+                lora_request=lora,
             )
-        except Exception as error:  # ValueError is bad input; anything else fails this request
-            if not isinstance(error, ValueError):
+        except Exception as error:
+            # ValueError is bad input, KeyError an adapter not loaded; anything else fails it
+            if not isinstance(error, ValueError | KeyError):
                 logger.exception("Adding request %s failed", command.request_id)
                 error = RequestFailedError(f"Adding the request failed: {error!r}")
             _call_soon(command.stream.loop, _settle, command.added, error)
             return
         self._streams[command.request_id] = command.stream
+        if lora is not None:
+            self.metrics.record_lora_request(lora.lora_name)
         if not _call_soon(command.stream.loop, _settle, command.added, None):
             self._abort([command.request_id])  # the caller's event loop is gone
 
@@ -390,6 +465,11 @@ def _settle(future: asyncio.Future, error: BaseException | None) -> None:
         future.set_result(None)
     else:
         future.set_exception(error)
+
+
+def _set_result(future: asyncio.Future, result: object) -> None:
+    if not future.done():  # the caller was cancelled
+        future.set_result(result)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:

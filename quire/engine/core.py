@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -51,6 +52,10 @@ class CoreStats:
     prefix_cache_hits: int = 0
     spec_decoding: SpecDecodingStats | None = None  # None when speculation is off
     kv_transfer: KVTransferStats | None = None  # None without --disaggregation-mode
+    # The adapters (their core names, "name@load") of running and of waiting requests; empty
+    # without enable_lora.
+    running_lora_adapters: frozenset[str] = frozenset()
+    waiting_lora_adapters: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -146,6 +151,7 @@ class EngineCore:
 
     def stats(self) -> CoreStats:
         scheduler, kv = self.scheduler, self.kv_manager
+        lora = self.config.lora is not None
         return CoreStats(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
@@ -158,6 +164,8 @@ class EngineCore:
             kv_transfer=(
                 None if scheduler.kv_connector is None else scheduler.kv_connector.snapshot()
             ),
+            running_lora_adapters=_lora_names(scheduler.running) if lora else frozenset(),
+            waiting_lora_adapters=_lora_names(scheduler.waiting) if lora else frozenset(),
         )
 
     def worker_states(self) -> list[WorkerState]:
@@ -253,3 +261,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _lora_names(requests: Iterable[Request]) -> frozenset[str]:
+    return frozenset(r.lora_request.lora_name for r in requests if r.lora_request is not None)

@@ -47,6 +47,11 @@ logger = logging.getLogger(__name__)
 PromptType = str | list[int] | dict[str, Any]
 
 
+def _user_lora_names(core_names: Iterable[str]) -> list[str]:
+    """Adapters' names without the number of their load (`_worker_lora`'s "name@load")."""
+    return sorted({name.rpartition("@")[0] for name in core_names})
+
+
 @dataclass
 class _Sequence:
     """One completion as the caller sees it."""
@@ -189,6 +194,19 @@ class LLMEngine:
 
     def list_loras(self) -> list[LoRARequest]:
         return [lora_request for lora_request, _ in self.loras.values()]
+
+    def get_lora(self, name: str) -> LoRARequest:
+        """The adapter loaded under `name`. Raises KeyError for a name not loaded."""
+        if name not in self.loras:
+            raise KeyError(f"No adapter named {name!r} is loaded.")
+        return self.loras[name][0]
+
+    def lora_adapters_in_use(self) -> tuple[list[str], list[str]]:
+        """The adapters of running requests and of waiting ones, by the names requests gave
+        them, sorted (one that was unloaded while its requests run is still named)."""
+        stats = self.core.stats()
+        running = _user_lora_names(stats.running_lora_adapters)
+        return running, _user_lora_names(stats.waiting_lora_adapters)
 
     def _worker_lora(self, lora_request: LoRARequest | None) -> LoRARequest | None:
         """The adapter as the core and workers see it (its name carries its load's number);

@@ -122,6 +122,21 @@ class EngineMetrics:
         self.num_kv_leases = gauge(
             "num_kv_leases", "Prompts whose KV blocks are held for a decode instance."
         )
+        # Multi-LoRA (set only with enable_lora): vLLM's info gauge, one series whose labels name
+        # the adapters of running and of waiting requests (comma-joined) and the slots; its
+        # value is the time of the update.
+        self._lora_info = Gauge(
+            _PREFIX + "lora_requests_info",
+            "Running stats on LoRA requests.",
+            names + ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+            registry=self.registry,
+        )
+        self._lora_requests = Counter(
+            _PREFIX + "lora_requests",
+            "Requests received, by the adapter they run (base-model requests not counted).",
+            names + ["lora_name"],
+            registry=self.registry,
+        )
 
         self._requests: dict[str, _RequestState] = {}
         # Engine counters already exported, to add only what each step changed.
@@ -157,6 +172,10 @@ class EngineMetrics:
                     (now - start) * 1e3,
                 )
 
+    def record_lora_request(self, lora_name: str) -> None:
+        """A request the engine accepted, running adapter `lora_name`."""
+        self._lora_requests.labels(self._model_name, lora_name).inc()
+
     def update_gauges(self, engine: LLMEngine) -> None:
         stats = engine.core_stats()
         self.num_requests_running.set(stats.num_running)
@@ -165,6 +184,15 @@ class EngineMetrics:
         if stats.kv_transfer is not None:
             self.num_requests_waiting_for_kv.set(stats.kv_transfer.num_waiting)
             self.num_kv_leases.set(stats.kv_transfer.num_leased)
+        if engine.lora_config is not None:
+            running, waiting = engine.lora_adapters_in_use()
+            self._lora_info.clear()  # one series: the state now
+            self._lora_info.labels(
+                self._model_name,
+                ",".join(running),
+                ",".join(waiting),
+                str(engine.lora_config.max_loras),
+            ).set_to_current_time()
 
     def log_stats_if_due(self, engine: LLMEngine, now: float) -> None:
         """Logs the engine stats line every `log_stats_interval_s` while there is work."""

@@ -1,15 +1,17 @@
 """The OpenAI-compatible HTTP server: `build_app(engine)` makes the FastAPI app, `serve` runs it.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both streamed as server-sent events with
-`stream: true`), GET /v1/models, GET /health, GET /metrics, POST /tokenize, POST /detokenize,
-GET /version, GET /ready. Errors use OpenAI's body `{"error": {"message", "type", "param",
-"code"}}`: 400 for bad input (pydantic's checks, then SamplingParams' and the engine's
-ValueErrors), 401 for a missing or wrong API key, 404 for an unknown model, 413 for a body over
-`max_request_bytes`, 503 with Retry-After when `max_num_seqs + max_queued_requests` requests are
-already in (quire.entrypoints.admission), 504 for a request past its deadline (its `timeout`
-field or the server's `request_timeout`, from arrival; a stream gets an error event instead). A
-client that disconnects, mid-stream or while waiting for a whole response, has its requests
-aborted at once; so has a request past its deadline.
+`stream: true`), GET /v1/models, GET /health, GET /metrics, POST /tokenize, POST /detokenize, GET
+/version, GET /ready, and with --allow-runtime-lora-updating POST /v1/load_lora_adapter and POST
+/v1/unload_lora_adapter (vLLM's). A request's `model` chooses the LoRA adapter it runs (the base
+model's served name, or none: no adapter). Errors use OpenAI's body `{"error": {"message", "type",
+"param", "code"}}`: 400 for bad input (pydantic's checks, then SamplingParams' and the engine's
+ValueErrors), 401 for a missing or wrong API key, 404 for an unknown model or adapter, 413 for a
+body over `max_request_bytes`, 503 with Retry-After when `max_num_seqs + max_queued_requests`
+requests are already in (quire.entrypoints.admission), 504 for a request past its deadline (its
+`timeout` field or the server's `request_timeout`, from arrival; a stream gets an error event
+instead). A client that disconnects, mid-stream or while waiting for a whole response, has its
+requests aborted at once; so has a request past its deadline.
 
 Tokenizing, rendering chat templates and detokenizing prompts run on a TokenizerPool, never on
 the event loop, and a text prompt longer than the pool's character bound is rejected untokenized:
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import math
@@ -36,7 +39,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -61,13 +64,17 @@ from quire.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     Prompt,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from quire.entrypoints.openapi import install_openapi
 from quire.entrypoints.tokenizer_pool import TokenizerPool
 from quire.entrypoints.tool_choice import request_tool_choice
 from quire.entrypoints.tool_parsers import TOOL_PARSERS, ToolParser
+from quire.lora.adapter import LoRAAdapterError
+from quire.lora_request import LoRARequest
 from quire.outputs import RequestOutput
 from quire.sampling_params import SamplingParams
 from quire.structured_output.compiler import GrammarError
@@ -142,16 +149,29 @@ class OpenAIServing:
         self.request_timeout = request_timeout
         self.chat_template = chat_template
         self.auto_tool_parser = auto_tool_parser
+        # Ids of adapters loaded at run time, after those loaded at start (event loop only).
+        first_id = max((r.lora_int_id for r in engine.list_loras()), default=0) + 1
+        self._lora_ids = itertools.count(first_id)
 
     # ---- validation ------------------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(
-                404,
-                f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
-                "model",
-                "model_not_found",
-            )
+    def check_model(self, model: str | None) -> str | None:
+        """The adapter a request's `model` names: None for the base model (its served name, or
+        no name); 404 `model_not_found` for a name neither the base model nor an adapter has."""
+        if model is None or model == self.model_name:
+            return None
+        if any(r.lora_name == model for r in self.engine.list_loras()):
+            return model
+        raise self.model_not_found(model)
+
+    def model_not_found(self, model: str) -> APIError:
+        adapters = [r.lora_name for r in self.engine.list_loras()]
+        served = ", ".join(f"`{name}`" for name in [self.model_name, *adapters])
+        return APIError(
+            404,
+            f"The model `{model}` does not exist. This server serves {served}.",
+            "model",
+            "model_not_found",
+        )
 
     async def completion_prompts(self, prompt: str | list) -> list[Prompt]:
         if isinstance(prompt, str):
@@ -282,9 +302,11 @@ class OpenAIServing:
         arrival_time: float,
         param: str,
         timeout: float | None,
+        lora: str | None,
     ) -> _EngineRequests:
-        """One engine request per prompt; all or none are added. The first of the request's
-        `timeout` and the server's `request_timeout` after arrival aborts what is unfinished."""
+        """One engine request per prompt, running adapter `lora` (a name; None: the base
+        model); all or none are added. The first of the request's `timeout` and the server's
+        `request_timeout` after arrival aborts what is unfinished."""
         if len(prompts) == 1:
             ids = [request_id]
         else:
@@ -293,13 +315,15 @@ class OpenAIServing:
         try:
             for rid, prompt in zip(ids, prompts):
                 stream = await self.engine.add_request(
-                    rid, prompt.engine_input, params, arrival_time
+                    rid, prompt.engine_input, params, arrival_time, lora
                 )
                 streams.append(stream)
         except BaseException as error:
             self.engine.abort(ids[: len(streams)])
             if isinstance(error, ValueError):
                 raise bad_request(error, param) from error
+            if isinstance(error, KeyError):  # the adapter was unloaded meanwhile
+                raise self.model_not_found(lora) from None
             raise
         return _EngineRequests(self.engine, ids, streams, self.deadline(arrival_time, timeout))
 
@@ -312,8 +336,7 @@ class OpenAIServing:
         return None
 
     def sampling_params(self, body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
-        """Checks the model name, then builds SamplingParams (a 400 naming the field if invalid)."""
-        self.check_model(body.model)
+        """SamplingParams of the request (a 400 naming the field if invalid)."""
         try:
             return body.to_sampling_params()
         except ValueError as error:
@@ -341,6 +364,7 @@ class OpenAIServing:
     # ---- /v1/completions -------------------------------------------------------------------
     async def create_completion(self, body: CompletionRequest, raw: Request) -> Response:
         arrival_time = time.monotonic()
+        lora = self.check_model(body.model)
         params = self.sampling_params(body)
         await self.check_structured_outputs(params, body.structured_outputs_field)
         prompts = await self.completion_prompts(body.prompt)
@@ -353,16 +377,17 @@ class OpenAIServing:
                     )
         response_id = f"cmpl-{uuid.uuid4().hex}"
         requests = await self.add_requests(
-            response_id, prompts, params, arrival_time, "prompt", body.timeout
+            response_id, prompts, params, arrival_time, "prompt", body.timeout, lora
         )
         formatter = protocol.CompletionFormatter(
-            body, prompts, response_id, self.model_name, self.tokenizer.decode
+            body, prompts, response_id, lora or self.model_name, self.tokenizer.decode
         )
         return await self.respond(body.stream, requests, raw, formatter.chunks, formatter.response)
 
     # ---- /v1/chat/completions --------------------------------------------------------------
     async def create_chat_completion(self, body: ChatCompletionRequest, raw: Request) -> Response:
         arrival_time = time.monotonic()
+        lora = self.check_model(body.model)
         params = self.sampling_params(body)
         try:
             tool_choice = request_tool_choice(
@@ -388,10 +413,10 @@ class OpenAIServing:
         self.check_context([prompt], body.max_output_tokens, "messages")
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         requests = await self.add_requests(
-            response_id, [prompt], params, arrival_time, "messages", body.timeout
+            response_id, [prompt], params, arrival_time, "messages", body.timeout, lora
         )
         formatter = protocol.ChatCompletionFormatter(
-            body, prompt, response_id, self.model_name, tool_parser
+            body, prompt, response_id, lora or self.model_name, tool_parser
         )
         return await self.respond(
             body.stream,
@@ -400,6 +425,56 @@ class OpenAIServing:
             formatter.chunks,
             lambda finals: formatter.response(finals[0]),
         )
+
+    # ---- /v1/models, /v1/load_lora_adapter, /v1/unload_lora_adapter ------------------------
+    def models(self) -> dict[str, Any]:
+        """The base model, then each adapter with `parent` the base model and `root` its path."""
+        max_model_len = self.engine.max_model_len
+        cards = [
+            protocol.model_card(self.model_name, self.engine.engine.config.model, max_model_len)
+        ]
+        for lora in self.engine.list_loras():
+            cards.append(
+                protocol.model_card(lora.lora_name, lora.lora_path, max_model_len, self.model_name)
+            )
+        return {"object": "list", "data": cards}
+
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> Response:
+        """Loads an adapter that requests then name as `model`: 400 naming lora_name if the
+        name is taken, lora_path if the adapter does not fit the base model. It is read and
+        checked on the engine thread, between steps."""
+        name = body.lora_name
+        if name == self.model_name:
+            raise APIError(
+                400,
+                f"lora_name `{name}` is the base model's name: give the adapter another.",
+                "lora_name",
+            )
+        try:
+            await self.engine.add_lora(LoRARequest(name, next(self._lora_ids), body.lora_path))
+        except LoRAAdapterError as error:
+            raise APIError(400, str(error), "lora_path") from error
+        except ValueError as error:  # the name is taken
+            raise APIError(400, str(error), "lora_name") from error
+        logger.info("Loaded LoRA adapter %s from %s", name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> Response:
+        """Unloads an adapter: new requests cannot name it, running ones finish with it; 404
+        for a name not loaded."""
+        name = body.lora_name
+        try:
+            await self.engine.remove_lora(name)
+        except KeyError:
+            loaded = ", ".join(f"`{r.lora_name}`" for r in self.engine.list_loras()) or "none"
+            raise APIError(
+                404,
+                f"No LoRA adapter named `{name}` is loaded (loaded: {loaded}).",
+                "lora_name",
+                "model_not_found",
+            ) from None
+        logger.info("Unloaded LoRA adapter %s", name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     # ---- /tokenize, /detokenize ------------------------------------------------------------
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
@@ -702,6 +777,7 @@ def build_app(
     tool_call_parser: str | None = None,
     request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT_S,
     grammar_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
+    allow_runtime_lora_updating: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving `engine` under `served_model_name` (default: the model path).
 
@@ -712,8 +788,9 @@ def build_app(
     as the KV pool does, and at least one batch (max_num_seqs): deeper, a request would wait
     for more than the pool can start. `request_timeout` seconds after arrival a request is
     aborted (default: no limit). `chat_template` (a Jinja template's text) replaces the model's;
-    `tool_call_parser` (a name in TOOL_PARSERS) turns on tool_choice "auto". A template that
-    cannot render raises ValueError here.
+    `tool_call_parser` (a name in TOOL_PARSERS) turns on tool_choice "auto".
+    `allow_runtime_lora_updating` adds the routes that load and unload adapters (needs an engine
+    with enable_lora). A template that cannot render raises ValueError here.
     """
     config = engine.engine.config
     if max_request_bytes < 1:
@@ -731,6 +808,7 @@ def build_app(
         raise ValueError(
             f"grammar_compile_timeout must be > 0 seconds, got {grammar_compile_timeout}."
         )
+    _check_lora_updating(allow_runtime_lora_updating, engine.engine.config)
     if chat_template is not None:
         check_chat_template(engine.tokenizer, chat_template)
     tokenizers = TokenizerPool(engine.tokenizer, engine.max_model_len)
@@ -800,10 +878,17 @@ def build_app(
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        card = protocol.model_card(
-            serving.model_name, engine.engine.config.model, engine.max_model_len
-        )
-        return {"object": "list", "data": [card]}
+        return serving.models()
+
+    if allow_runtime_lora_updating:  # else the routes are absent: 404
+
+        @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+            return await serving.load_lora_adapter(body)
+
+        @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+            return await serving.unload_lora_adapter(body)
 
     @app.get("/health")
     async def health() -> Response:
@@ -853,6 +938,13 @@ def build_app(
         return {"version": __version__}
 
     return app
+
+
+def _check_lora_updating(allow_runtime_lora_updating: bool, config: EngineConfig) -> None:
+    if allow_runtime_lora_updating and not config.enable_lora:
+        raise ValueError(
+            "--allow-runtime-lora-updating needs --enable-lora: adapters load into its slots."
+        )
 
 
 def _error_response(status: int, message: str, code: str) -> JSONResponse:
@@ -907,6 +999,7 @@ def serve(
     request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT_S,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
     grammar_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
+    allow_runtime_lora_updating: bool = False,
 ) -> None:
     """Loads the model and serves it until SIGTERM or SIGINT (`build_app` says what the limits
     and the chat options mean; quire.entrypoints.shutdown what the signals do, with
@@ -917,6 +1010,7 @@ def serve(
 
     if not shutdown_timeout >= 0:
         raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {shutdown_timeout}.")
+    _check_lora_updating(allow_runtime_lora_updating, config)  # before the model loads
     name = served_model_name or DEFAULT_MODEL_NAME
     metrics = EngineMetrics(
         name, log_requests=log_requests, log_stats_interval_s=10.0 if log_stats else None
@@ -934,6 +1028,7 @@ def serve(
             tool_call_parser,
             request_body_timeout,
             grammar_compile_timeout,
+            allow_runtime_lora_updating,
         )
         config = uvicorn.Config(app, host=host, port=port, log_config=None)
         server = GracefulServer(

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from quire.config import EngineConfig
 from quire.engine.llm_engine import LLMEngine
 from quire.entrypoints.chat_template import check_chat_template, load_chat_template, render_chat
+from quire.entrypoints.cli import chosen_lora
+from quire.lora_request import LoRARequest
 from quire.sampling_params import SamplingParams
 
 EXIT_COMMANDS = ("/exit", "/quit")
@@ -29,7 +31,8 @@ HELP_TEXT = (
 
 
 class ChatSession:
-    """A conversation with the model: each `reply` adds the user's turn and the model's."""
+    """A conversation with the model (with `lora_request`'s adapter, if given): each `reply`
+    adds the user's turn and the model's."""
 
     def __init__(
         self,
@@ -37,6 +40,7 @@ class ChatSession:
         params: SamplingParams,
         system_prompt: str | None = None,
         chat_template: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if chat_template is not None:
             check_chat_template(engine.tokenizer, chat_template)
@@ -49,6 +53,7 @@ class ChatSession:
         self.params = params
         self.system_prompt = system_prompt
         self.chat_template = chat_template
+        self.lora_request = lora_request
         self.history: list[dict[str, str]] = []
         self._ids = itertools.count()
         self.reset()
@@ -68,7 +73,10 @@ class ChatSession:
         token_ids = tokenizer.encode(text, add_special_tokens=False)
         request_id = f"chat-{next(self._ids)}"
         self.engine.add_request(
-            request_id, {"prompt": text, "prompt_token_ids": token_ids}, self.params
+            request_id,
+            {"prompt": text, "prompt_token_ids": token_ids},
+            self.params,
+            lora_request=self.lora_request,
         )
         answer = ""
         try:
@@ -138,6 +146,8 @@ def run_chat_from_args(args: argparse.Namespace, config: EngineConfig) -> int:
     )
     chat_template = load_chat_template(args.chat_template) if args.chat_template else None
     print("Loading the model...", file=sys.stderr)
-    session = ChatSession(LLMEngine(config), params, args.system, chat_template)
+    engine = LLMEngine(config)
+    lora = chosen_lora(engine, args.lora)
+    session = ChatSession(engine, params, args.system, chat_template, lora)
     run_chat(session)
     return 0

@@ -62,8 +62,33 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
         "--n", type=int, default=1, help="completions per prompt (default: %(default)s)"
     )
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    _add_lora_arg(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=_run_generate)
+
+
+def _add_lora_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--lora",
+        default=None,
+        metavar="NAME",
+        help="the adapter of --lora-modules the prompts run (default: the base model)",
+    )
+
+
+def chosen_lora(engine, name: str | None):
+    """The LoRARequest `--lora NAME` chooses among the engine's adapters (None: the base
+    model); ValueError naming the adapters loaded otherwise."""
+    if name is None:
+        return None
+    try:
+        return engine.get_lora(name)
+    except KeyError:
+        loaded = ", ".join(r.lora_name for r in engine.list_loras()) or "none"
+        raise ValueError(
+            f"--lora {name}: no adapter of that name is loaded (loaded: {loaded}); load it with "
+            f"--enable-lora --lora-modules {name}=PATH."
+        ) from None
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -79,11 +104,13 @@ def _run_generate(args: argparse.Namespace) -> int:
         seed=args.seed if args.temperature > 0 else None,
     )
     llm = LLM.from_engine_config(EngineArgs.from_cli_args(args).create_engine_config())
+    lora = chosen_lora(llm.engine, args.lora)
     start = time.perf_counter()
     if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+        conversations = [[{"role": "user", "content": p}] for p in args.prompt]
+        outputs = llm.chat(conversations, params, lora_request=lora)
     else:
-        outputs = llm.generate(args.prompt, params)
+        outputs = llm.generate(args.prompt, params, lora_request=lora)
     elapsed = time.perf_counter() - start
     num_tokens = 0
     for prompt, output in zip(args.prompt, outputs):
@@ -215,6 +242,11 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         choices=sorted(TOOL_PARSERS),
         help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>), llama3_json",
     )
+    server.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora)",
+    )
     EngineArgs.add_cli_args(p, serving=True)
     p.set_defaults(func=_run_serve)
 
@@ -283,6 +315,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         grammar_compile_timeout=args.grammar_compile_timeout,
         chat_template=chat_template,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
     return 0
 
@@ -420,6 +453,7 @@ def _add_chat(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.7, help="(default: %(default)s)")
     p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling, 1: off")
     _add_chat_template_arg(p)
+    _add_lora_arg(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=_run_chat)
 

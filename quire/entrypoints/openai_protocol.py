@@ -435,6 +435,18 @@ class DetokenizeRequest(_Strict):
     tokens: list[TokenId]
 
 
+class LoadLoRAAdapterRequest(_Strict):
+    """vLLM's body: the adapter's name (what requests give as `model`) and its path on the
+    server (a PEFT folder or a GGUF LoRA file)."""
+
+    lora_name: NonEmptyStr
+    lora_path: NonEmptyStr
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    lora_name: NonEmptyStr
+
+
 # ---- responses --------------------------------------------------------------------------------
 @dataclass
 class Prompt:
@@ -474,13 +486,18 @@ def response_object(
     }
 
 
-def model_card(name: str, root: str, max_model_len: int) -> dict[str, Any]:
+def model_card(
+    name: str, root: str, max_model_len: int, parent: str | None = None
+) -> dict[str, Any]:
+    """/v1/models' entry, as vLLM's: `root` the model's (or adapter's) path, `parent` the base
+    model's name for an adapter."""
     return {
         "id": name,
         "object": "model",
         "created": int(time.time()),
         "owned_by": "quire",
         "root": root,
+        "parent": parent,
         "max_model_len": max_model_len,
     }
 

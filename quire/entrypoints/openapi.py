@@ -2,8 +2,8 @@
 
 FastAPI's generated document describes pydantic's 422 and JSON everywhere. This server answers
 bad input with 400 and OpenAI's error body, may answer 401 (API key, with WWW-Authenticate),
-404 (unknown model), 408 (a body not received within --request-body-timeout), 413 (a body over
---max-request-bytes), 500 (the engine failed the request), 503 (the engine
+404 (unknown model or adapter), 408 (a body not received within --request-body-timeout), 413 (a
+body over --max-request-bytes), 500 (the engine failed the request), 503 (the engine
 stopped, or the admission queue is full), 504 (the request's deadline passed), streams
 text/event-stream,
 answers /health with an empty body and /metrics in Prometheus' text format. Limits that depend
@@ -24,7 +24,8 @@ from pydantic import BaseModel
 
 _REF = "#/components/schemas/{model}"
 _GENERATE = ("/v1/completions", "/v1/chat/completions")
-_CHECKS_MODEL = (*_GENERATE, "/tokenize", "/detokenize")
+# Routes that answer 404 for a name they do not know: a model, or an adapter to unload.
+_CHECKS_MODEL = (*_GENERATE, "/tokenize", "/detokenize", "/v1/unload_lora_adapter")
 _PUBLIC = ("/health", "/ready", "/metrics", "/version")
 # One server-sent event of a stream (stream: true): a JSON chunk, or [DONE] at the end.
 _SSE_EVENT = {
@@ -35,7 +36,7 @@ _SSE_EVENT = {
 _DESCRIPTIONS = {
     400: "Invalid request: malformed JSON, a field out of range, or a request the model cannot serve",
     401: "Missing or wrong API key",
-    404: "The model named is not the one served",
+    404: "The model or LoRA adapter named is not served",
     408: "The request body was not received within the server's --request-body-timeout",
     413: "The request body is larger than the server's --max-request-bytes",
     500: "The engine failed the request",
