@@ -1,6 +1,7 @@
 """The one-call-per-layer CPU decode path gives the module path's bits (hidden states and stored
-K/V), takes every decode-only step (of any number of requests, AMX or not) and no other, and
-its bf16 logprobs stay as close to float32 as transformers' own bf16."""
+K/V), takes every decode-only step (of any number of requests, AMX or not) and no other, with
+or without adapters (multi-LoRA) in the step, and its bf16 logprobs stay as close to float32 as
+transformers' own bf16."""
 
 from __future__ import annotations
 
@@ -8,18 +9,21 @@ import shutil
 
 import pytest
 import torch
-from conftest import greedy, in_process_model, make_llm, token_prompts
+from conftest import greedy, in_process_model, make_llm, make_lora_adapter, token_prompts
 
-from quire import LLM
+from quire import LLM, LoRARequest
 from quire.attention.forward_context import forward_context
 from quire.kernels.cpu import gemv
 from quire.layers.linear import packed_linear_supported
 from quire.worker.model_forward import ModelForward
 
-pytestmark = pytest.mark.skipif(
-    not (gemv.available() and packed_linear_supported("cpu", torch.bfloat16)),
-    reason="the CPU decode path needs AVX-512 BF16 and torch with oneDNN",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not (gemv.available() and packed_linear_supported("cpu", torch.bfloat16)),
+        reason="the CPU decode path needs AVX-512 BF16 and torch with oneDNN",
+    ),
+    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing`:FutureWarning"),  # peft
+]
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 
@@ -192,6 +196,76 @@ def test_mixed_prefill_and_decode_steps_take_the_module_path(tiny_llama, monkeyp
 )
 def test_no_decode_path_without_gemv_packed_bf16_weights(tiny_llama, dtype, switches) -> None:
     assert not bf16_llm(tiny_llama, dtype=dtype, **switches).stats().c_decode_step
+
+
+@pytest.fixture(scope="module")
+def lora_llms(tiny_models, tmp_path_factory) -> dict[str, tuple[LLM, list[LoRARequest]]]:
+    """Per architecture: a bf16 engine with two adapter slots, and two peft adapters on its
+    model: every module at rank 8, and q and down alone at rank 4 (o and gate|up add nothing)."""
+    root = tmp_path_factory.mktemp("cpu_decode_lora")
+    result = {}
+    for arch in ARCHS:
+        paths = [
+            make_lora_adapter(tiny_models[arch], str(root / f"{arch}-all"), 1, r=8, lora_alpha=16),
+            make_lora_adapter(
+                tiny_models[arch],
+                str(root / f"{arch}-q-down"),
+                2,
+                r=4,
+                lora_alpha=32,
+                target_modules=["q_proj", "down_proj"],
+            ),
+        ]
+        loras = [LoRARequest(f"{arch}-{i}", i + 1, path) for i, path in enumerate(paths)]
+        result[arch] = (bf16_llm(tiny_models[arch], enable_lora=True, max_loras=2), loras)
+    return result
+
+
+def lora_outputs(llm: LLM, prompts: list[dict], loras: list, **params) -> list[tuple]:
+    """Each request's tokens, and the logprob of each (when `params` asks for logprobs)."""
+    outputs = llm.generate(prompts, greedy(10, **params), use_tqdm=False, lora_request=loras)
+    return [
+        (c.token_ids, c.logprobs and [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+        for c in (o.outputs[0] for o in outputs)
+    ]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lora_enabled_engines_get_the_decode_path(lora_llms, arch) -> None:
+    assert lora_llms[arch][0].stats().c_decode_step
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_base_decode_steps_of_a_lora_enabled_engine_are_fused_bit_for_bit(
+    lora_llms, bf16_llms, arch, monkeypatch
+) -> None:
+    llm, _ = lora_llms[arch]
+    steps = check_each_fused_step(in_process_model(llm), monkeypatch)
+    prompts = token_prompts([3, 17, 40])
+    got = lora_outputs(llm, prompts, [None] * 3, logprobs=0)
+    assert steps == [3] * 9
+    assert got == lora_outputs(bf16_llms[arch], prompts, [None] * 3, logprobs=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_steps_with_adapter_rows_are_fused_bit_for_bit(lora_llms, arch, monkeypatch):
+    llm, (every, q_down) = lora_llms[arch]
+    steps = check_each_fused_step(in_process_model(llm), monkeypatch)
+    loras = [None, every, q_down, every]  # two slots and a base row in each step
+    prompts = token_prompts([3, 17, 40, 9])
+    got = lora_outputs(llm, prompts, loras)  # greedy tokens: the fused argmax
+    assert steps == [4] * 9
+    assert got != lora_outputs(llm, prompts, [None] * 4)  # the adapters add something
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_steps_give_a_request_with_an_adapter_its_bits_alone(lora_llms, arch, monkeypatch):
+    llm, (every, q_down) = lora_llms[arch]
+    prompts, loras = token_prompts([5, 20, 33]), [q_down, every, None]
+    alone = [lora_outputs(llm, [p], [lora], logprobs=0)[0] for p, lora in zip(prompts, loras)]
+    steps = check_each_fused_step(in_process_model(llm), monkeypatch)
+    assert lora_outputs(llm, prompts, loras, logprobs=0) == alone
+    assert steps == [3] * 9
 
 
 def scaled_gate_checkpoint(src: str, dst: str, scale: float) -> str:

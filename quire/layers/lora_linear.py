@@ -195,7 +195,8 @@ class LoRALinear(nn.Module):
             torch.zeros(max_loras, max_rank, base.out_features, device=device),
             persistent=False,
         )
-        self.slot_used = [False] * max_loras  # whether a slot adds anything here
+        # per slot, 1 where it adds anything here (bytes: the C decode step reads them too)
+        self.slot_used = bytearray(max_loras)
 
     def set_slot(self, slot: int, weights: Mapping[str, LoRAWeights]) -> None:
         """Writes an adapter's modules of this layer (full size, any rank up to max_rank) into

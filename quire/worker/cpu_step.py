@@ -15,6 +15,11 @@ It takes a step when the model is bf16 on a CPU with AVX-512 BF16, every project
 copy or is kept in GGUF blocks (QuantizedLinear: qmatmul.c), and the step is decode only (a
 replay after a preemption gives one per token). Results: the module path's, computed in the same order with the same rounding.
 
+A model loaded with adapter slots (multi-LoRA) takes it too: a LoRALinear's base is the
+projection, and its stacked slots go beside it. In a step whose requests run adapters (the
+worker's `lora_context`), each row's slot goes to the C step, which adds every row's delta after
+q|k|v, o, gate|up and down with lora.c, the kernel CpuLoRAOps runs for the modules.
+
 Under tensor parallelism each rank runs the step over its shards, and the C code runs the
 collectives the modules would between them (the all-reduces after the embedding, o_proj and
 down_proj; the argmax across the ranks' vocabulary ranges) over the group's shared memory, in
@@ -39,10 +44,18 @@ from quire.kernels import cpu as cpu_kernels
 from quire.kernels import kv_format
 from quire.kernels.cpu import pointwise
 from quire.layers.linear import PackedLinear
+from quire.layers.lora_linear import LoRALinear, get_lora_context
 from quire.layers.quantized_linear import QuantizedLinear
+from quire.lora.ops import CpuLoRAOps
 from quire.worker.kv_cache import KVCache
 
 _ptr = ctypes.c_void_p
+
+
+class _LoRASlots(ctypes.Structure):  # LoRASlots in decode_layer.c
+    _fields_ = [(name, _ptr) for name in ("a", "b", "slot_used", "out_slices")] + [
+        (name, ctypes.c_int32) for name in ("modules", "max_rank")
+    ]
 
 
 class _Projection(ctypes.Structure):  # Projection in decode_layer.c
@@ -51,13 +64,14 @@ class _Projection(ctypes.Structure):  # Projection in decode_layer.c
         ("bias", _ptr),
         ("format", ctypes.c_int32),
         ("k_block", ctypes.c_int32),
+        ("lora", _LoRASlots),
     ]
 
 
 _LAYER_POINTERS = "input_norm post_norm q_norm k_norm k_cache v_cache"
 _LAYER_PROJECTIONS = "qkv o gate_up down"
 _LAYER_INTS = "hidden_size num_heads num_kv_heads head_dim intermediate_size block_size kv_kind"
-_STEP_POINTERS = "cos sin slots block_tables seq_lens silu x qkv q attn gate_up act"
+_STEP_POINTERS = "cos sin slots block_tables seq_lens lora_slots silu x qkv q attn gate_up act"
 _MODEL_POINTERS = "layers embedding cos_cache sin_cache final_norm"
 _MODEL_INTS = "num_layers vocab_size vocab_start vocab_rows max_position"
 _ARGMAX_ROW_BYTES = 16  # RowBest in shm_all_reduce.c: what a rank publishes per row
@@ -113,7 +127,7 @@ class LayerWeights:
     post_norm: torch.Tensor
     q_norm: torch.Tensor | None  # Qwen3's per-head q/k norms
     k_norm: torch.Tensor | None
-    qkv: nn.Module  # PackedLinear with a GEMV copy, when the path runs
+    qkv: nn.Module  # PackedLinear with a GEMV copy, when the path runs (or a LoRALinear on one)
     o: nn.Module
     gate_up: nn.Module
     down: nn.Module
@@ -184,23 +198,52 @@ class StepWeights:
         )
 
 
+def _base(linear: nn.Module | None) -> nn.Module | None:
+    """The linear that computes x W^T: a LoRALinear's base, any other linear itself."""
+    return linear.base if isinstance(linear, LoRALinear) else linear
+
+
 def _c_projection(linear: nn.Module | None) -> bool:
-    """Whether the C step runs this linear: GEMV-packed bf16, or kept in GGUF blocks."""
-    return isinstance(linear, QuantizedLinear) or (
-        isinstance(linear, PackedLinear) and linear.gemv_weight is not None
+    """Whether the C step runs this linear: GEMV-packed bf16, or kept in GGUF blocks (with or
+    without adapter slots beside it)."""
+    base = _base(linear)
+    return isinstance(base, QuantizedLinear) or (
+        isinstance(base, PackedLinear) and base.gemv_weight is not None
     )
 
 
-def _projection(linear: nn.Module) -> _Projection:
-    if isinstance(linear, QuantizedLinear):
+def _lora_slots(linear: nn.Module, out_slices: list[torch.Tensor]) -> _LoRASlots:
+    """A LoRALinear's slots as the C step reads them (nothing for another linear). Its
+    [modules, 2] int32 out_slices tensor goes on `out_slices`, which keeps it alive."""
+    if not isinstance(linear, LoRALinear):
+        return _LoRASlots()
+    assert linear.lora_a.dtype == linear.lora_b.dtype == torch.float32
+    assert linear.lora_a.is_contiguous() and linear.lora_b.is_contiguous()
+    out_slices.append(torch.tensor(linear.out_slices, dtype=torch.int32))
+    used = (ctypes.c_uint8 * len(linear.slot_used)).from_buffer(linear.slot_used)
+    return _LoRASlots(
+        a=_data(linear.lora_a),
+        b=_data(linear.lora_b),
+        slot_used=ctypes.addressof(used),
+        out_slices=_data(out_slices[-1]),
+        modules=len(linear.module_names),
+        max_rank=linear.max_rank,
+    )
+
+
+def _projection(linear: nn.Module, out_slices: list[torch.Tensor]) -> _Projection:
+    base = _base(linear)
+    lora = _lora_slots(linear, out_slices)
+    if isinstance(base, QuantizedLinear):
         return _Projection(
-            weight=_data(linear.packed), bias=_data(linear.bias), format=linear.format
+            weight=_data(base.packed), bias=_data(base.bias), format=base.format, lora=lora
         )
     return _Projection(
-        weight=_data(linear.gemv_weight),
-        bias=_data(linear.bias),
+        weight=_data(base.gemv_weight),
+        bias=_data(base.bias),
         format=0,
-        k_block=linear.gemv_k_block,
+        k_block=base.gemv_k_block,
+        lora=lora,
     )
 
 
@@ -208,7 +251,7 @@ def _collectives_in_c(weights: StepWeights) -> bool:
     """Whether the C step can run this rank's collectives: the group has a shared-memory file,
     and no row-parallel projection has a bias to add after its all-reduce."""
     return shm_group() is not None and all(
-        getattr(p, "row_bias", None) is None
+        getattr(_base(p), "row_bias", None) is None
         for layer in weights.layers
         for p in (layer.o, layer.down)
     )
@@ -260,6 +303,7 @@ class CpuStepRunner:
         self._argmax_ids = np.zeros(0, np.int64)  # numpy: tolist() without a torch op
         lm_head = weights.lm_head
         self.has_lm_head = _c_projection(lm_head) and lm_head.out_features == self.vocab_rows
+        self._out_slices: list[torch.Tensor] = []  # the LoRA slots' column ranges, kept alive
         self._layers = self._layer_structs(weights, kv_cache)
         self._model = self._model_struct(weights)
 
@@ -312,10 +356,10 @@ class CpuStepRunner:
                     post_norm=_data(layer.post_norm),
                     q_norm=_data(layer.q_norm),
                     k_norm=_data(layer.k_norm),
-                    qkv=_projection(layer.qkv),
-                    o=_projection(layer.o),
-                    gate_up=_projection(layer.gate_up),
-                    down=_projection(layer.down),
+                    qkv=_projection(layer.qkv, self._out_slices),
+                    o=_projection(layer.o, self._out_slices),
+                    gate_up=_projection(layer.gate_up, self._out_slices),
+                    down=_projection(layer.down, self._out_slices),
                     k_cache=_data(k_cache),
                     v_cache=_data(v_cache),
                     hidden_size=weights.hidden_size,
@@ -345,7 +389,7 @@ class CpuStepRunner:
             cos_cache=_data(weights.cos_cache),
             sin_cache=_data(weights.sin_cache),
             final_norm=_data(weights.final_norm),
-            lm_head=_Projection() if lm_head is None else _projection(lm_head),
+            lm_head=_Projection() if lm_head is None else _projection(lm_head, []),
             group=None if self._group is None else ctypes.addressof(self._group),
             num_layers=len(self._layers),
             vocab_size=weights.vocab_size,
@@ -425,6 +469,9 @@ class CpuStepRunner:
         step.slots = slots.data_ptr()
         step.block_tables = block_tables.data_ptr()
         step.seq_lens = seq_lens.data_ptr()
+        lora = get_lora_context()  # the step's adapter rows, if any
+        assert lora is None or isinstance(lora.ops, CpuLoRAOps)  # the kernel the C step runs
+        step.lora_slots = None if lora is None else lora.mapping.token_slots.data_ptr()
         step.num_seqs = num_seqs
         step.max_blocks = block_tables.shape[1]
         step.num_threads = torch.get_num_threads()

@@ -14,6 +14,12 @@
 // so a request's tokens are the module path's with the GEMV kernel for the bf16 projections and
 // the int8 kernel for those kept in GGUF blocks (layers/quantized_linear.py).
 //
+// With adapters (multi-LoRA), each of the four projections may carry the stacked adapter slots of
+// its LoRALinear (layers/lora_linear.py): right after the projection, each row with a slot gets
+// its adapter's delta from lora_add (lora.c), the kernel the module path's LoRA ops run, under
+// the module's rule (every row with a slot, when any of the step's rows has one this projection
+// uses; none otherwise), so a row's bits are the module path's, alone or beside other adapters.
+//
 // Under tensor parallelism each rank runs its shard of every layer (its heads of q|k|v and the
 // attention, its rows of gate|up, its columns of o and down) and the all-reduces the modules run
 // after o and down, over the group's shared memory (shm_all_reduce.c); the embedding is the
@@ -29,13 +35,23 @@
 // The per-row q/k norm is split across threads from this many rows of the step.
 #define PARALLEL_ROWS 4
 
+// The adapter slots beside a projection (a LoRALinear's): float32 stacks, the scale in A.
+typedef struct {
+    const float* a;  // [slots, modules * max_rank, in]; NULL: the projection takes no adapter
+    const float* b;  // [slots, max_rank, out] (B transposed)
+    const uint8_t* slot_used;  // [slots]: 1 where the slot adds anything to this projection
+    const int32_t* out_slices;  // [modules][2]: each fused module's first output column, width
+    int32_t modules, max_rank;
+} LoRASlots;
+
 // One projection's weight: GEMV-packed bf16 (format 0, gemv.c) or GGUF blocks packed for
-// qmatmul.c (format 1..3: Q8_0, Q4_0, Q4_1).
+// qmatmul.c (format 1..3: Q8_0, Q4_0, Q4_1), and its adapter slots.
 typedef struct {
     const void* weight;  // NULL: no such projection
     const uint16_t* bias;  // NULL unless the projection has one (Qwen2's qkv)
     int32_t format;
     int32_t k_block;  // gemv.c's block size, for format 0
+    LoRASlots lora;
 } Projection;
 
 // y = x W^T (+ b) for M rows by the projection's kernel (see gemv_bf16 for the arguments).
@@ -46,6 +62,28 @@ static int project(const Projection* P, const uint16_t* x, int64_t x_stride, uin
                          P->k_block, threads);
     return qmatmul_bf16(P->format, x, x_stride, P->weight, P->bias, y_bf16, y_f32, y_stride, M,
                         N, K, threads);
+}
+
+// y += each row's adapter delta, as LoRALinear.forward adds it: lora_add over every row when
+// any row's slot is one this projection uses (`slots`: the step's, NULL without adapter rows).
+static int add_lora(const LoRASlots* L, const int32_t* slots, const uint16_t* x,
+                    int64_t x_stride, uint16_t* y, int64_t y_stride, int M, int N, int K,
+                    int threads) {
+    if (!L->a || !slots) return 0;
+    int used = 0;
+    for (int b = 0; b < M && !used; b++) used = slots[b] >= 0 && L->slot_used[slots[b]];
+    if (!used) return 0;
+    return lora_add(1, x, x_stride, y, y_stride, L->a, L->b, slots, L->out_slices, L->modules, M,
+                    K, N, L->max_rank, threads);
+}
+
+// project into bf16 rows, then the rows' adapter deltas.
+static int project_rows(const Projection* P, const int32_t* slots, const uint16_t* x,
+                        int64_t x_stride, uint16_t* y, int64_t y_stride, int M, int N, int K,
+                        int threads) {
+    const int status = project(P, x, x_stride, y, NULL, y_stride, M, N, K, threads);
+    if (status) return status;
+    return add_lora(&P->lora, slots, x, x_stride, y, y_stride, M, N, K, threads);
 }
 
 // A layer's weights (packed projections) and KV cache; built once, in Python.
@@ -69,6 +107,7 @@ typedef struct {
     const int64_t* slots;  // [num_seqs] cache slot of each sequence's new token
     const int32_t* block_tables;  // [num_seqs, max_blocks]
     const int32_t* seq_lens;  // [num_seqs], the new token included
+    const int32_t* lora_slots;  // [num_seqs] each row's adapter slot, -1: none; NULL: no adapters
     const float* silu;  // [65536]: torch's bf16 silu of every bf16 bit pattern, as float32
     uint16_t* x;  // scratch: [num_seqs, hidden_size]
     uint16_t* qkv;  // [num_seqs, (num_heads + 2 * num_kv_heads) * head_dim]
@@ -93,7 +132,7 @@ static int decode_layer_bf16(const DecodeLayer* L, const DecodeStep* S, const Sh
     status = add_rms_norm_bf16(hidden, H, first ? NULL : residual, L->input_norm, S->x, B, H,
                                L->eps, threads);
     if (status) return status;
-    status = project(&L->qkv, S->x, H, S->qkv, NULL, W, B, W, H, threads);
+    status = project_rows(&L->qkv, S->lora_slots, S->x, H, S->qkv, W, B, W, H, threads);
     if (status) return status;
     if (L->q_norm) {
 #pragma omp parallel for num_threads(threads) if (B >= PARALLEL_ROWS) schedule(static)
@@ -127,16 +166,17 @@ static int decode_layer_bf16(const DecodeLayer* L, const DecodeStep* S, const Sh
                                    S->max_blocks, L->scale, threads);
     }
     if (status) return status;
-    status = project(&L->o, S->attn, Q, hidden, NULL, H, B, H, Q, threads);
+    status = project_rows(&L->o, S->lora_slots, S->attn, Q, hidden, H, B, H, Q, threads);
     if (status) return status;
     if (group && (status = shm_all_reduce_bf16(group, hidden, (int64_t)B * H))) return status;
     status = add_rms_norm_bf16(hidden, H, residual, L->post_norm, S->x, B, H, L->eps, threads);
     if (status) return status;
-    status = project(&L->gate_up, S->x, H, S->gate_up, NULL, 2 * I, B, 2 * I, H, threads);
+    status = project_rows(&L->gate_up, S->lora_slots, S->x, H, S->gate_up, 2 * I, B, 2 * I, H,
+                          threads);
     if (status) return status;
     status = silu_and_mul_bf16(S->gate_up, S->silu, S->act, B, I, threads);
     if (status) return status;
-    status = project(&L->down, S->act, I, hidden, NULL, H, B, H, I, threads);
+    status = project_rows(&L->down, S->lora_slots, S->act, I, hidden, H, B, H, I, threads);
     if (status || !group) return status;
     return shm_all_reduce_bf16(group, hidden, (int64_t)B * H);
 }

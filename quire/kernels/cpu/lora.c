@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernels.h"
 
 typedef float f32x16 __attribute__((vector_size(64)));
 
