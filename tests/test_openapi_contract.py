@@ -112,3 +112,11 @@ def test_structured_output_fields_are_documented(contract_server):
         "json_object",
     }
     assert "schema" in schemas["JsonSchemaFormat"]["required"]
+
+
+def test_a_collocated_instance_documents_no_kv_transfer_params(contract_server):
+    """It answers them 400 (they need --disaggregation-mode): the document must not offer them
+    as valid."""
+    schemas = httpx.get(contract_server.url + "/openapi.json").json()["components"]["schemas"]
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        assert "kv_transfer_params" not in schemas[name]["properties"]

@@ -832,7 +832,13 @@ def build_app(
     app.router.route_class = _FiniteJSONRoute
     app.state.serving = serving
     app.state.admission = admission
-    install_openapi(app, engine.max_model_len, engine.engine.model_config.vocab_size, bool(api_key))
+    install_openapi(
+        app,
+        engine.max_model_len,
+        engine.engine.model_config.vocab_size,
+        bool(api_key),
+        disaggregated=engine.engine.config.disaggregation_mode is not None,
+    )
     # Starlette runs the last added outermost: key check, then admission, then the body limit.
     app.add_middleware(
         BodySizeLimit,

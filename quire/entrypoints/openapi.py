@@ -61,13 +61,19 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-def install_openapi(app: FastAPI, max_model_len: int, vocab_size: int, api_key: bool) -> None:
-    """Replaces `app.openapi` by one that builds the corrected document once."""
+def install_openapi(
+    app: FastAPI, max_model_len: int, vocab_size: int, api_key: bool, disaggregated: bool
+) -> None:
+    """Replaces `app.openapi` by one that builds the corrected document once. A collocated
+    instance (not `disaggregated`) refuses `kv_transfer_params`, so its document has none."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             _correct(schema, max_model_len, vocab_size, api_key)
+            if not disaggregated:
+                for model in schema["components"]["schemas"].values():
+                    model.get("properties", {}).pop("kv_transfer_params", None)
             app.openapi_schema = schema
         return app.openapi_schema
 
