@@ -432,36 +432,6 @@ class ModelSettings:
     device: str
     seed: int  # of torch's generator: sampling without a per-request seed
 
-    def _check_lora(self) -> None:
-        if not self.enable_lora:
-            if self.lora_modules:
-                raise ValueError("lora_modules needs enable_lora (--enable-lora).")
-            return
-        self.lora_config()  # ValueError naming the knob
-        if self.disaggregation_mode is not None:
-            raise ValueError(
-                "enable_lora does not run with disaggregation yet (a decode instance would need "
-                "the prefill instance's adapters); serve adapters from a collocated instance."
-            )
-        for request in self.lora_requests():
-            if not os.path.exists(request.lora_path):
-                raise FileNotFoundError(
-                    f"lora module {request.lora_name!r}: {request.lora_path} does not exist; "
-                    "give a PEFT adapter folder or a GGUF LoRA file."
-                )
-        names = [r.lora_name for r in self.lora_requests()]
-        if len(set(names)) < len(names):
-            raise ValueError(f"lora_modules names an adapter twice: {sorted(names)}.")
-
-    def lora_config(self) -> LoRAConfig | None:
-        if not self.enable_lora:
-            return None
-        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
-
-    def lora_requests(self) -> list[LoRARequest]:
-        """`lora_modules` as LoRARequests, with ids 1, 2, ... in order."""
-        return [parse_lora_module(text, i) for i, text in enumerate(self.lora_modules or (), 1)]
-
     @property
     def is_gguf(self) -> bool:
         return self.model.endswith(".gguf")
