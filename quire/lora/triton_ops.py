@@ -68,7 +68,7 @@ def _shrink_kernel(
             mask=mask_k[:, None] & mask_n[None, :],
             other=0.0,
         )  # [BLOCK_K, BLOCK_N]: A^T's block
-        acc += tl.dot(x, a)
+        acc += tl.dot(x, a, input_precision="ieee")  # float32, not TF32
     tl.store(
         u_ptr + (start + offs_m)[:, None] * stride_um + offs_n[None, :],
         acc,
@@ -122,7 +122,7 @@ def _expand_kernel(
             mask=mask_r[:, None] & mask_n[None, :],
             other=0.0,
         )  # [BLOCK_K, BLOCK_N]: B^T's block
-        acc += tl.dot(u, b)
+        acc += tl.dot(u, b, input_precision="ieee")
     out_ptrs = out_ptr + rows[:, None] * stride_om + (out_first + offs_n)[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     base = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
