@@ -4,6 +4,8 @@ GGUF header is read once, by quire's reader, and the KV pool is not filled."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import gguf
 import torch
@@ -55,3 +57,29 @@ def test_llm_does_not_fill_the_kv_pool(default_model, monkeypatch):
     assert llm.engine.num_kv_blocks == _POOL_BYTES // (30 * 2 * 3 * 64 * 2 * 16)
     assert [n for n in filled if n >= 64 << 20] == []
     assert _rss_bytes() - before < _POOL_BYTES // 4
+
+
+_SERVER_AND_TRANSPORT = ("fastapi", "starlette", "uvicorn", "zmq", "ray")
+
+_IMPORTS_OF_AN_OFFLINE_RUN = """
+import sys
+from quire.entrypoints.cli import build_parser
+build_parser()
+from quire import LLM, SamplingParams
+LLM(sys.argv[1], kv_cache_memory=1 << 28).generate(["hi"], SamplingParams(max_tokens=2))
+print(" ".join(sorted(set(sys.argv[2:]) & set(sys.modules))))
+"""
+
+
+def test_an_offline_run_imports_no_server_or_transport_package(default_model):
+    """`quire --help`, `quire bench` and LLM.generate start without the HTTP server's packages,
+    pyzmq or Ray: they cost start time, and a machine may lack them (the GPU image does)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORTS_OF_AN_OFFLINE_RUN, default_model, *_SERVER_AND_TRANSPORT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1:] in ([], [""]), done.stdout

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from starlette.responses import Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+if TYPE_CHECKING:  # types only: `quire --help` and `quire bench` run without the server's packages
+    from starlette.responses import Response
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # A full context of text or token ids fits many times over.
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
@@ -43,7 +45,7 @@ DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 # steps, so a second is many steps and not so long that a client sits idle.
 RETRY_AFTER_S = 1
 
-ErrorResponse = Callable[[int, str, str], Response]  # (status, message, code)
+ErrorResponse = Callable[[int, str, str], "Response"]  # (status, message, code)
 
 
 class BodySizeLimit:
