@@ -421,6 +421,20 @@ def test_serve_bench_sends_fresh_prompts_at_each_rate(tokenizer_dir, tmp_path):
     assert first.isdisjoint(second)
 
 
+def test_serve_bench_names_llama_cpp_adapters_round_robin(tokenizer_dir, capsys):
+    stub = StubServer()
+    with stub as url:
+        argv = ["bench", "serve", "--base-url", url, "--tokenizer", tokenizer_dir, *SERVE_ARGS]
+        assert main(argv + ["--lora-ids", "0,3,base"]) == 0
+    # three probes (one per id), then the run's four requests; each group arrives in any order
+    sent = [json.dumps(p.get("lora")) for p in stub.payloads]
+    adapter_0, adapter_3 = '[{"id": 0, "scale": 1.0}]', '[{"id": 3, "scale": 1.0}]'
+    assert sorted(sent[:3]) == sorted([adapter_0, adapter_3, "null"])
+    assert sorted(sent[3:]) == sorted([adapter_0, adapter_3, "null", adapter_0])
+    assert main(argv + ["--lora-ids", "0,a1"]) == 2
+    assert "--lora-ids takes adapter ids (0, 1, ...) or base" in capsys.readouterr().err
+
+
 def test_serve_bench_counts_chunks_without_usage_and_plots(tokenizer_dir, tmp_path):
     pytest.importorskip("matplotlib")
     out, png = tmp_path / "serve.json", tmp_path / "serve.png"

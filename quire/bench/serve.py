@@ -13,7 +13,9 @@ Goodput counts the requests that meet every SLO of `--goodput ttft:MS tpot:MS e2
 Each rate gets its own prompts (seed + i for the i-th rate), so no run is served from the prefix
 cache that an earlier one filled. `--models a,b,base` sends request i with the i-th of those
 `model` names round-robin (LoRA adapters of a multi-LoRA server; `base` is --model, or the
-server's first model).
+server's first model). `--lora-ids 0,1,base` does the same for llama.cpp's server, which picks
+adapters by each request's `lora` field (`[{"id": 0, "scale": 1.0}]`; start it with
+`--lora-init-without-apply` so that an adapter not named is off).
 """
 
 from __future__ import annotations
@@ -92,10 +94,14 @@ def completions_url(base_url: str) -> str:
 
 
 async def send_request(
-    client: httpx.AsyncClient, url: str, model: str, request: ServeRequest
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    request: ServeRequest,
+    lora_id: int | None = None,
 ) -> RequestResult:
-    """One streamed completion, timed chunk by chunk."""
-    payload = {
+    """One streamed completion, timed chunk by chunk; `lora_id` names llama.cpp's adapter."""
+    payload: dict = {
         "model": model,
         "prompt": request.prompt,
         "max_tokens": request.output_len,
@@ -104,6 +110,8 @@ async def send_request(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if lora_id is not None:
+        payload["lora"] = [{"id": lora_id, "scale": 1.0}]
     chunk_times: list[float] = []
     usage: dict | None = None
     start = time.perf_counter()
@@ -159,10 +167,12 @@ async def run_benchmark(
     api_key: str | None = None,
     seed: int = 0,
     show_progress: bool = True,
+    lora_ids: Sequence[int | None] = (None,),
 ) -> tuple[list[RequestResult], float]:
     """Sends every request on its arrival time, request i with `model`, or with model[i % len]
-    for several names; returns the results (in request order) and the wall time from the first
-    send to the last response."""
+    for several names, and llama.cpp's adapter lora_ids[i % len] (None: no `lora` field);
+    returns the results (in request order) and the wall time from the first send to the last
+    response."""
     models = [model] if isinstance(model, str) else list(model)
     url = completions_url(base_url)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -173,19 +183,20 @@ async def run_benchmark(
     )
     async with httpx.AsyncClient(timeout=None, limits=limits, headers=headers) as client:
 
-        async def send(request: ServeRequest, model: str) -> RequestResult:
+        async def send(request: ServeRequest, model: str, lora_id: int | None) -> RequestResult:
             if semaphore is None:
-                result = await send_request(client, url, model, request)
+                result = await send_request(client, url, model, request, lora_id)
             else:
                 async with semaphore:
-                    result = await send_request(client, url, model, request)
+                    result = await send_request(client, url, model, request, lora_id)
             bar.update(1)
             return result
 
         start = time.perf_counter()
         tasks = []
         async for i in _arrivals(len(requests), request_rate, random.Random(seed)):
-            tasks.append(asyncio.create_task(send(requests[i], models[i % len(models)])))
+            model_i, lora_i = models[i % len(models)], lora_ids[i % len(lora_ids)]
+            tasks.append(asyncio.create_task(send(requests[i], model_i, lora_i)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     bar.close()
@@ -342,6 +353,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "adapters a,b,base)",
     )
     p.add_argument(
+        "--lora-ids",
+        default=None,
+        metavar="IDS",
+        help="llama.cpp's server: adapter ids sent round-robin in each request's `lora` field, "
+        "comma-separated, base for none (e.g. 0,1,2,3)",
+    )
+    p.add_argument(
         "--tokenizer", default=None, help="makes the prompts (default: quire's default model's)"
     )
     p.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
@@ -410,6 +428,24 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError("--request-rate values must be > 0 (inf: all at once).")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}.")
+    parse_lora_ids(args.lora_ids)
+
+
+def parse_lora_ids(text: str | None) -> list[int | None]:
+    """`--lora-ids`: "0,1,base" -> [0, 1, None]."""
+    if text is None:
+        return [None]
+    ids: list[int | None] = []
+    for name in text.split(","):
+        if name == "base":
+            ids.append(None)
+        elif name.isdigit():
+            ids.append(int(name))
+        else:
+            raise ValueError(
+                f"--lora-ids takes adapter ids (0, 1, ...) or base, comma-separated; got {name!r}."
+            )
+    return ids
 
 
 def main(args: argparse.Namespace) -> int:
@@ -422,18 +458,28 @@ def main(args: argparse.Namespace) -> int:
     models = [model]
     if args.models is not None:
         models = [model if name == "base" else name for name in args.models.split(",")]
+    lora_ids = parse_lora_ids(args.lora_ids)
     tokenizer = load_tokenizer(args.tokenizer or default_model_path())
-    probe = [ServeRequest("Hello", 1, 2)] * len(models)  # one request per model name
+    probes = max(len(models), len(lora_ids))  # one request per model name and adapter id
     probe_results, _ = asyncio.run(
         run_benchmark(
-            args.base_url, models, probe, math.inf, None, args.api_key, show_progress=False
+            args.base_url,
+            models,
+            [ServeRequest("Hello", 1, 2)] * probes,
+            math.inf,
+            None,
+            args.api_key,
+            show_progress=False,
+            lora_ids=lora_ids,
         )
     )
-    for name, result in zip(models, probe_results):
+    for i, result in enumerate(probe_results):
         if not result.success:
+            name, lora_id = models[i % len(models)], lora_ids[i % len(lora_ids)]
+            adapter = "" if lora_id is None else f", adapter id {lora_id}"
             raise ValueError(
-                f"The server at {completions_url(args.base_url)} failed for model {name}: "
-                f"{result.error}"
+                f"The server at {completions_url(args.base_url)} failed for model {name}"
+                f"{adapter}: {result.error}"
             )
 
     runs = []
@@ -445,7 +491,14 @@ def main(args: argparse.Namespace) -> int:
         )
         results, duration = asyncio.run(
             run_benchmark(
-                args.base_url, models, requests, rate, args.max_concurrency, args.api_key, seed
+                args.base_url,
+                models,
+                requests,
+                rate,
+                args.max_concurrency,
+                args.api_key,
+                seed,
+                lora_ids=lora_ids,
             )
         )
         metrics = compute_metrics(results, duration, slos)
@@ -461,6 +514,7 @@ def main(args: argparse.Namespace) -> int:
         "base_url": args.base_url,
         "model": model,
         "models": models,
+        "lora_ids": lora_ids,
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,
         "output_len": args.output_len,
