@@ -14,6 +14,7 @@ import sys
 
 import httpx
 import pytest
+from conftest import make_lora_adapter
 from server_utils import ServerThread
 
 from quire.config import EngineConfig
@@ -28,13 +29,30 @@ MAX_MODEL_LEN = 32
 
 
 @pytest.fixture(scope="module")
-def contract_server(tiny_llama):
+def contract_adapter(tiny_llama, tmp_path_factory) -> str:
+    return make_lora_adapter(tiny_llama, str(tmp_path_factory.mktemp("lora")), 1, r=4)
+
+
+@pytest.fixture(scope="module")
+def contract_server(tiny_llama, contract_adapter):
+    """A multi-LoRA server with an adapter loaded and the routes that load and unload them, so
+    that every route is in the document and under schemathesis."""
     config = EngineConfig(
-        model=tiny_llama, dtype="float32", max_model_len=MAX_MODEL_LEN, num_kv_blocks=256
+        model=tiny_llama,
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        num_kv_blocks=256,
+        enable_lora=True,
+        max_lora_rank=8,
+        lora_modules=[f"adapter={contract_adapter}"],
     )
     engine = AsyncLLM.from_engine_config(config, EngineMetrics("tiny"))
     app = build_app(
-        engine, "tiny", chat_template=load_chat_template(HERMES_TEMPLATE), tool_call_parser="hermes"
+        engine,
+        "tiny",
+        chat_template=load_chat_template(HERMES_TEMPLATE),
+        tool_call_parser="hermes",
+        allow_runtime_lora_updating=True,
     )
     server = ServerThread(app)
     try:
@@ -79,7 +97,14 @@ def test_a_405_names_the_allowed_methods(contract_server):
     assert response.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_schemathesis_finds_no_failure_with_every_check(contract_server, tiny_llama, tmp_path):
+def test_the_lora_routes_are_in_the_document(contract_server):
+    paths = httpx.get(contract_server.url + "/openapi.json").json()["paths"]
+    assert {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"} <= set(paths)
+
+
+def test_schemathesis_finds_no_failure_with_every_check(
+    contract_server, contract_adapter, tiny_llama
+):
     st = shutil.which("st", path=os.path.dirname(sys.executable))
     assert st, "schemathesis is in the test extra: pip install -e '.[test]'"
     env = {
@@ -87,6 +112,7 @@ def test_schemathesis_finds_no_failure_with_every_check(contract_server, tiny_ll
         "QUIRE_CONTRACT_MODEL": tiny_llama,
         "QUIRE_CONTRACT_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
         "QUIRE_CONTRACT_CHAT_TEMPLATE": HERMES_TEMPLATE,
+        "QUIRE_CONTRACT_LORA_PATH": contract_adapter,
         "NO_COLOR": "1",
     }
     # As a user runs it from the repository root: schemathesis finds ./schemathesis.toml.
@@ -95,6 +121,9 @@ def test_schemathesis_finds_no_failure_with_every_check(contract_server, tiny_ll
     with contextlib.chdir(ROOT):
         result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-5000:]
+    # valid load requests really loaded the adapter (under names the hooks made unique)
+    models = httpx.get(contract_server.url + "/v1/models").json()["data"]
+    assert len([m for m in models if m["root"] == contract_adapter]) > 1
 
 
 def test_structured_output_fields_are_documented(contract_server):

@@ -5,7 +5,8 @@ the tokenizer; a request that breaks one is schema-valid but gets 400, so schema
 break them are left out of generation (`filter_case`). Every check still runs on every case that
 is generated. The server under test is described by environment variables that
 tests/test_openapi_contract.py sets: QUIRE_CONTRACT_MODEL (model folder, for its tokenizer),
-QUIRE_CONTRACT_MAX_MODEL_LEN and QUIRE_CONTRACT_CHAT_TEMPLATE (a template file).
+QUIRE_CONTRACT_MAX_MODEL_LEN, QUIRE_CONTRACT_CHAT_TEMPLATE (a template file) and
+QUIRE_CONTRACT_LORA_PATH (an adapter of the model, which valid load requests are pointed at).
 
 One filter is a budget, not a rule: a request may ask for n = 128 samples of each of many prompts,
 valid and served, but minutes of generation on a 2-core CI machine; cases that would generate
@@ -15,6 +16,7 @@ more than MAX_GENERATED_TOKENS are left out.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from typing import Any
 
@@ -27,6 +29,7 @@ from quire.entrypoints.openai_protocol import (
     INT64_MIN,
     ChatCompletionRequest,
     CompletionRequest,
+    LoadLoRAAdapterRequest,
 )
 from quire.entrypoints.tool_choice import request_tool_choice
 from quire.model.tokenizer import load_tokenizer
@@ -100,6 +103,35 @@ def tokenize_rules(ctx: Any, case: Any) -> bool:
         return True
     text = _chat_text(body)
     return text is None or len(text) <= _max_model_len() * _max_token_chars()
+
+
+@schemathesis.hook("map_body").apply_to(method="POST", path="/v1/load_lora_adapter")
+def load_a_real_adapter(ctx: Any, body: Any) -> Any:
+    """A schema-valid lora_path must still name an adapter of the base model on the server's
+    disk, and a lora_name must be free: a valid body gets the adapter at
+    QUIRE_CONTRACT_LORA_PATH and a name no earlier case used, so that it is loaded (200)."""
+    try:
+        request = LoadLoRAAdapterRequest.model_validate(body)
+    except pydantic.ValidationError:
+        return body  # invalid as generated: it stays so
+    return {
+        "lora_name": f"{request.lora_name}-{next(_adapter_names)}",
+        "lora_path": os.environ["QUIRE_CONTRACT_LORA_PATH"],
+    }
+
+
+_adapter_names = itertools.count()
+
+
+@schemathesis.hook("filter_case").apply_to(method="POST", path="/v1/load_lora_adapter")
+def adapter_rules(ctx: Any, case: Any) -> bool:
+    """The coverage phase sends its bodies unmapped: of the valid ones, keep those that name
+    the adapter (none do; the fuzzing phase's mapped ones load it)."""
+    try:
+        LoadLoRAAdapterRequest.model_validate(case.body)
+    except pydantic.ValidationError:
+        return True
+    return case.body["lora_path"] == os.environ["QUIRE_CONTRACT_LORA_PATH"]
 
 
 def _within_budget(body: dict[str, Any], num_prompts: int, max_tokens: Any) -> bool:
