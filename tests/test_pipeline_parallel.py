@@ -4,7 +4,9 @@ logprobs stay close, the default GGUF model keeps its blocks split over two stag
 keeps two steps in flight over disjoint requests with the same tokens; abort, preemption and
 n > 1 leave every block free on every stage; n-gram speculation and structured outputs run;
 impossible splits and what does not run under pipeline parallelism fail at start, saying what
-to change; a killed stage fails the engine within seconds."""
+to change; a killed stage fails the engine within seconds. The scheduler with two steps in
+flight gives them disjoint requests, holds a prompt's next chunk until its previous one is back,
+never preempts a request in flight and frees an aborted one's blocks."""
 
 from __future__ import annotations
 
@@ -14,6 +16,16 @@ import time
 
 import pytest
 from conftest import assert_idle, greedy, make_llm, process_exists, token_prompts, worker_pids
+from test_scheduler import (
+    BS,
+    assert_all_blocks_free,
+    batch,
+    ids,
+    make_request,
+    prompt,
+    sampled,
+    sampling_ids,
+)
 from test_tensor_parallel import (
     BF16_LOGPROB_ATOL,
     BF16_TIE_GAP,
@@ -25,8 +37,12 @@ from test_tensor_parallel import (
 
 from quire import LLM, SamplingParams
 from quire.config import EngineConfig
+from quire.engine.kv_manager import KVCacheManager
+from quire.engine.request import RequestStatus
+from quire.engine.scheduler import Scheduler
 from quire.entrypoints.cli import main
 from quire.executor.base import WorkerDiedError
+from quire.messages import SchedulerOutput
 from quire.sampling_params import StructuredOutputsParams
 
 # 6 blocks of 16 tokens: the prompts of the preemption test do not all fit at once
@@ -138,8 +154,8 @@ def test_preemption_abort_and_forks_free_every_block_on_every_stage(pp_llama):
     (output,) = pp_llama.generate(PROMPTS[:1], forks, use_tqdm=False)
     assert [len(c.token_ids) for c in output.outputs] == [6, 6, 6]
     assert_idle(pp_llama)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"abort-{i}", prompt, params)
+    for i, request_prompt in enumerate(prompts):
+        engine.add_request(f"abort-{i}", request_prompt, params)
     engine.step()
     engine.step()
     engine.abort_request([f"abort-{i}" for i in range(3)])
@@ -253,3 +269,63 @@ def test_a_killed_stage_fails_the_engine_within_seconds(pp_llama):
         pp_llama.generate(PROMPTS, SamplingParams(max_tokens=4), use_tqdm=False)
     assert time.monotonic() - start < 5
     assert not any(map(process_exists, pids))  # the first stage ended too
+
+
+# ---- the scheduler with two steps in flight (no model) -------------------------------------
+
+
+def in_flight_scheduler(num_blocks: int = 64, max_num_batched_tokens: int = 64) -> Scheduler:
+    kv = KVCacheManager(num_blocks, BS, True)
+    return Scheduler(kv, 8, max_num_batched_tokens, 64, max_steps_in_flight=2)
+
+
+def finish(scheduler: Scheduler, output: SchedulerOutput) -> None:
+    """Takes a step back: every request that samples gets token 7."""
+    scheduler.update(output, sampled(sampling_ids(scheduler, output)))
+
+
+def test_two_steps_in_flight_take_disjoint_halves_of_the_requests():
+    scheduler = in_flight_scheduler()
+    for i, name in enumerate("abcd"):
+        scheduler.add_request(make_request(name, prompt(100 * (i + 1), 4)))
+    first, second, third = (scheduler.schedule() for _ in range(3))
+    assert [batch(first), batch(second), batch(third)] == [
+        [("a", 4), ("b", 4)],
+        [("c", 4), ("d", 4)],
+        [],
+    ]
+    finish(scheduler, first)
+    assert batch(scheduler.schedule()) == [("a", 1), ("b", 1)]
+
+
+def test_a_prompts_next_chunk_waits_for_its_previous_one():
+    scheduler = in_flight_scheduler(max_num_batched_tokens=8)
+    scheduler.add_request(make_request("a", prompt(100, 20)))
+    first = scheduler.schedule()
+    assert batch(first) == [("a", 8)] and scheduler.schedule().is_empty
+    finish(scheduler, first)
+    assert batch(scheduler.schedule()) == [("a", 8)]
+
+
+def test_a_request_in_flight_is_never_preempted():
+    """Two blocks: "a" (running first) needs a second one for its first decode while the newer
+    "b" has its prompt in flight; "a" gives its own block back instead of taking b's."""
+    scheduler = in_flight_scheduler(num_blocks=2)
+    scheduler.add_request(make_request("a", prompt(100, 4)))
+    scheduler.add_request(make_request("b", prompt(200, 4)))
+    first, second = scheduler.schedule(), scheduler.schedule()
+    finish(scheduler, first)
+    third = scheduler.schedule()
+    assert third.is_empty and third.preempted_req_ids == ["a"]
+    finish(scheduler, second)
+    assert ids(scheduler.running) == ["b"] and ids(scheduler.waiting) == ["a"]
+
+
+def test_a_request_aborted_in_flight_frees_its_blocks_when_its_step_returns():
+    scheduler = in_flight_scheduler()
+    scheduler.add_request(make_request("a", prompt(100, 6)))
+    output = scheduler.schedule()
+    scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    scheduler.update(output, sampled(["a"]))
+    assert_all_blocks_free(scheduler)
+    assert scheduler.schedule().finished_req_ids == ["a"]

@@ -154,6 +154,8 @@ class MultiprocExecutor(Executor):
                         pipe, self._processes[rank], f"worker rank {rank}", WorkerDiedError
                     )
                 )
+            except WorkerDiedError:
+                raise
             except RuntimeError as error:
                 deadline = time.monotonic() + child_process.POLL_S
                 while time.monotonic() < deadline:

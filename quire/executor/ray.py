@@ -180,6 +180,8 @@ class RayExecutor(Executor):
                 for ref in done:
                     try:
                         results[rank_of[ref]] = _result(ref, rank_of[ref])
+                    except WorkerDiedError:
+                        raise
                     except RuntimeError:
                         others, _ = ray.wait(
                             pending, num_returns=len(pending), timeout=PEER_DEATH_S
