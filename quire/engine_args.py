@@ -164,8 +164,8 @@ class EngineArgs:
         "is scheduled once the one before it came back)"
     )
     tensor_parallel_port: int | None = _knob(
-        help="TCP port where the tensor-parallel ranks meet, on rank 0's host (127.0.0.1 with "
-        "mp; default: a free one)"
+        help="TCP port where the ranks (tensor- and pipeline-parallel) meet, on rank 0's host "
+        "(127.0.0.1 with mp; default: a free one)"
     )
     engine_core_process: bool = _knob(
         False,
