@@ -210,7 +210,7 @@ class EngineConfig(EngineArgs):
                 "process per rank) or 'ray' (a Ray actor per rank); got "
                 f"{self.distributed_executor_backend!r}."
             )
-        if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
+        if self.world_size > 1 and self.distributed_executor_backend == "uni":
             self.distributed_executor_backend = "mp"  # a process per rank
         if self.engine_core_process and self.distributed_executor_backend == "mp":
             raise ValueError(
@@ -233,9 +233,15 @@ class EngineConfig(EngineArgs):
             "max_num_seqs",
             "max_num_batched_tokens",
             "tensor_parallel_size",
+            "pipeline_parallel_size",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.max_steps_in_flight is not None and self.max_steps_in_flight < 1:
+            raise ValueError(
+                f"max_steps_in_flight must be >= 1, got {self.max_steps_in_flight} (leave it out "
+                "for pipeline_parallel_size)."
+            )
         if self.grammar_cache_bytes < 0:
             raise ValueError(f"grammar_cache_bytes must be >= 0, got {self.grammar_cache_bytes}.")
         if self.block_size & (self.block_size - 1):
@@ -257,15 +263,71 @@ class EngineConfig(EngineArgs):
             )
         self._resolve_kv_transfer()
         self._check_lora()
+        self._check_pipeline_parallel()
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
             )
-        if self.tensor_parallel_size > 1 or self.max_model_len is not None:
+        if self.world_size > 1 or self.max_model_len is not None:
             shape = ModelShape.read(self.model)  # config.json or the GGUF header, not the model
             shape.check_tensor_parallel_size(self.tensor_parallel_size)
+            shape.layer_partition(self.pipeline_parallel_size, self.layer_partition())
             if self.max_model_len is not None:
                 shape.check_max_model_len(self.max_model_len)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks: tensor_parallel_size in each of pipeline_parallel_size stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def layer_partition(self) -> tuple[int, ...] | None:
+        """`pp_layer_partition` as numbers (None: the even split)."""
+        if self.pp_layer_partition is None:
+            return None
+        try:
+            return tuple(int(part) for part in self.pp_layer_partition.split(","))
+        except ValueError:
+            raise ValueError(
+                "pp_layer_partition must be layer counts separated by commas, one per pipeline "
+                f"stage (e.g. 12,12); got {self.pp_layer_partition!r}."
+            ) from None
+
+    def _check_pipeline_parallel(self) -> None:
+        """What does not run under pipeline parallelism, or with several steps in flight, yet:
+        refused with what to change."""
+        spec = self.speculative_config
+        if (self.max_steps_in_flight or 1) > 1 and (
+            self.disaggregation_mode is not None or (spec and spec.method == "draft_model")
+        ):
+            raise ValueError(
+                "max_steps_in_flight > 1 does not run with disaggregation or a draft model yet: "
+                "leave max_steps_in_flight out, or set it to 1."
+            )
+        if self.pipeline_parallel_size == 1:
+            return
+        refused = [
+            (
+                spec is not None and spec.method == "draft_model",
+                "speculative_config method 'draft_model' (the draft is not split into stages); "
+                "use method 'ngram'",
+            ),
+            (
+                self.disaggregation_mode is not None,
+                "disaggregation (each stage would move its layers' K/V); serve a collocated "
+                "instance",
+            ),
+            (
+                self.enable_lora,
+                "enable_lora (adapters are not split into stages); serve adapters from an "
+                "instance with pipeline_parallel_size 1",
+            ),
+        ]
+        for refuse, what in refused:
+            if refuse:
+                raise ValueError(
+                    f"pipeline_parallel_size {self.pipeline_parallel_size} does not run with "
+                    f"{what}, or use pipeline_parallel_size 1."
+                )
 
     def _check_ray_arguments(self) -> None:
         if self.ray_placement_strategy not in RAY_PLACEMENT_STRATEGIES:
@@ -453,16 +515,29 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     grammar_cache_bytes: int  # structured outputs' compiled grammars
+    max_steps_in_flight: int  # the engine core's batch queue
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int
-    tensor_parallel_port: int | None
+    pipeline_parallel_size: int
+    layer_partition: tuple[int, ...]  # layers per pipeline stage, first stage first
+    tensor_parallel_port: int | None  # where all the ranks meet
     distributed_executor_backend: str  # "uni" | "mp" | "ray"
     ray_address: str | None  # ray: the cluster to join (None: start one here)
     ray_placement_strategy: str  # ray: the placement group's strategy
     engine_core_process: bool
+
+    @property
+    def world_size(self) -> int:
+        """Ranks: rank = stage * tensor_parallel_size + its tensor-parallel rank."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def stage_layers(self, stage: int) -> range:
+        """The layers pipeline stage `stage` holds."""
+        start = sum(self.layer_partition[:stage])
+        return range(start, start + self.layer_partition[stage])
 
 
 @dataclass(frozen=True)
@@ -562,9 +637,14 @@ def resolve_config(config: EngineConfig) -> QuireConfig:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             grammar_cache_bytes=config.grammar_cache_bytes,
+            max_steps_in_flight=config.max_steps_in_flight or config.pipeline_parallel_size,
         ),
         parallel=ParallelConfig(
             tensor_parallel_size=config.tensor_parallel_size,
+            pipeline_parallel_size=config.pipeline_parallel_size,
+            layer_partition=ModelShape.read(config.model).layer_partition(
+                config.pipeline_parallel_size, config.layer_partition()
+            ),
             tensor_parallel_port=config.tensor_parallel_port,
             distributed_executor_backend=config.distributed_executor_backend,
             ray_address=config.ray_address,

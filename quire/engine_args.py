@@ -146,9 +146,26 @@ class EngineArgs:
         help="ranks that split each layer's heads and MLP (a worker process each, sharing "
         "the cores); the model's head counts must divide by it",
     )
+    pipeline_parallel_size: int = _knob(
+        1,
+        aliases=("-pp",),
+        help="pipeline stages, each holding a contiguous range of the layers (and its KV cache) "
+        "in tp ranks of its own; a step's hidden states go stage to stage, and up to this many "
+        "steps over disjoint requests are in flight at once",
+    )
+    pp_layer_partition: str | None = _knob(
+        metavar="A,B,...",
+        help="layers per pipeline stage, first stage first, summing to the model's layers "
+        "(default: an even split, the remainder to the stages before the last)",
+    )
+    max_steps_in_flight: int | None = _knob(
+        help="steps the engine keeps in flight at once, each over other requests (vLLM's batch "
+        "queue; default: pipeline_parallel_size, so every stage has a step to run; 1: a step "
+        "is scheduled once the one before it came back)"
+    )
     tensor_parallel_port: int | None = _knob(
-        help="TCP port where the tensor-parallel ranks meet, on rank 0's host (127.0.0.1 with "
-        "mp; default: a free one)"
+        help="TCP port where the ranks (tensor- and pipeline-parallel) meet, on rank 0's host "
+        "(127.0.0.1 with mp; default: a free one)"
     )
     engine_core_process: bool = _knob(
         False,

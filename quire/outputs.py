@@ -64,3 +64,5 @@ class EngineStats:
     cuda_graphs: bool  # decode steps replay CUDA graphs
     gemv_path: str  # the bf16 matmul kernel's loop ("amx", "avx512-bf16", ... or "off")
     qmatmul_path: str  # the GGUF block kernel's loop ("avx512-vnni", "avx2", "c" or "off")
+    weight_bytes: tuple[int, ...]  # the model weights each rank holds, in rank order
+    most_steps_in_flight: int  # the most steps in flight at once since start (batch queue)

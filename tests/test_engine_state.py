@@ -112,13 +112,13 @@ def test_a_failed_step_leaves_no_request_on_the_worker(llm, monkeypatch):
     """The step that fails carries the drop of the request finished before it: the next step
     sends that drop again, so the worker ends up holding the last request only."""
     llm.generate([PROMPT], greedy(2), use_tqdm=False)  # request "0", dropped by the next step
-    execute = UniprocExecutor.execute_model
+    execute = UniprocExecutor.submit
 
     def fail_once(executor, scheduler_output):
-        monkeypatch.setattr(UniprocExecutor, "execute_model", execute)
+        monkeypatch.setattr(UniprocExecutor, "submit", execute)
         raise RuntimeError("simulated kernel failure")
 
-    monkeypatch.setattr(UniprocExecutor, "execute_model", fail_once)
+    monkeypatch.setattr(UniprocExecutor, "submit", fail_once)
     with pytest.raises(RuntimeError, match="simulated kernel failure"):
         llm.generate([PROMPT], greedy(2), use_tqdm=False)  # request "1"
     llm.check_invariants()

@@ -1,6 +1,7 @@
 """The Ray executor (`distributed_executor_backend="ray"`) on a two-node Ray cluster on this
 machine: two tensor-parallel ranks on different nodes give one rank's greedy tokens (float32, up
-to near-ties) and leave every block free; a rank whose actor is killed fails the next step
+to near-ties) and leave every block free, as do two pipeline stages, each placed by a placement
+group of its own, with two steps in flight; a rank whose actor is killed fails the next step
 within seconds, naming the rank; Ray arguments that cannot work fail at start, saying what to
 change."""
 
@@ -100,6 +101,25 @@ def test_a_killed_rank_actor_fails_the_engine_within_seconds(spread_llm):
     assert ray.util.placement_group_table()[group_id]["state"] == "REMOVED"  # rank 0 ended too
     with pytest.raises(WorkerDiedError, match="The workers have ended"):
         spread_llm.generate(PROMPTS, SamplingParams(max_tokens=4), use_tqdm=False)
+
+
+def test_two_stages_give_one_stages_greedy_tokens(nodes, tiny_llama):
+    """(After the test that ends `spread_llm`: the cluster's CPUs are free again.)"""
+    one = LLM(tiny_llama, dtype="float32", num_kv_blocks=64)
+    two = make_llm(
+        tiny_llama,
+        dtype="float32",
+        pipeline_parallel_size=2,
+        distributed_executor_backend="ray",
+    )
+    try:
+        groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+        assert sorted(len(g["bundles"]) for g in groups) == [1, 1]  # a group per stage
+        assert_close_greedy(run(one), run(two))
+        assert two.stats().most_steps_in_flight == 2
+        assert_idle(two)
+    finally:
+        two.engine.shutdown()
 
 
 def test_a_ray_address_where_nothing_answers_fails_at_start(tiny_llama):

@@ -315,7 +315,9 @@ def _gqa_rank_main(rank: int, world: int, port: int, results) -> None:
     all_reduce(torch.zeros(1))  # every rank done before any leaves
 
 
-GQA_SHAPE = ModelShape("gqa", GQA.num_attention_heads, GQA.num_key_value_heads, 2048)
+GQA_SHAPE = ModelShape(
+    "gqa", GQA.num_attention_heads, GQA.num_key_value_heads, 2048, GQA.num_hidden_layers
+)
 
 
 @pytest.fixture(scope="module", params=GQA_SHAPE.tensor_parallel_sizes())

@@ -50,7 +50,7 @@ class ShmAllReduce:
         cls,
         rank: int,
         world_size: int,
-        key: int,
+        key: int | str,
         slot_bytes: int,
         barrier: Callable[[], None],
     ) -> ShmAllReduce:

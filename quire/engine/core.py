@@ -1,4 +1,9 @@
-"""EngineCore: schedule -> executor.execute_model -> scheduler.update, and nothing else.
+"""EngineCore: schedule -> executor.submit -> scheduler.update, and nothing else.
+
+Up to `max_steps_in_flight` steps are in flight at once (vLLM's batch queue; by default one per
+pipeline stage, so every stage has work): a step call submits steps while the queue has room and
+the scheduler finds requests with no step in flight, then waits for the oldest and updates from
+it. With one step in flight, that is schedule, execute, update.
 
 The scheduler writes each step's SchedulerOutput, asking the Speculator (engine/
 speculator.py) which proposals to verify and the StructuredOutputManager (structured_output/
@@ -17,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -27,8 +33,9 @@ from quire.engine.request import Request, RequestStatus
 from quire.engine.scheduler import Scheduler
 from quire.engine.speculator import SpecDecodingStats, Speculator
 from quire.executor import make_executor
+from quire.executor.base import StepFuture
 from quire.kv_transfer.scheduler_connector import KVConnectorScheduler, KVTransferStats
-from quire.messages import TopLogprobs
+from quire.messages import SchedulerOutput, TopLogprobs
 from quire.model.tokenizer import load_tokenizer
 from quire.structured_output.compiler import GrammarCompiler
 from quire.structured_output.manager import StructuredOutputManager
@@ -56,6 +63,7 @@ class CoreStats:
     # without enable_lora.
     running_lora_adapters: frozenset[str] = frozenset()
     waiting_lora_adapters: frozenset[str] = frozenset()
+    most_steps_in_flight: int = 0  # since start
 
 
 @dataclass
@@ -73,6 +81,13 @@ class EngineCoreOutput:
     stop_reason: int | str | None
     num_cached_tokens: int
     first_scheduled_time: float | None
+
+
+@dataclass
+class _StepInFlight:
+    output: SchedulerOutput
+    future: StepFuture
+    start: float  # perf_counter at its scheduling
 
 
 class EngineCore:
@@ -115,8 +130,12 @@ class EngineCore:
             speculator=self.speculator,
             structured_output=self.structured_output,
             max_loras=0 if config.lora is None else config.lora.max_loras,
+            max_steps_in_flight=scheduler.max_steps_in_flight,
         )
-        self.num_steps = 0
+        self.max_steps_in_flight = scheduler.max_steps_in_flight
+        self._in_flight: deque[_StepInFlight] = deque()
+        self.most_steps_in_flight = 0  # the most steps ever in flight at once
+        self.num_steps = 0  # steps run (that computed something), since start
 
     def add_request(self, request: Request) -> None:
         """Queues a request; raises GrammarError (a ValueError) for a grammar xgrammar rejects
@@ -131,7 +150,9 @@ class EngineCore:
         self.scheduler.finish_requests(req_ids, status)
 
     def abort_all(self) -> None:
-        """Ends every sequence, and drops the block copies of a step that failed."""
+        """Ends every sequence, and drops the block copies and the steps in flight of a step
+        that failed."""
+        self._in_flight.clear()
         self.scheduler.finish_requests(
             list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED
         )
@@ -166,6 +187,7 @@ class EngineCore:
             ),
             running_lora_adapters=_lora_names(scheduler.running) if lora else frozenset(),
             waiting_lora_adapters=_lora_names(scheduler.waiting) if lora else frozenset(),
+            most_steps_in_flight=self.most_steps_in_flight,
         )
 
     def worker_states(self) -> list[WorkerState]:
@@ -205,14 +227,20 @@ class EngineCore:
         return problems
 
     def step(self) -> list[EngineCoreOutput]:
-        """One iteration; an output for every sequence that made progress (none when nothing
-        could be scheduled)."""
-        start = time.perf_counter()
-        kv_work = self.scheduler.has_kv_work
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty and not (kv_work or self.scheduler.has_kv_work):
+        """One iteration: submits steps while there is room in flight and something to run,
+        then takes the oldest step's result; an output for every sequence that made progress
+        in it (none when nothing could be scheduled and nothing is in flight)."""
+        while len(self._in_flight) < self.max_steps_in_flight and self._submit():
+            pass
+        if not self._in_flight:
             return []
-        runner_output = self.executor.execute_model(scheduler_output)
+        step = self._in_flight.popleft()
+        try:
+            runner_output = step.future.result()
+        except BaseException:
+            self._in_flight.clear()  # the executor ended its workers: these never come back
+            raise
+        scheduler_output, start = step.output, step.start
         if not scheduler_output.is_empty:
             self.num_steps += 1
         requests = self.scheduler.requests
@@ -236,6 +264,19 @@ class EngineCore:
                 output = outputs.setdefault(req_id, self._output(request, [], {}))
             output.prompt_logprobs, output.prompt_logprobs_start = top, prompt_starts[req_id]
         return list(outputs.values())
+
+    def _submit(self) -> bool:
+        """Schedules a step and hands it to the executor; whether it computes anything (a step
+        that only moves K/V is submitted too, but then stops the filling of the queue)."""
+        start = time.perf_counter()
+        kv_work = self.scheduler.has_kv_work
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty and not (kv_work or self.scheduler.has_kv_work):
+            return False
+        future = self.executor.submit(scheduler_output)
+        self._in_flight.append(_StepInFlight(scheduler_output, future, start))
+        self.most_steps_in_flight = max(self.most_steps_in_flight, len(self._in_flight))
+        return not scheduler_output.is_empty
 
     @staticmethod
     def _output(

@@ -248,7 +248,8 @@ class LLMEngine:
         """A snapshot of the engine: pool, queues, counters, the worker's fast paths. Needs the
         engine core in this process."""
         core = self.core.stats()
-        worker = self.core.worker_states()[0]
+        workers = self.core.worker_states()
+        worker = workers[0]
         spec = core.spec_decoding
         return EngineStats(
             num_kv_blocks=self.num_kv_blocks,
@@ -266,6 +267,8 @@ class LLMEngine:
             cuda_graphs=worker.cuda_graphs,
             gemv_path=worker.gemv_path,
             qmatmul_path=worker.qmatmul_path,
+            weight_bytes=tuple(w.weight_bytes for w in workers),
+            most_steps_in_flight=core.most_steps_in_flight,
         )
 
     def check_invariants(self) -> None:

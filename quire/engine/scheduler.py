@@ -24,6 +24,13 @@ tokens fit in the pool: admitted on its prompt alone, its replay would preempt i
 Each replayed token reads its whole context, as a decode does, where a prompt chunk shares the
 reads: the price of the bits, paid only after a preemption.
 
+Several steps may be in flight at once (`max_steps_in_flight`, the engine core's batch queue:
+pipeline stages each run one): a step is scheduled before the one before it came back, so it
+takes only requests with no step in flight (a prompt's next chunk waits for its previous one),
+never preempts one, and holds at most its share of the unfinished sequences (the others are left
+for the next step, so every stage gets work). `update` takes steps back in the order they were
+scheduled.
+
 `update` takes each request's list of new tokens (several when speculative tokens were verified),
 appends them one by one under the stop rules (tokens after a stop are dropped), and gives back the
 slots of rejected speculative tokens. A request with a grammar (structured outputs) advances its
@@ -91,6 +98,7 @@ class Scheduler:
         speculator: Speculator | None = None,
         structured_output: StructuredOutputManager | None = None,
         max_loras: int = 0,
+        max_steps_in_flight: int = 1,
     ):
         """`speculator`: the proposals to verify and the draft lengths each step asks;
         `structured_output`: the step's grammar bitmask. The scheduler asks both while it
@@ -116,6 +124,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.max_steps_in_flight = max_steps_in_flight
+        self.in_flight: set[str] = set()  # requests of a step scheduled and not yet updated
         self._sent: dict[str, _SentState] = {}
         self._finished_ids: list[str] = []  # dropped since the last step, for the worker
         # The last message's drops (finished, preempted) until `update` confirms its step ran: a
@@ -149,6 +159,7 @@ class Scheduler:
             request = self.requests.pop(request_id, None)
             if request is None:
                 continue
+            self.in_flight.discard(request_id)  # its step's tokens are dropped on return
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
@@ -196,10 +207,14 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         forked: list[tuple[Request, Request]] = []  # (child, parent)
         preempted: list[Request] = []
+        max_seqs = self._max_seqs_this_step()
 
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and len(scheduled) < max_seqs:
             request = self.running[index]
+            if request.request_id in self.in_flight:
+                index += 1
+                continue
             num_new = num_new_tokens(
                 request, request.num_computed_tokens, budget, self.max_num_seqs
             )
@@ -207,7 +222,8 @@ class Scheduler:
                 num_new += self._trim_spec_tokens(request, budget - num_new)
             lookahead = self._lookahead(request, request.num_computed_tokens + num_new)
             while not self.kv_manager.allocate_slots(request, num_new, num_lookahead=lookahead):
-                victim = self.running.pop()
+                victim = self._preemption_victim()
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -220,12 +236,27 @@ class Scheduler:
             break
 
         if not preempted:
-            budget = self._admit_waiting(budget, scheduled, forked)
+            budget = self._admit_waiting(budget, scheduled, forked, max_seqs)
 
         self.running.extend(child for child, _ in forked)
+        self.in_flight.update(request.request_id for request, _ in scheduled)
+        self.in_flight.update(child.request_id for child, _ in forked)
         # Decodes first (stable): the runner lays a step out as decodes, then prompt chunks.
         scheduled.sort(key=lambda entry: entry[0].num_computed_tokens < entry[0].num_prompt_tokens)
         return self._message(scheduled, forked, preempted)
+
+    def _max_seqs_this_step(self) -> int:
+        """The most sequences this step takes: with several steps in flight, an equal share of
+        the unfinished ones, so that each step in flight has some."""
+        if self.max_steps_in_flight == 1:
+            return self.max_num_seqs
+        unfinished = len(self.running) + len(self.waiting)
+        return max(1, -(-unfinished // self.max_steps_in_flight))
+
+    def _preemption_victim(self) -> Request:
+        """The newest running request with no step in flight (the one being scheduled has
+        none, so there is one)."""
+        return next(r for r in reversed(self.running) if r.request_id not in self.in_flight)
 
     def _lookahead(self, request: Request, num_computed_after: int) -> int:
         """Slots to reserve past the step's tokens: for a request that samples this step (its
@@ -247,6 +278,8 @@ class Scheduler:
         proposals), cut at the first its grammar rejects."""
         proposals = self.speculator.proposals(self.running)
         for request in self.running:
+            if request.request_id in self.in_flight:
+                continue  # verifying what its step in flight proposed comes after it
             spec = proposals.get(request.request_id, [])
             if spec and request.grammar is not None:
                 del spec[request.grammar.num_valid_tokens(spec) :]
@@ -268,9 +301,10 @@ class Scheduler:
         budget: int,
         scheduled: list[tuple[Request, int]],
         forked: list[tuple[Request, Request]],
+        max_seqs: int,
     ) -> int:
         adapters = self._running_adapters() if self.max_loras else set()
-        while self.waiting and budget > 0:
+        while self.waiting and budget > 0 and len(scheduled) + len(forked) < max_seqs:
             request = self.waiting[0]
             lora = request.lora_request
             if lora is not None and lora.lora_name not in adapters:
@@ -531,17 +565,25 @@ class Scheduler:
         the KV of the accepted ones and gives back the slots of the rest. Returns each request
         that got tokens with the tokens it kept; finished ones are already removed and freed.
         Requests whose prompt's K/V arrived from a prefill instance get their first token."""
-        self._unconfirmed_drops = []
+        delivered = {*output.finished_req_ids, *output.preempted_req_ids}
+        self._unconfirmed_drops = [d for d in self._unconfirmed_drops if d not in delivered]
+        self.in_flight.difference_update(output.num_scheduled_tokens)
+        self.in_flight.difference_update(fork.req_id for fork in output.forked_reqs)
         updated = []
         if runner_output.kv_connector_output is not None:
             updated = self._kv_arrived(runner_output.kv_connector_output, runner_output.logprobs)
+        requests = self.requests  # less those finished (aborted) while their step was in flight
         for request_id, num_new in output.num_scheduled_tokens.items():
-            self.requests[request_id].num_computed_tokens += num_new
+            if request_id in requests:
+                requests[request_id].num_computed_tokens += num_new
         for fork in output.forked_reqs:
-            child, parent = self.requests[fork.req_id], self.requests[fork.parent_req_id]
-            child.num_computed_tokens = parent.num_computed_tokens
+            child = requests.get(fork.req_id)
+            if child is not None:  # forked at its parent's count before the step
+                child.num_computed_tokens += output.num_scheduled_tokens[fork.parent_req_id]
         for request_id, token_ids in runner_output.sampled_token_ids.items():
-            request = self.requests[request_id]
+            request = requests.get(request_id)
+            if request is None:
+                continue
             num_spec = len(output.scheduled_spec_decode_tokens.get(request_id, ()))
             if num_spec:
                 # Verified 1 + num_spec positions; the last accepted token's KV is computed next.

@@ -1,10 +1,12 @@
-"""RayExecutor: each tensor-parallel rank a Ray actor running quire's Worker, placed by a Ray
-placement group on any node of a Ray cluster; each step sent to every rank, rank 0's output
-returned.
+"""RayExecutor: each rank (tensor_parallel_size in each of pipeline_parallel_size stages) a Ray
+actor running quire's Worker, placed by Ray placement groups on any node of a Ray cluster; each
+step sent to every rank, the output of the last stage's first rank returned.
 
 The executor joins the cluster at `ray_address` (or starts a one-node cluster here), reserves a
-bundle of CPUs per rank (`ray_placement_strategy`: STRICT_PACK keeps a tensor-parallel group on
-one node) and starts an actor in each. The actors report their node; rank 0's picks a free port,
+bundle of CPUs per rank, a placement group per pipeline stage (`ray_placement_strategy`:
+STRICT_PACK keeps a stage's tensor-parallel group on one node; stages go wherever Ray finds
+room, other nodes included) and starts an actor in each. Steps are submitted without waiting
+(an actor runs its calls in order), so several may be in flight. The actors report their node; rank 0's picks a free port,
 and the ranks form their gloo group (NCCL on a GPU) at rank 0's node address. Ranks that all
 share one node all-reduce through shared memory, as `mp`'s do; otherwise every collective goes
 over gloo, bound to the interface of each node's Ray address. Each rank is pinned to its share
@@ -32,7 +34,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from quire.config import QuireConfig
 from quire.distributed.parallel_state import RankPlacement
-from quire.executor.base import Executor, WorkerDiedError
+from quire.executor.base import Executor, StepFuture, WorkerDiedError
 from quire.messages import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -42,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 60.0  # for Ray to reserve every rank's CPUs
 CONNECT_TIMEOUT_S = 5.0  # for the head at ray_address to accept a TCP connection
+PEER_DEATH_S = 3.0  # how long a rank whose step failed waits for Ray to report a dead peer
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
 
@@ -101,21 +104,23 @@ class RankActor:
 class RayExecutor(Executor):
     def __init__(self, config: QuireConfig):
         parallel = config.parallel
-        world_size = parallel.tensor_parallel_size
+        world_size, tp = parallel.world_size, parallel.tensor_parallel_size
+        self._output_rank = world_size - tp  # the last stage's first rank samples
         self._started_ray = connect(parallel.ray_address)
         self._actors: list[Any] = []
-        self._group: Any = None
+        self._groups: list[Any] = []  # a placement group per pipeline stage
         try:
             cpus = cpus_per_rank(world_size)
-            self._group = place(world_size, cpus, parallel.ray_placement_strategy)
+            for _ in range(parallel.pipeline_parallel_size):
+                self._groups.append(place(tp, cpus, parallel.ray_placement_strategy))
             actor_class = ray.remote(RankActor)
-            group_id = self._group.id.hex()
             self._actors = [
                 actor_class.options(
-                    name=f"quire-rank-{rank}-{group_id}",  # `ray list actors` names each rank
+                    # `ray list actors` names each rank
+                    name=f"quire-rank-{rank}-{self._groups[rank // tp].id.hex()}",
                     num_cpus=cpus,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        self._group, placement_group_bundle_index=rank
+                        self._groups[rank // tp], placement_group_bundle_index=rank % tp
                     ),
                 ).remote()
                 for rank in range(world_size)
@@ -146,8 +151,11 @@ class RayExecutor(Executor):
             port,
         )
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call_all("execute", scheduler_output)[0]
+    def submit(self, scheduler_output: SchedulerOutput) -> StepFuture:
+        if not self._actors:
+            raise WorkerDiedError("The workers have ended; this engine can run no more steps.")
+        refs = [actor.execute.remote(scheduler_output) for actor in self._actors]
+        return StepFuture(lambda: self._gather(refs)[self._output_rank])
 
     def worker_states(self) -> list[WorkerState]:
         return self._call_all("state")
@@ -160,7 +168,8 @@ class RayExecutor(Executor):
 
     def _gather(self, refs: list) -> list:
         """The results of one call per rank (`refs` in rank order), taken as they come, so a
-        rank that died raises WorkerDiedError while the others wait on it in a collective; any
+        rank that died raises WorkerDiedError while the others wait on it in a collective (a
+        rank whose step failed because its peer went away is reported as that death); any
         failure ends every rank."""
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         results: list[Any] = [None] * len(refs)
@@ -169,7 +178,17 @@ class RayExecutor(Executor):
             while pending:
                 done, pending = ray.wait(pending, num_returns=1)
                 for ref in done:
-                    results[rank_of[ref]] = _result(ref, rank_of[ref])
+                    try:
+                        results[rank_of[ref]] = _result(ref, rank_of[ref])
+                    except WorkerDiedError:
+                        raise
+                    except RuntimeError:
+                        others, _ = ray.wait(
+                            pending, num_returns=len(pending), timeout=PEER_DEATH_S
+                        )
+                        for other in others:
+                            _result(other, rank_of[other])  # raises for a dead actor
+                        raise
         except BaseException:
             self._end_workers()  # the other ranks may wait in a collective forever
             raise
@@ -179,9 +198,9 @@ class RayExecutor(Executor):
         for actor in self._actors:
             ray.kill(actor, no_restart=True)
         self._actors = []
-        if self._group is not None:
-            remove_placement_group(self._group)
-            self._group = None
+        for group in self._groups:
+            remove_placement_group(group)
+        self._groups = []
 
     def shutdown(self) -> None:
         """Kills the actors (nothing in them needs an orderly end) and frees their CPUs; ends
@@ -248,8 +267,8 @@ def place(world_size: int, cpus: int, strategy: str) -> Any:
         raise ValueError(
             f"Ray could not place {world_size} ranks of {cpus} CPU(s) each ({strategy}) within "
             f"{PLACEMENT_TIMEOUT_S:g} s; the cluster has {ray.available_resources()} free. Add "
-            "nodes, lower tensor_parallel_size, or (STRICT_PACK needs one node with every "
-            "rank's CPUs) choose another ray_placement_strategy."
+            "nodes, lower tensor_parallel_size or pipeline_parallel_size, or (STRICT_PACK needs "
+            "one node with every rank of a stage's CPUs) choose another ray_placement_strategy."
         ) from None
     return group
 

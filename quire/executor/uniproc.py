@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from quire.config import QuireConfig
-from quire.executor.base import Executor
+from quire.executor.base import Executor, StepFuture
 from quire.executor.plugins import make_kv_connector, make_proposer
-from quire.messages import ModelRunnerOutput, SchedulerOutput
+from quire.messages import SchedulerOutput
 from quire.worker.worker import Worker, WorkerState
 
 
@@ -18,8 +18,9 @@ class UniprocExecutor(Executor):
         )
         self.num_kv_blocks = self.worker.num_kv_blocks
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(scheduler_output)
+    def submit(self, scheduler_output: SchedulerOutput) -> StepFuture:
+        """Runs the step now (one worker in this process: nothing to overlap)."""
+        return StepFuture.done(self.worker.execute_model(scheduler_output))
 
     def worker_states(self) -> list[WorkerState]:
         return [self.worker.state()]

@@ -10,7 +10,7 @@ import functools
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -70,9 +70,12 @@ def load_gguf_config(path: str) -> dict:
 
 
 def iter_gguf_weights(
-    path: str, keep_quantized: frozenset[str] = frozenset()
+    path: str,
+    keep_quantized: frozenset[str] = frozenset(),
+    wanted: Callable[[str], bool] = lambda name: True,
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """(HF parameter name, tensor in HF shape) for every tensor in the file, in file order: a
+    """(HF parameter name, tensor in HF shape) for every `wanted` tensor in the file (the others
+    are not read), in file order: a
     `QuantizedWeight` (its blocks, copied out of the file) for a matrix whose GGUF type is in
     `keep_quantized`, else float32.
 
@@ -82,7 +85,7 @@ def iter_gguf_weights(
     With `keep_quantized`, each other quantized type found is logged once as dequantized.
     """
     reader = open_gguf(path)
-    return _iter_weights(reader, _config_from_reader(reader), keep_quantized)
+    return _iter_weights(reader, _config_from_reader(reader), keep_quantized, wanted)
 
 
 _FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
@@ -111,7 +114,7 @@ def decode_weight_bytes(path: str, keep_quantized: frozenset[str], itemsize: int
 
 
 def _iter_weights(
-    reader: GGUFFile, config: dict, keep_quantized: frozenset[str]
+    reader: GGUFFile, config: dict, keep_quantized: frozenset[str], wanted: Callable[[str], bool]
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     permuted = config["model_type"] in ROTARY_PERMUTED
     heads_for = {
@@ -121,6 +124,8 @@ def _iter_weights(
     dequantized: set[str] = set()
     for tensor in reader.tensors:
         name, gguf_kind = _hf_name(tensor.name)
+        if not wanted(name):
+            continue
         qtype = tensor.tensor_type.name
         if qtype in keep_quantized and tensor.data.ndim == 2:
             # [rows, bytes per row]: whole blocks, so rows permute as the dequantized ones do

@@ -2,6 +2,11 @@
 
 Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm) are this model with one switch each; see qwen2.py and
 qwen3.py. Projections are fused (q|k|v, gate|up); `load_weights` maps checkpoint names onto them.
+
+A pipeline stage builds a contiguous range of the layers (`layers`): the first stage also the
+embedding, the last the final norm and the LM head (and the embedding table when the head is
+tied to it); the other layers are empty placeholders, so parameter names stay the checkpoint's.
+A stage's forward takes the previous stage's hidden states and residual, and gives its own.
 """
 
 from __future__ import annotations
@@ -73,6 +78,10 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class MissingLayer(nn.Module):
+    """A layer another pipeline stage holds: no weights, never called."""
+
+
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
@@ -85,35 +94,62 @@ class LlamaForCausalLM(nn.Module):
         "mlp.down_proj": ("down_proj",),
     }
 
-    def __init__(self, config: ModelConfig, max_position: int):
+    def __init__(self, config: ModelConfig, max_position: int, layers: range | None = None):
+        """`layers`: the pipeline stage's (default: all of them, one stage)."""
         super().__init__()
         self.config = config
+        self.layer_range = layers or range(config.num_hidden_layers)
+        self.is_first_stage = self.layer_range.start == 0
+        self.is_last_stage = self.layer_range.stop == config.num_hidden_layers
         self.rotary = RotaryEmbedding(config.head_dim, max_position, config.rope)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        tied_head = self.is_last_stage and config.tie_word_embeddings
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+            if self.is_first_stage or tied_head
+            else None
+        )
+        start = self.layer_range.start
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, self.qkv_bias, self.qk_norm)
+            DecoderLayer(config, i - start, self.qkv_bias, self.qk_norm)  # the stage's KV index
+            if i in self.layer_range
+            else MissingLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if config.tie_word_embeddings:
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else None
+        if config.tie_word_embeddings or not self.is_last_stage:
             self.lm_head = None
         else:
             self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
 
     @property
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn for layer in self.layers]
+        return [self.layers[i].self_attn for i in self.layer_range]
+
+    def holds(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` belongs to this stage."""
+        name = name.removeprefix("model.")
+        if name.startswith("layers."):
+            return int(name.split(".", 2)[1]) in self.layer_range
+        if name.startswith("embed_tokens."):
+            return self.embed_tokens is not None
+        return self.is_last_stage  # the final norm and the LM head
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
-    ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        hidden = self.embed_tokens(input_ids)
+        hidden: torch.Tensor | None = None,  # the previous stage's [num_tokens, hidden_size]
+        residual: torch.Tensor | None = None,  # and its residual stream, same shape
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The last stage: [num_tokens, hidden_size] after the final norm; any other: this
+        stage's hidden states and residual, for the next."""
+        if self.is_first_stage:
+            hidden = self.embed_tokens(input_ids)
         rotary = self.rotary(positions, hidden.dtype)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(rotary, hidden, residual)
+        for i in self.layer_range:
+            hidden, residual = self.layers[i](rotary, hidden, residual)
+        if not self.is_last_stage:
+            return hidden, residual
         return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # -> [n, vocab] float32
@@ -138,7 +174,11 @@ class LlamaForCausalLM(nn.Module):
         split: list[str] = []  # kept types whose split over the ranks cuts blocks
         for name, tensor in weights:
             name = name.removeprefix("model.")
-            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.lm_head is None):
+            if (
+                "rotary_emb.inv_freq" in name
+                or (name == "lm_head.weight" and self.lm_head is None)
+                or not self.holds(name)
+            ):
                 continue
             target, shard_id = name, None
             for shard, (fused, shard_key) in _SHARDS.items():

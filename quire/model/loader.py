@@ -7,7 +7,7 @@ import glob
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -31,14 +31,19 @@ from quire.model.registry import get_model_class
 logger = logging.getLogger(__name__)
 
 
-def iter_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors_weights(
+    model_dir: str, wanted: Callable[[str], bool] = lambda name: True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the folder's files that is `wanted` (the others are
+    not read)."""
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"{model_dir!r} has no *.safetensors weight files.")
     for path in files:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if wanted(name):
+                    yield name, f.get_tensor(name)
 
 
 @contextlib.contextmanager
@@ -87,11 +92,15 @@ def quantize_int8(model: nn.Module) -> int:
     """Every linear's weight quantized to int8 blocks; a tied LM head gets its own from the
     embedding table (which stays as it is, read a row per token). Returns how many."""
     count = int8_linear_layers(model)
-    table = model.embed_tokens.weight
-    if model.lm_head is None and table.shape[1] % qmatmul.QBLOCK == 0:
-        model.lm_head = QuantizedLinear(QuantizedWeight.from_float(table), None)
+    if _tied_head(model) and model.embed_tokens.weight.shape[1] % qmatmul.QBLOCK == 0:
+        model.lm_head = QuantizedLinear(QuantizedWeight.from_float(model.embed_tokens.weight), None)
         count += 1
     return count
+
+
+def _tied_head(model: nn.Module) -> bool:
+    """Whether the model's LM head is the embedding table (on the stage that has the head)."""
+    return model.is_last_stage and model.lm_head is None
 
 
 def quantize_weights(model: nn.Module) -> int:
@@ -99,7 +108,7 @@ def quantize_weights(model: nn.Module) -> int:
     embedding's blocks. Returns how many."""
     count = quantize_linear_layers(model)
     embedding = getattr(model.embed_tokens, "quantized", None)
-    if model.lm_head is None and embedding is not None and embedding.qtype in KERNEL_TYPES:
+    if _tied_head(model) and embedding is not None and embedding.qtype in KERNEL_TYPES:
         model.lm_head = QuantizedLinear(embedding, None)
         count += 1
     return count
@@ -110,7 +119,7 @@ def pack_weights(model: nn.Module, use_gemv: bool) -> None:
     (quire/layers/linear.py). A tied LM head gets its own packed copy: the embedding lookup keeps
     the plain table."""
     pack_linear_layers(model, use_gemv=use_gemv)
-    if model.lm_head is None:
+    if _tied_head(model):
         model.lm_head = PackedLinear(model.embed_tokens.weight, None, use_gemv=use_gemv)
 
 
@@ -122,14 +131,16 @@ def load_model(
     *,
     max_loras: int = 0,
     max_lora_rank: int = 0,
+    layers: range | None = None,
 ) -> nn.Module:
     """The model with its weights; with `max_loras` > 0 every linear an adapter may target
-    holds that many adapter slots of rank `max_lora_rank` (layers/lora_linear.py)."""
+    holds that many adapter slots of rank `max_lora_rank` (layers/lora_linear.py). `layers`: a
+    pipeline stage's (default: all); only its tensors are read."""
     start = time.perf_counter()
     model_class = get_model_class(model_config.architecture)
     # Built without initializing weights (the checkpoint overwrites them), then materialized.
     with torch.device("meta"), _default_dtype(dtype):
-        model = model_class(model_config, max_position)
+        model = model_class(model_config, max_position, layers)
     # what to_empty does, but torch.empty_like on the meta device imports sympy (0.5 s)
     model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=config.device))
     for module in model.modules():
@@ -139,9 +150,9 @@ def load_model(
         check_int8(config, dtype)
     keep_quantized = kept_quantized_types(config, dtype)
     weights = (
-        iter_gguf_weights(config.model, keep_quantized)
+        iter_gguf_weights(config.model, keep_quantized, model.holds)
         if config.is_gguf
-        else iter_safetensors_weights(config.model)
+        else iter_safetensors_weights(config.model, model.holds)
     )
     with torch.no_grad():
         try:
@@ -163,6 +174,8 @@ def load_model(
         logger.info("%d linear layers quantized to int8", quantize_int8(model))
     if config.pack_weights and packed_linear_supported(config.device, dtype):
         pack_weights(model, use_gemv=config.gemv)
+    if not model.is_first_stage and model.lm_head is not None:
+        model.embed_tokens = None  # held for a tied head that now has its own copy
     logger.info(
         "Loaded %s (%.1fM params, %s) in %.1f s",
         model_config.architecture,

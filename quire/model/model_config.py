@@ -98,6 +98,7 @@ class ModelShape:
     num_attention_heads: int
     num_key_value_heads: int
     max_position_embeddings: int
+    num_hidden_layers: int
 
     @classmethod
     def read(cls, model: str) -> ModelShape:
@@ -114,6 +115,7 @@ class ModelShape:
             q = metadata[prefix + "attention.head_count"]
             kv = metadata.get(prefix + "attention.head_count_kv", q)  # absent without GQA
             context = metadata.get(prefix + "context_length", 2048)
+            layers = metadata[prefix + "block_count"]
         else:
             from quire.model.registry import get_model_class  # model classes import this file
 
@@ -122,7 +124,8 @@ class ModelShape:
             q = cfg["num_attention_heads"]
             kv = cfg.get("num_key_value_heads") or q
             context = cfg.get("max_position_embeddings", 2048)  # as ModelConfig reads it
-        return cls(os.path.basename(model.rstrip("/")), q, kv, context)
+            layers = cfg["num_hidden_layers"]
+        return cls(os.path.basename(model.rstrip("/")), q, kv, context, layers)
 
     def tensor_parallel_sizes(self) -> list[int]:
         """The rank counts that split the heads: query heads divide by it, and KV heads by it or
@@ -140,6 +143,29 @@ class ModelShape:
                 f"tensor_parallel_size {tp} cannot split {self.name}'s {q} query heads and {kv} "
                 f"KV heads; sizes that work: {', '.join(map(str, sizes))}."
             )
+
+    def layer_partition(self, pp: int, partition: tuple[int, ...] | None) -> tuple[int, ...]:
+        """The layers of each of `pp` pipeline stages: `partition` checked, or an even split
+        (vLLM's: the stages before the last take the remainder, the last has the LM head).
+        Raises ValueError naming what works for a split this model cannot take."""
+        n = self.num_hidden_layers
+        if pp > n:
+            raise ValueError(
+                f"pipeline_parallel_size {pp} exceeds {self.name}'s {n} layers (a stage holds "
+                f"at least one): use pipeline_parallel_size 1..{n}."
+            )
+        if partition is None:
+            sizes = [n // pp] * pp
+            for i in range(2, n % pp + 2):
+                sizes[-i] += 1
+            return tuple(sizes)
+        if len(partition) != pp or sum(partition) != n or min(partition) < 1:
+            raise ValueError(
+                f"pp_layer_partition {','.join(map(str, partition))} must give each of the "
+                f"{pp} stages at least one layer and sum to {self.name}'s {n} layers, e.g. "
+                f"{','.join(map(str, self.layer_partition(pp, None)))}."
+            )
+        return partition
 
     def check_max_model_len(self, max_model_len: int) -> None:
         if max_model_len > self.max_position_embeddings:

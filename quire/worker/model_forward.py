@@ -14,6 +14,11 @@ through a faster path than the modules, the path is chosen once, when the cache 
 
 Under tensor parallelism every rank must take the same path at every step (their collectives pair
 up), so the ranks agree on the C step once, when it is chosen.
+
+A pipeline stage's ModelForward holds its range of the layers and their KV cache: a stage other
+than the first receives the previous stage's hidden states and residual before its layers run, a
+stage other than the last sends its own to the next (`forward` then returns None). Under pipeline
+parallelism steps run the modules: the C step fuses the embedding, every layer and the LM head.
 """
 
 from __future__ import annotations
@@ -27,7 +32,13 @@ from torch import nn
 from quire.attention.backend import AttentionBackend, AttentionMetadata
 from quire.attention.forward_context import forward_context
 from quire.config import ModelSettings, QuireConfig
-from quire.distributed.parallel_state import all_ranks_agree, tp_size
+from quire.distributed.parallel_state import (
+    all_ranks_agree,
+    pp_size,
+    recv_from_previous_stage,
+    send_to_next_stage,
+    tp_size,
+)
 from quire.lora.config import LoRAConfig
 from quire.model.loader import load_model
 from quire.model.model_config import ModelConfig
@@ -49,9 +60,17 @@ def make_backend(name: str) -> AttentionBackend:
 
 
 class ModelForward:
-    def __init__(self, model: nn.Module, model_config: ModelConfig, backend: AttentionBackend):
+    def __init__(
+        self,
+        model: nn.Module,
+        model_config: ModelConfig,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+    ):
+        """`dtype`: of the activations (the hidden states a pipeline stage receives)."""
         self.model = model
         self.model_config = model_config
+        self.dtype = dtype
         self.backend = backend
         first = model.attention_layers[0]
         self.num_heads = first.num_heads  # this rank's share (all of them with one rank)
@@ -68,10 +87,11 @@ class ModelForward:
         backend: AttentionBackend,
         huge_pages: bool,
         lora: LoRAConfig | None = None,
+        layers: range | None = None,
     ) -> ModelForward:
-        """Loads `settings.model`'s weights (this rank's share) for positions below
-        `max_position`; on a CPU onto huge pages if `huge_pages`; with `lora`, every linear an
-        adapter may target holds its adapter slots."""
+        """Loads `settings.model`'s weights (this rank's share; of `layers` only, a pipeline
+        stage's) for positions below `max_position`; on a CPU onto huge pages if `huge_pages`;
+        with `lora`, every linear an adapter may target holds its adapter slots."""
         model = load_model(
             settings,
             settings.architecture,
@@ -79,14 +99,36 @@ class ModelForward:
             max_position,
             max_loras=0 if lora is None else lora.max_loras,
             max_lora_rank=0 if lora is None else lora.max_lora_rank,
+            layers=layers,
         )
         if settings.device == "cpu" and huge_pages:
             host_memory.move_to_huge_pages(model)
-        return cls(model, settings.architecture, backend)
+        return cls(model, settings.architecture, backend, settings.dtype)
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this model ends in the LM head (the last pipeline stage, or the only one)."""
+        return self.model.is_last_stage
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights this rank holds (parameters, buffers and packed or quantized
+        copies)."""
+        tensors = {}
+        for module in self.model.modules():
+            for value in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+                tensors[value.data_ptr()] = value.nbytes
+            for value in vars(module).values():
+                if isinstance(value, torch.Tensor):
+                    tensors[value.data_ptr()] = value.nbytes
+        return sum(tensors.values())
 
     def kv_block_bytes(self, block_size: int, kv_dtype: torch.dtype) -> int:
         """Bytes of one KV block of this model on this rank."""
-        rank_config = dataclasses.replace(self.model_config, num_key_value_heads=self.num_kv_heads)
+        rank_config = dataclasses.replace(
+            self.model_config,
+            num_key_value_heads=self.num_kv_heads,
+            num_hidden_layers=len(self.model.layer_range),
+        )
         return kv_cache.bytes_per_block(rank_config, block_size, kv_dtype)
 
     def allocate_kv(
@@ -101,7 +143,7 @@ class ModelForward:
         to capture decode graphs over the cache by (the target's)."""
         param = next(self.model.parameters())
         self.kv_cache = kv_cache.KVCache.allocate(
-            self.model_config.num_hidden_layers,
+            len(self.model.layer_range),
             num_blocks,
             block_size,
             self.num_kv_heads,
@@ -110,7 +152,8 @@ class ModelForward:
             param.device,
             huge_pages,
         )
-        self.cpu_step = CpuStepRunner.for_model(self.model, self.kv_cache)
+        if pp_size() == 1:
+            self.cpu_step = CpuStepRunner.for_model(self.model, self.kv_cache)
         if tp_size() > 1 and param.device.type == "cpu":
             if not all_ranks_agree(self.cpu_step is not None):
                 self.cpu_step = None
@@ -136,13 +179,27 @@ class ModelForward:
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
+    ) -> torch.Tensor | None:  # [num_tokens, hidden_size] after the final norm; None: sent on
         if self.cpu_step is not None and self.cpu_step.takes(metadata, input_ids.shape[0]):
             return self.cpu_step.forward(input_ids, positions, metadata)
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(metadata):
             return self.cuda_graphs.run(input_ids, positions, metadata)
+        model = self.model
+        hidden = residual = None
+        if not model.is_first_stage:
+            # [2, num_tokens, hidden_size]: the hidden states and the residual, one message
+            received = torch.empty(
+                (2, input_ids.shape[0], self.model_config.hidden_size),
+                dtype=self.dtype,
+                device=input_ids.device,
+            )
+            hidden, residual = recv_from_previous_stage(received).unbind()
         with forward_context(metadata, self.kv_cache.layers, self.backend):
-            return self.model(input_ids, positions)
+            out = model(input_ids, positions, hidden, residual)
+        if model.is_last_stage:
+            return out
+        send_to_next_stage(torch.stack(out))
+        return None
 
     def argmax_tokens(
         self,

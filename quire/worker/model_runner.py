@@ -8,6 +8,9 @@ speculative tokens, a fork's parent row — and rows whose prompt logprobs were 
 them in one call of the StepSampler (sample/step_sampler.py), and last hands the step to its
 proposer, if any, for the next step's proposals (worker/protocols.py).
 
+Under pipeline parallelism each stage runs this same step on its layers; only the last stage
+computes logits, samples and proposes, and only its output carries tokens.
+
 A decode-only step whose every row takes the argmax of the raw logits asks the ModelForward for
 the tokens in one call (the C step fuses the forward, the LM head and the argmax); a forward
 path that cannot, gives None, and the step goes the usual way.
@@ -20,6 +23,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 
 from quire.config import QuireConfig
+from quire.distributed.parallel_state import pp_rank
 from quire.kernels import cpu as cpu_kernels
 from quire.kernels import kv_format
 from quire.layers.lora_linear import LoRAMapping, lora_context
@@ -56,6 +60,7 @@ class ModelRunner:
             make_backend(device.attention_backend),
             cache.huge_pages,
             config.lora,
+            layers=config.parallel.stage_layers(pp_rank()),
         )
         self.loras = (
             None
@@ -63,7 +68,7 @@ class ModelRunner:
             else LoRAManager(config.lora, model.architecture, self.target.model)
         )
         self.lora_ops = None if config.lora is None else lora_ops(self.device, model.dtype)
-        self.proposer = proposer
+        self.proposer = proposer if self.target.is_last_stage else None  # it needs the tokens
         self.kv_connector = kv_connector
         target = self.target
         c_decode = self.device.type == "cpu" and cpu_kernels.supports_paged_decode(
@@ -144,6 +149,8 @@ class ModelRunner:
                 return ModelRunnerOutput(accept(rows, tokens))
         with torch.inference_mode():  # entered only here: ~20 us each way, caches cold
             hidden = self.target.forward(inputs.input_ids, inputs.positions, inputs.metadata)
+            if hidden is None:  # sent on to the next pipeline stage
+                return ModelRunnerOutput({})
             result = ModelRunnerOutput({}, {}, self._prompt_logprobs(step, hidden, inputs))
             if not rows:
                 return result

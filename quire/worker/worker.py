@@ -28,6 +28,7 @@ class WorkerState:
     num_kv_blocks: int
     request_ids: tuple[str, ...]  # the requests in its InputBatch, sorted
     draft_request_ids: tuple[str, ...]  # requests its proposer keeps state for, sorted
+    weight_bytes: int  # the model weights it holds (its pipeline stage's layers)
     c_decode_step: bool  # decode steps run the fused C step (worker/cpu_step.py)
     cuda_graphs: bool  # decode steps replay CUDA graphs (worker/cuda_graph.py)
     gemv_path: str  # quire.kernels.cpu.gemv.path() in this rank's process
@@ -59,9 +60,20 @@ class Worker:
                 config.device.device,
                 shm_bytes=rows * hidden_size * max(dtype.itemsize, 4) if placement.same_host else 0,
                 host=placement.host,
+                pipeline_parallel_size=config.parallel.pipeline_parallel_size,
             )
         torch.manual_seed(config.model.seed)  # the unseeded sampling noise: the same on every rank
         self.runner = ModelRunner(config, proposer, kv_connector)
+        target = self.runner.target
+        logger.info(
+            "Rank %d holds layers %d..%d of %d: %.1f MiB of weights, %d KV blocks",
+            self.rank,
+            target.model.layer_range.start,
+            target.model.layer_range.stop - 1,
+            config.model.architecture.num_hidden_layers,
+            target.weight_bytes() / 2**20,
+            self.runner.num_blocks,
+        )
 
     @property
     def num_kv_blocks(self) -> int:
@@ -80,6 +92,7 @@ class Worker:
             num_kv_blocks=runner.num_blocks,
             request_ids=tuple(sorted(runner.input_batch.requests)),
             draft_request_ids=tuple(sorted(drafted)),
+            weight_bytes=runner.target.weight_bytes(),
             c_decode_step=runner.target.cpu_step is not None,
             cuda_graphs=runner.target.cuda_graphs is not None,
             gemv_path=gemv.path(),
