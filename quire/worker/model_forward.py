@@ -17,8 +17,8 @@ up), so the ranks agree on the C step once, when it is chosen.
 
 A pipeline stage's ModelForward holds its range of the layers and their KV cache: a stage other
 than the first receives the previous stage's hidden states and residual before its layers run, a
-stage other than the last sends its own to the next (`forward` then returns None). Under pipeline
-parallelism steps run the modules: the C step fuses the embedding, every layer and the LM head.
+stage other than the last sends its own to the next (`forward` then returns None). The C step
+runs a stage's layers too (worker/cpu_step.py), unless tensor parallelism splits the stage.
 """
 
 from __future__ import annotations
@@ -115,11 +115,12 @@ class ModelForward:
         copies)."""
         tensors = {}
         for module in self.model.modules():
-            for value in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
-                tensors[value.data_ptr()] = value.nbytes
-            for value in vars(module).values():
-                if isinstance(value, torch.Tensor):
-                    tensors[value.data_ptr()] = value.nbytes
+            values = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+            values += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+            for value in values:
+                # oneDNN-packed copies (layout _mkldnn) have no storage to point at
+                key = value.data_ptr() if value.layout == torch.strided else id(value)
+                tensors[key] = value.numel() * value.element_size()
         return sum(tensors.values())
 
     def kv_block_bytes(self, block_size: int, kv_dtype: torch.dtype) -> int:
@@ -152,7 +153,7 @@ class ModelForward:
             param.device,
             huge_pages,
         )
-        if pp_size() == 1:
+        if pp_size() == 1 or tp_size() == 1:
             self.cpu_step = CpuStepRunner.for_model(self.model, self.kv_cache)
         if tp_size() > 1 and param.device.type == "cpu":
             if not all_ranks_agree(self.cpu_step is not None):
@@ -180,20 +181,19 @@ class ModelForward:
         positions: torch.Tensor,  # [num_tokens]
         metadata: AttentionMetadata,
     ) -> torch.Tensor | None:  # [num_tokens, hidden_size] after the final norm; None: sent on
+        model = self.model
         if self.cpu_step is not None and self.cpu_step.takes(metadata, input_ids.shape[0]):
-            return self.cpu_step.forward(input_ids, positions, metadata)
+            if not model.is_first_stage:
+                self.cpu_step.receive(self._receive(input_ids))
+            if model.is_last_stage:
+                return self.cpu_step.forward(input_ids, positions, metadata)
+            send_to_next_stage(self.cpu_step.forward_to_next_stage(input_ids, positions, metadata))
+            return None
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(metadata):
             return self.cuda_graphs.run(input_ids, positions, metadata)
-        model = self.model
         hidden = residual = None
         if not model.is_first_stage:
-            # [2, num_tokens, hidden_size]: the hidden states and the residual, one message
-            received = torch.empty(
-                (2, input_ids.shape[0], self.model_config.hidden_size),
-                dtype=self.dtype,
-                device=input_ids.device,
-            )
-            hidden, residual = recv_from_previous_stage(received).unbind()
+            hidden, residual = self._receive(input_ids).unbind()
         with forward_context(metadata, self.kv_cache.layers, self.backend):
             out = model(input_ids, positions, hidden, residual)
         if model.is_last_stage:
@@ -212,7 +212,19 @@ class ModelForward:
         it does not: then `forward` and `compute_logits` give the logits."""
         if self.cpu_step is None or not self.cpu_step.takes_argmax(metadata, input_ids.shape[0]):
             return None
+        if not self.model.is_first_stage:
+            self.cpu_step.receive(self._receive(input_ids))
         return self.cpu_step.argmax_tokens(input_ids, positions, metadata)
+
+    def _receive(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The previous pipeline stage's hidden states and residual for this step's tokens,
+        [2, num_tokens, hidden_size] (one message)."""
+        received = torch.empty(
+            (2, input_ids.shape[0], self.model_config.hidden_size),
+            dtype=self.dtype,
+            device=input_ids.device,
+        )
+        return recv_from_previous_stage(received)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
         return self.model.compute_logits(hidden)
