@@ -25,6 +25,11 @@ collectives the modules would between them (the all-reduces after the embedding,
 down_proj; the argmax across the ranks' vocabulary ranges) over the group's shared memory, in
 the protocol the Python all-reduce runs (quire/distributed/shm_all_reduce.py). Without shared
 memory (gloo alone) the path is off.
+
+A pipeline stage (tensor parallelism off) runs its range of the layers the same way: a stage
+other than the first starts from the hidden states and residual the previous stage sent
+(`forward_stage`), one other than the last hands its own back for the next stage instead of the
+final norm's output.
 """
 
 from __future__ import annotations
@@ -73,7 +78,7 @@ _LAYER_PROJECTIONS = "qkv o gate_up down"
 _LAYER_INTS = "hidden_size num_heads num_kv_heads head_dim intermediate_size block_size kv_kind"
 _STEP_POINTERS = "cos sin slots block_tables seq_lens lora_slots silu x qkv q attn gate_up act"
 _MODEL_POINTERS = "layers embedding cos_cache sin_cache final_norm"
-_MODEL_INTS = "num_layers vocab_size vocab_start vocab_rows max_position"
+_MODEL_INTS = "num_layers vocab_size vocab_start vocab_rows max_position first_stage last_stage"
 _ARGMAX_ROW_BYTES = 16  # RowBest in shm_all_reduce.c: what a rank publishes per row
 
 
@@ -148,22 +153,26 @@ class StepWeights:
     """Every tensor the C step reads, named once: the only place that knows where they sit in
     the Llama-family module tree (quire/model/llama.py)."""
 
-    layers: list[LayerWeights]
-    embedding: torch.Tensor  # [vocab_rows, hidden]: this rank's rows (all with one rank)
+    layers: list[LayerWeights]  # the pipeline stage's (all of them with one stage)
+    # [vocab_rows, hidden]: this rank's rows (all with one rank); None on a pipeline stage that
+    # neither embeds nor holds the tied LM head
+    embedding: torch.Tensor | None
     vocab_start: int  # the first of them
     vocab_size: int  # the whole vocabulary's
     cos_cache: torch.Tensor  # [max_position, head_dim] float32
     sin_cache: torch.Tensor
-    final_norm: torch.Tensor
+    final_norm: torch.Tensor | None  # None on a pipeline stage other than the last
     final_eps: float
     lm_head: nn.Module | None  # PackedLinear over the same rows; None when tied and not packed
     hidden_size: int
     intermediate_size: int  # this rank's share
+    first_stage: bool  # runs the embedding
+    last_stage: bool  # ends in the final norm and the LM head
 
     @classmethod
     def from_model(cls, model: nn.Module) -> StepWeights:
         layers = []
-        for layer in model.layers:
+        for layer in (model.layers[i] for i in model.layer_range):
             attn, mlp = layer.self_attn, layer.mlp
             layers.append(
                 LayerWeights(
@@ -183,18 +192,21 @@ class StepWeights:
                     scale=attn.scale,
                 )
             )
+        embed, norm = model.embed_tokens, model.norm
         return cls(
             layers=layers,
-            embedding=model.embed_tokens.weight,
-            vocab_start=model.embed_tokens.vocab_start,
+            embedding=None if embed is None else embed.weight,
+            vocab_start=0 if embed is None else embed.vocab_start,
             vocab_size=model.config.vocab_size,
             cos_cache=model.rotary.cos_cache,
             sin_cache=model.rotary.sin_cache,
-            final_norm=model.norm.weight,
-            final_eps=model.norm.eps,
+            final_norm=None if norm is None else norm.weight,
+            final_eps=model.config.rms_norm_eps if norm is None else norm.eps,
             lm_head=model.lm_head,
             hidden_size=model.config.hidden_size,
             intermediate_size=layers[0].gate_up.out_features // 2,
+            first_stage=model.is_first_stage,
+            last_stage=model.is_last_stage,
         )
 
 
@@ -268,7 +280,7 @@ class CpuStepRunner:
         if not all(t.dtype == torch.float32 for t in (weights.cos_cache, weights.sin_cache)):
             raise ValueError("CpuStepRunner: the rotary tables must be float32")
         self.weights = weights
-        self.vocab_rows = weights.embedding.shape[0]
+        self.vocab_rows = 0 if weights.embedding is None else weights.embedding.shape[0]
         # The group's file (tensor parallelism): what it holds for the C collectives, and the
         # widest step whose hidden rows (and argmax rows) fit a slot.
         self._group = None
@@ -302,7 +314,11 @@ class CpuStepRunner:
         self._logits = torch.empty(0, 0)
         self._argmax_ids = np.zeros(0, np.int64)  # numpy: tolist() without a torch op
         lm_head = weights.lm_head
-        self.has_lm_head = _c_projection(lm_head) and lm_head.out_features == self.vocab_rows
+        self.has_lm_head = (
+            weights.last_stage
+            and _c_projection(lm_head)
+            and lm_head.out_features == self.vocab_rows
+        )
         self._out_slices: list[torch.Tensor] = []  # the LoRA slots' column ranges, kept alive
         self._layers = self._layer_structs(weights, kv_cache)
         self._model = self._model_struct(weights)
@@ -324,8 +340,9 @@ class CpuStepRunner:
         (the C step adds none after the all-reduce)."""
         first = weights.layers[0]
         return (
-            weights.embedding.device.type == "cpu"
-            and weights.embedding.dtype == torch.bfloat16
+            first.input_norm.device.type == "cpu"
+            and first.input_norm.dtype == torch.bfloat16
+            and (weights.embedding is None or weights.embedding.dtype == torch.bfloat16)
             and _kv_readable(kv_cache)
             and all(_c_projection(p) for layer in weights.layers for p in layer.projections)
             and cpu_kernels.supports_paged_decode(
@@ -380,7 +397,8 @@ class CpuStepRunner:
 
     def _model_struct(self, weights: StepWeights) -> _DecodeModel:
         for name in ("embedding", "cos_cache", "sin_cache"):
-            if not getattr(weights, name).is_contiguous():
+            tensor = getattr(weights, name)
+            if tensor is not None and not tensor.is_contiguous():
                 raise ValueError(f"CpuStepRunner: {name} must be contiguous")
         lm_head = weights.lm_head if self.has_lm_head else None
         return _DecodeModel(
@@ -396,6 +414,8 @@ class CpuStepRunner:
             vocab_start=weights.vocab_start,
             vocab_rows=self.vocab_rows,
             max_position=weights.cos_cache.shape[0],
+            first_stage=weights.first_stage,
+            last_stage=weights.last_stage,
             final_eps=weights.final_eps,
         )
 
@@ -408,6 +428,29 @@ class CpuStepRunner:
         out = torch.empty(input_ids.shape[0], self.weights.hidden_size, dtype=torch.bfloat16)
         self._run(input_ids, positions, metadata, out)
         return out
+
+    def receive(self, received: torch.Tensor) -> None:
+        """A pipeline stage other than the first: the previous stage's hidden states and
+        residual ([2, num_seqs, hidden_size]), where this step's `forward`, `argmax_tokens` or
+        `forward_to_next_stage` starts from."""
+        num_seqs = received.shape[1]
+        self._grow_scratch(num_seqs)
+        self._scratch["hidden"][:num_seqs].copy_(received[0])
+        self._scratch["residual"][:num_seqs].copy_(received[1])
+
+    def forward_to_next_stage(
+        self,
+        input_ids: torch.Tensor,  # [num_seqs]
+        positions: torch.Tensor,  # [num_seqs]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [2, num_seqs, hidden_size]: the hidden states and the residual
+        """A pipeline stage other than the last: its layers, and what the next stage takes."""
+        num_seqs = input_ids.shape[0]
+        self._grow_scratch(num_seqs)
+        self._run(input_ids, positions, metadata, self._scratch["x"])  # out: unused
+        return torch.stack(
+            (self._scratch["hidden"][:num_seqs], self._scratch["residual"][:num_seqs])
+        )
 
     def argmax_tokens(
         self,
@@ -428,6 +471,23 @@ class CpuStepRunner:
             )
         self._run(input_ids, positions, metadata, self._hidden_out, self._logits, self._argmax_ids)
         return self._argmax_ids[:num_seqs].tolist()
+
+    def _grow_scratch(self, num_seqs: int) -> None:
+        """Scratch rows for `num_seqs` sequences (new ones, unfilled, when it grows)."""
+        if self._scratch and self._scratch["x"].shape[0] >= num_seqs:
+            return
+        self._scratch = {
+            name: torch.empty(num_seqs, width, dtype=torch.bfloat16)
+            for name, width in self._scratch_widths.items()
+        }
+        self._step = _DecodeStep(
+            silu=_data(pointwise.silu_table()),
+            **{
+                name: _data(self._scratch[name])
+                for name in _STEP_POINTERS.split()
+                if name in self._scratch
+            },
+        )
 
     def _run(
         self,
@@ -452,19 +512,7 @@ class CpuStepRunner:
         seq_lens = _as(metadata.seq_lens, torch.int32)
         token_ids = _as(input_ids, torch.int64)
         positions = _as(positions, torch.int64)
-        if not self._scratch or self._scratch["x"].shape[0] < num_seqs:
-            self._scratch = {
-                name: torch.empty(num_seqs, width, dtype=torch.bfloat16)
-                for name, width in self._scratch_widths.items()
-            }
-            self._step = _DecodeStep(
-                silu=_data(pointwise.silu_table()),
-                **{
-                    name: _data(self._scratch[name])
-                    for name in _STEP_POINTERS.split()
-                    if name in self._scratch
-                },
-            )
+        self._grow_scratch(num_seqs)
         step = self._step  # the scratch pointers set above; the step's own fields here
         step.slots = slots.data_ptr()
         step.block_tables = block_tables.data_ptr()

@@ -25,6 +25,11 @@
 // after o and down, over the group's shared memory (shm_all_reduce.c); the embedding is the
 // rank's range of the table summed over the ranks, and the argmax is taken over every rank's
 // range of the LM head.
+//
+// A pipeline stage runs its range of the layers: the first stage from the embedding, the others
+// from the hidden states and residual the previous stage sent (in the step's hidden and residual
+// scratch); the last stage ends in the final norm (and the LM head), the others leave their
+// layers' hidden states and residual in that scratch, for the next stage.
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -193,6 +198,7 @@ typedef struct {
     Projection lm_head;  // [vocab_rows, hidden]; weight NULL when the step has none
     const ShmGroup* group;  // the tensor-parallel ranks, NULL with one
     int32_t num_layers, vocab_size, vocab_start, vocab_rows, max_position;
+    int32_t first_stage, last_stage;  // 1 and 1 without pipeline parallelism
     float final_eps;
 } DecodeModel;
 
@@ -200,9 +206,10 @@ typedef struct {
 // token embedding (zeros outside this rank's rows, then summed over the ranks), the rotary
 // tables at its position (float32 rounded to bf16, as `.to(bf16)` rounds), every layer, and the
 // final add + norm into out [num_seqs, hidden_size]. hidden and residual are scratch
-// [num_seqs, hidden_size]. Returns 0, -4 for a token id or a position out of the tables' range
-// (nothing computed), -6 for a step too large for the group's slots, or a layer's negative
-// status.
+// [num_seqs, hidden_size]; a pipeline stage other than the first reads the previous stage's
+// output from them, one other than the last leaves its own there (and writes nothing to out).
+// Returns 0, -4 for a token id or a position out of the tables' range (nothing computed), -6 for
+// a step too large for the group's slots, or a layer's negative status.
 int decode_step_bf16(const DecodeModel* M, const DecodeStep* S, const int64_t* token_ids,
                      const int64_t* positions, uint16_t* hidden, uint16_t* residual,
                      uint16_t* out) {
@@ -213,7 +220,9 @@ int decode_step_bf16(const DecodeModel* M, const DecodeStep* S, const int64_t* t
             return -4;
     for (int b = 0; b < B; b++) {
         const int64_t row = token_ids[b] - M->vocab_start;
-        if (row >= 0 && row < M->vocab_rows)
+        if (!M->first_stage)
+            ;  // the previous stage's hidden states are in place
+        else if (row >= 0 && row < M->vocab_rows)
             memcpy(hidden + (int64_t)b * H, M->embedding + row * H, (size_t)H * sizeof(uint16_t));
         else
             memset(hidden + (int64_t)b * H, 0, (size_t)H * sizeof(uint16_t));
@@ -225,11 +234,15 @@ int decode_step_bf16(const DecodeModel* M, const DecodeStep* S, const int64_t* t
         }
     }
     int status;
-    if (M->group && (status = shm_all_reduce_bf16(M->group, hidden, (int64_t)B * H))) return status;
+    if (M->first_stage && M->group &&
+        (status = shm_all_reduce_bf16(M->group, hidden, (int64_t)B * H)))
+        return status;
     for (int i = 0; i < M->num_layers; i++) {
-        status = decode_layer_bf16(M->layers + i, S, M->group, hidden, residual, i == 0);
+        const int first = i == 0 && M->first_stage;  // the model's first layer: no residual yet
+        status = decode_layer_bf16(M->layers + i, S, M->group, hidden, residual, first);
         if (status) return status;
     }
+    if (!M->last_stage) return 0;
     return add_rms_norm_bf16(hidden, H, residual, M->final_norm, out, B, H, M->final_eps,
                              S->num_threads);
 }
