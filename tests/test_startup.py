@@ -59,7 +59,7 @@ def test_llm_does_not_fill_the_kv_pool(default_model, monkeypatch):
     assert _rss_bytes() - before < _POOL_BYTES // 4
 
 
-_SERVER_AND_TRANSPORT = ("fastapi", "starlette", "uvicorn", "zmq", "ray")
+_SERVER_AND_TRANSPORT = ("fastapi", "starlette", "uvicorn", "httpx", "rich", "zmq", "ray")
 
 _IMPORTS_OF_AN_OFFLINE_RUN = """
 import sys
@@ -73,7 +73,8 @@ print(" ".join(sorted(set(sys.argv[2:]) & set(sys.modules))))
 
 def test_an_offline_run_imports_no_server_or_transport_package(default_model):
     """`quire --help`, `quire bench` and LLM.generate start without the HTTP server's packages,
-    pyzmq or Ray: they cost start time, and a machine may lack them (the GPU image does)."""
+    the HTTP client of `quire bench serve` (httpx, which loads rich), pyzmq or Ray: they cost
+    start time, and a machine may lack them (the GPU image does)."""
     done = subprocess.run(
         [sys.executable, "-c", _IMPORTS_OF_AN_OFFLINE_RUN, default_model, *_SERVER_AND_TRANSPORT],
         capture_output=True,

@@ -28,10 +28,13 @@ import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import httpx
 import numpy as np
 from tqdm import tqdm
+
+if TYPE_CHECKING:
+    import httpx
 
 _SLO_METRICS = ("ttft", "tpot", "e2el")
 _LATENCY_METRICS = {
@@ -87,6 +90,9 @@ def make_requests(
 
 
 # ---- the client ------------------------------------------------------------------------------
+# httpx is imported by the functions that send requests, not at the top: `quire` builds every
+# bench's parser when it starts, and httpx (which loads rich) would add a tenth of a second to
+# every command, `quire serve` and `quire generate` included.
 def completions_url(base_url: str) -> str:
     return base_url.rstrip("/").removesuffix("/v1") + "/v1/completions"
 
@@ -95,6 +101,8 @@ async def send_request(
     client: httpx.AsyncClient, url: str, model: str, request: ServeRequest
 ) -> RequestResult:
     """One streamed completion, timed chunk by chunk."""
+    import httpx  # not at the top: see "the client"
+
     payload = {
         "model": model,
         "prompt": request.prompt,
@@ -163,6 +171,8 @@ async def run_benchmark(
     """Sends every request on its arrival time, request i with `model`, or with model[i % len]
     for several names; returns the results (in request order) and the wall time from the first
     send to the last response."""
+    import httpx  # not at the top: see "the client"
+
     models = [model] if isinstance(model, str) else list(model)
     url = completions_url(base_url)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -194,6 +204,8 @@ async def run_benchmark(
 
 async def served_model(base_url: str, api_key: str | None) -> str:
     """The first model the server lists at /v1/models."""
+    import httpx  # not at the top: see "the client"
+
     url = base_url.rstrip("/").removesuffix("/v1") + "/v1/models"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
