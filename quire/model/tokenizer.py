@@ -6,7 +6,7 @@ the same tokenizer, without transformers parsing the file again for a config it 
 Building it imports transformers' model packages and converts the vocabulary in Python; the
 result is cached under $XDG_CACHE_HOME/quire/tokenizers, keyed by the file's identity (path,
 size, modification time), this module's source and the versions of transformers and tokenizers,
-so that later loads of the file read one JSON file instead.
+so that later loads of the file read its tokenizer.json instead.
 """
 
 from __future__ import annotations
@@ -60,41 +60,49 @@ def gguf_tokenizer(path: str) -> PreTrainedTokenizerFast:
     builds it: from the cache when this file's was built before (the module docstring says
     when), else built and cached. Raises ModelFileError when the file has no tokenizer quire can
     build."""
-    cache_file = _cache_file(path)
+    tokenizer_file, settings_file = _cache_files(path)
     try:
-        with open(cache_file) as f:
-            cached = json.load(f)
-        backend = tokenizers.Tokenizer.from_str(cached["tokenizer"])
-        settings = cached["settings"]
-    except (OSError, ValueError, KeyError, TypeError):  # none yet, or not one this code wrote
+        with open(settings_file) as f:
+            settings = json.load(f)
+        # the settings are written first: with the tokenizer there too, the entry is whole
+        source = {"tokenizer_file": tokenizer_file} if os.path.isfile(tokenizer_file) else None
+    except (OSError, ValueError):
+        source = None
+    if source is None:
         backend, settings = _build_gguf_tokenizer(path)
-        _write_cache(cache_file, backend, settings)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, name_or_path=os.path.dirname(path), **settings
-    )
+        _write_cache(tokenizer_file, settings_file, backend, settings)
+        source = {"tokenizer_object": backend}
+    return PreTrainedTokenizerFast(**source, name_or_path=os.path.dirname(path), **settings)
 
 
-def _cache_file(path: str) -> str:
+def _cache_files(path: str) -> tuple[str, str]:
+    """Where the tokenizer of the GGUF file at `path` is cached: its tokenizer.json (as
+    tokenizers writes it) and the settings PreTrainedTokenizerFast takes with it (JSON)."""
     stat = os.stat(path)
     with open(__file__, "rb") as f:
         key = hashlib.sha256(f.read())
     identity = (os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
     key.update(repr((identity, transformers.__version__, tokenizers.__version__)).encode())
-    return os.path.join(envs.XDG_CACHE_HOME, "quire", "tokenizers", f"{key.hexdigest()[:16]}.json")
+    stem = os.path.join(envs.XDG_CACHE_HOME, "quire", "tokenizers", key.hexdigest()[:16])
+    return f"{stem}.json", f"{stem}.settings.json"
 
 
-def _write_cache(cache_file: str, backend: tokenizers.Tokenizer, settings: dict) -> None:
-    """Written whole or not at all (a load racing it reads the old file or none); a cache that
-    cannot be written costs the next load the build, nothing else."""
+def _write_cache(
+    tokenizer_file: str, settings_file: str, backend: tokenizers.Tokenizer, settings: dict
+) -> None:
+    """Each file written whole or not at all (a load racing this reads it or none; what two
+    builds of one entry write is the same); a cache that cannot be written costs the next load
+    the build, nothing else."""
+    files = ((settings_file, json.dumps(settings)), (tokenizer_file, backend.to_str()))
     try:
-        os.makedirs(os.path.dirname(cache_file), exist_ok=True)
-        with tempfile.NamedTemporaryFile(
-            "w", dir=os.path.dirname(cache_file), suffix=".tmp", delete=False
-        ) as f:
-            json.dump({"tokenizer": backend.to_str(), "settings": settings}, f)
-        os.replace(f.name, cache_file)
+        os.makedirs(os.path.dirname(tokenizer_file), exist_ok=True)
+        for target, text in files:
+            fd, temporary = tempfile.mkstemp(dir=os.path.dirname(target), suffix=".tmp")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(temporary, target)
     except OSError as error:
-        logger.warning("Cannot cache the tokenizer at %s: %s", cache_file, error)
+        logger.warning("Cannot cache the tokenizer at %s: %s", tokenizer_file, error)
 
 
 def _build_gguf_tokenizer(path: str) -> tuple[tokenizers.Tokenizer, dict]:
