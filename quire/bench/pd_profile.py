@@ -58,7 +58,7 @@ class Profiler:
         self.collocated = (collocated or decode).rstrip("/")
         self.model = model
         # httpx is imported here, not at the top: `quire` builds every bench's parser when it
-        # starts, and httpx (which loads rich) would add a tenth of a second to every command.
+        # starts, and httpx (which loads rich) would slow the start of every command.
         import httpx
 
         self.client = httpx.AsyncClient(timeout=timeout_s)

@@ -91,8 +91,8 @@ def make_requests(
 
 # ---- the client ------------------------------------------------------------------------------
 # httpx is imported by the functions that send requests, not at the top: `quire` builds every
-# bench's parser when it starts, and httpx (which loads rich) would add a tenth of a second to
-# every command, `quire serve` and `quire generate` included.
+# bench's parser when it starts, and httpx (which loads rich) would slow the start of every
+# command, `quire serve` and `quire generate` included.
 def completions_url(base_url: str) -> str:
     return base_url.rstrip("/").removesuffix("/v1") + "/v1/completions"
 

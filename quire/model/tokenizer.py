@@ -48,8 +48,8 @@ def load_tokenizer(model: str, tokenizer: str | None = None) -> PreTrainedTokeni
             f"{source!r} has no tokenizer files (tokenizer.json / tokenizer_config.json): "
             "add them, or pass tokenizer= pointing at a folder that has them."
         )
-    # imported here: it walks every model package of transformers (a quarter of a second), which
-    # a GGUF file's tokenizer from the cache does not need
+    # imported here: it walks every model package of transformers, which a GGUF file's
+    # tokenizer read from the cache does not need
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(source)
