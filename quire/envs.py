@@ -64,8 +64,8 @@ class Environment:
     """The C compiler for the kernels; unset: gcc, else cc, from PATH."""
 
     XDG_CACHE_HOME: str = os.path.join(os.path.expanduser("~"), ".cache")
-    """Where quire keeps its files, under quire/: the built C kernels (kernels/cpu) and the random
-    benchmark checkpoint (bench/models.py)."""
+    """Where quire keeps its files, under quire/: the built C kernels (kernels/cpu), GGUF files'
+    tokenizers (model/tokenizer.py) and the random benchmark checkpoint (bench/models.py)."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> Environment:

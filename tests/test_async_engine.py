@@ -4,6 +4,7 @@ share its steps, and a stream that is left early aborts its request and frees it
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import re
 import threading
@@ -11,6 +12,7 @@ import threading
 import pytest
 from conftest import assert_idle, greedy
 from server_utils import wait_until
+from transformers import PreTrainedTokenizerBase
 
 from quire import LLM, SamplingParams
 from quire.config import EngineConfig
@@ -249,6 +251,23 @@ def test_the_engine_is_built_on_the_engine_thread(tiny_llama, monkeypatch):
     try:
         assert built_on == ["quire-engine"]
         assert llm.is_running
+        assert len(run(collect(llm, PROMPTS[0], greedy(4)))[-1].outputs[0].token_ids) == 4
+    finally:
+        llm.shutdown()
+
+
+def _num_tokenizers() -> int:
+    gc.collect()
+    return sum(issubclass(type(o), PreTrainedTokenizerBase) for o in gc.get_objects())
+
+
+def test_the_server_shares_the_engines_tokenizer(tiny_llama):
+    """One tokenizer for the engine thread and the server's threads, which only read it: a copy
+    for the server took as long to build as loading it, at every start."""
+    before = _num_tokenizers()
+    llm = AsyncLLM.from_engine_config(engine_config(tiny_llama))
+    try:
+        assert _num_tokenizers() - before == 1
         assert len(run(collect(llm, PROMPTS[0], greedy(4)))[-1].outputs[0].token_ids) == 4
     finally:
         llm.shutdown()

@@ -1,6 +1,7 @@
-"""A GGUF file's tokenizer, built from the header quire read (model/tokenizer.py), is the one
-`AutoTokenizer.from_pretrained(dir, gguf_file=name)` builds: the same tokens for the default
-model's whole vocabulary, the same special tokens and the same chat rendering."""
+"""A GGUF file's tokenizer, built from the header quire read (model/tokenizer.py) or read back
+from quire's cache, is the one `AutoTokenizer.from_pretrained(dir, gguf_file=name)` builds: the
+same tokens for the default model's whole vocabulary, the same special tokens and the same chat
+rendering."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 
 import pytest
 
+from quire import envs
 from quire.model.tokenizer import load_tokenizer
 
 TEXTS = [
@@ -34,9 +36,15 @@ def reference(default_model):
     )
 
 
-@pytest.fixture(scope="module")
-def tokenizer(default_model):
-    return load_tokenizer(default_model)
+@pytest.fixture(scope="module", params=["built", "from the cache"])
+def tokenizer(default_model, request, tmp_path_factory):
+    """The first load of a file builds its tokenizer; a later one reads it from the cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(envs, "XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        tokenizer = load_tokenizer(default_model)
+        if request.param == "from the cache":
+            tokenizer = load_tokenizer(default_model)
+    return tokenizer
 
 
 def test_every_vocabulary_token_encodes_as_transformers_does(tokenizer, reference):

@@ -1,9 +1,11 @@
 """What LLM() does to start, counted rather than timed (`quire bench startup` times it): the
-GGUF header is read once, by quire's reader, and the KV pool is not filled."""
+GGUF header is read once, by quire's reader, the KV pool is not filled, a GGUF file's tokenizer
+is built once, and an offline run imports no server package."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -59,7 +61,7 @@ def test_llm_does_not_fill_the_kv_pool(default_model, monkeypatch):
     assert _rss_bytes() - before < _POOL_BYTES // 4
 
 
-_SERVER_AND_TRANSPORT = ("fastapi", "starlette", "uvicorn", "zmq", "ray")
+_SERVER_AND_TRANSPORT = ("fastapi", "starlette", "uvicorn", "httpx", "rich", "zmq", "ray")
 
 _IMPORTS_OF_AN_OFFLINE_RUN = """
 import sys
@@ -73,7 +75,8 @@ print(" ".join(sorted(set(sys.argv[2:]) & set(sys.modules))))
 
 def test_an_offline_run_imports_no_server_or_transport_package(default_model):
     """`quire --help`, `quire bench` and LLM.generate start without the HTTP server's packages,
-    pyzmq or Ray: they cost start time, and a machine may lack them (the GPU image does)."""
+    the HTTP client of `quire bench serve` (httpx, which loads rich), pyzmq or Ray: they cost
+    start time, and a machine may lack them (the GPU image does)."""
     done = subprocess.run(
         [sys.executable, "-c", _IMPORTS_OF_AN_OFFLINE_RUN, default_model, *_SERVER_AND_TRANSPORT],
         capture_output=True,
@@ -83,3 +86,34 @@ def test_an_offline_run_imports_no_server_or_transport_package(default_model):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1:] in ([], [""]), done.stdout
+
+
+_LOAD_TOKENIZER = """
+import sys
+from quire.model.tokenizer import load_tokenizer
+load_tokenizer(sys.argv[1])
+print("transformers.models" in sys.modules)
+"""
+
+
+def test_a_gguf_files_tokenizer_is_built_once_then_read_from_the_cache(default_model, tmp_path):
+    """Building it imports every model package of transformers (the tokenizer classes it builds
+    with) and converts the vocabulary in Python; a later load of the same file, in another
+    process, reads the cached result instead. A file changed in place is built again."""
+    model = shutil.copy(default_model, tmp_path / "model.gguf")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "XDG_CACHE_HOME": str(tmp_path / "cache")}
+
+    def built() -> bool:
+        done = subprocess.run(
+            [sys.executable, "-c", _LOAD_TOKENIZER, model],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.split()[-1] == "True"
+
+    assert [built(), built()] == [True, False]
+    os.utime(model, ns=(0, 0))
+    assert built()

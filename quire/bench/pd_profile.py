@@ -36,7 +36,6 @@ import time
 import uuid
 from typing import Any
 
-import httpx
 import numpy as np
 
 from quire.router.cost_model import CostProfile
@@ -58,6 +57,10 @@ class Profiler:
         self.decode = decode.rstrip("/")
         self.collocated = (collocated or decode).rstrip("/")
         self.model = model
+        # httpx is imported here, not at the top: `quire` builds every bench's parser when it
+        # starts, and httpx (which loads rich) would slow the start of every command.
+        import httpx
+
         self.client = httpx.AsyncClient(timeout=timeout_s)
 
     async def load(self, url: str) -> dict[str, Any]:
@@ -319,6 +322,8 @@ def _nonnegative_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 # ---- the command -------------------------------------------------------------------------------
 async def profile_instances(args: argparse.Namespace) -> dict[str, Any]:
+    import httpx  # not at the top: see Profiler.__init__
+
     profiler = Profiler(args.prefill, args.decode, args.collocated, args.model, args.timeout)
     try:
         loads = {

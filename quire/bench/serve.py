@@ -30,10 +30,13 @@ import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import httpx
 import numpy as np
 from tqdm import tqdm
+
+if TYPE_CHECKING:
+    import httpx
 
 _SLO_METRICS = ("ttft", "tpot", "e2el")
 _LATENCY_METRICS = {
@@ -89,6 +92,9 @@ def make_requests(
 
 
 # ---- the client ------------------------------------------------------------------------------
+# httpx is imported by the functions that send requests, not at the top: `quire` builds every
+# bench's parser when it starts, and httpx (which loads rich) would slow the start of every
+# command, `quire serve` and `quire generate` included.
 def completions_url(base_url: str) -> str:
     return base_url.rstrip("/").removesuffix("/v1") + "/v1/completions"
 
@@ -101,6 +107,8 @@ async def send_request(
     lora_id: int | None = None,
 ) -> RequestResult:
     """One streamed completion, timed chunk by chunk; `lora_id` names llama.cpp's adapter."""
+    import httpx  # not at the top: see "the client"
+
     payload: dict = {
         "model": model,
         "prompt": request.prompt,
@@ -173,6 +181,8 @@ async def run_benchmark(
     for several names, and llama.cpp's adapter lora_ids[i % len] (None: no `lora` field);
     returns the results (in request order) and the wall time from the first send to the last
     response."""
+    import httpx  # not at the top: see "the client"
+
     models = [model] if isinstance(model, str) else list(model)
     url = completions_url(base_url)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -205,6 +215,8 @@ async def run_benchmark(
 
 async def served_model(base_url: str, api_key: str | None) -> str:
     """The first model the server lists at /v1/models."""
+    import httpx  # not at the top: see "the client"
+
     url = base_url.rstrip("/").removesuffix("/v1") + "/v1/models"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import copy
 import functools
 import logging
 import queue
@@ -281,8 +280,10 @@ class AsyncLLM:
     ) -> None:
         try:
             self.engine = build()
-            # The front end's own tokenizer: the engine thread's is never used from two threads.
-            self.tokenizer = copy.deepcopy(self.engine.tokenizer)
+            # The engine's tokenizer, shared with the server's threads (a copy took as long as
+            # loading it): every use only reads it, which tokenizers allows concurrently (no
+            # truncation or padding is ever set; quire.entrypoints.tokenizer_pool).
+            self.tokenizer = self.engine.tokenizer
             self.metrics = metrics or EngineMetrics(
                 self.engine.config.model, log_stats_interval_s=None
             )

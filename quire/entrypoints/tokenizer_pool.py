@@ -12,8 +12,8 @@ Two lanes, so that a long call never delays a short one: calls on texts (or toke
 the long lane. A burst of huge prompts then waits behind itself only, and takes one core at
 most. (Not at a lower priority: a niced thread that holds the GIL while it builds the token
 list, then loses its core to other processes, stalls the event loop with it.) The threads share
-the front end's tokenizer: every call only reads it (no truncation or padding is ever set),
-which tokenizers allows concurrently.
+the engine's tokenizer with the engine thread, which detokenizes with it: every call only reads
+it (no truncation or padding is ever set), which tokenizers allows concurrently.
 
 `max_prompt_chars` is the cheap check that comes first: no token covers more characters than the
 vocabulary's longest token string (byte-level BPE spells each byte as one character, and a UTF-8
