@@ -297,7 +297,7 @@ class CpuStepRunner:
         }
         self._scratch: dict[str, torch.Tensor] = {}
         self._step = _DecodeStep()  # over the scratch rows; rebuilt when they grow
-        # argmax_tokens' outputs, grown to the widest step seen.
+        # argmax_tokens' and lm_head_argmax's outputs, grown to the most rows seen.
         self._hidden_out = torch.empty(0, weights.hidden_size, dtype=torch.bfloat16)
         self._logits = torch.empty(0, 0)
         self._argmax_ids = np.zeros(0, np.int64)  # numpy: tolist() without a torch op
@@ -420,14 +420,47 @@ class CpuStepRunner:
         the torch ops around the LM head (each costs 10-25 us with the caches cold from the
         weights, ~3% of a batch-1 step together)."""
         num_seqs = input_ids.shape[0]
-        if self._argmax_ids.shape[0] < num_seqs:
-            self._logits = torch.empty(num_seqs, self.vocab_rows, dtype=torch.float32)
-            self._argmax_ids = np.zeros(num_seqs, np.int64)
-            self._hidden_out = torch.empty(
-                num_seqs, self._scratch_widths["x"], dtype=torch.bfloat16
-            )
+        self._grow_argmax_buffers(num_seqs)
         self._run(input_ids, positions, metadata, self._hidden_out, self._logits, self._argmax_ids)
         return self._argmax_ids[:num_seqs].tolist()
+
+    def takes_lm_head_argmax(self, num_rows: int) -> bool:
+        """Whether `lm_head_argmax` takes these rows: an LM head the GEMV or the int8 kernel
+        holds (under tensor parallelism, at most as many rows as a slot of the group's file)."""
+        return self.has_lm_head and 0 < num_rows <= self._max_group_rows
+
+    def lm_head_argmax(
+        self,
+        hidden: torch.Tensor,  # [num_rows, hidden_size] bf16, after the final norm
+    ) -> list[int]:  # each row's argmax token
+        """`compute_logits` and the greedy argmax of any step's rows (a prompt chunk's last
+        row, decodes beside it) in one C call, the LM head and argmax `argmax_tokens` runs,
+        into the same buffers: no [rows, vocab] float32 tensor allocated per step (above 32 MiB
+        the allocator maps fresh pages for each one, and faults them all in as they fill)."""
+        num_rows = hidden.shape[0]
+        assert self.takes_lm_head_argmax(num_rows)
+        hidden = _as(hidden, torch.bfloat16)
+        self._grow_argmax_buffers(num_rows)
+        status = cpu_kernels.load_library().lm_head_argmax_bf16(
+            ctypes.byref(self._model),
+            hidden.data_ptr(),
+            num_rows,
+            self._logits.data_ptr(),
+            self._argmax_ids.ctypes.data,
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise RuntimeError(f"lm_head_argmax_bf16 failed (status {status})")
+        return self._argmax_ids[:num_rows].tolist()
+
+    def _grow_argmax_buffers(self, num_rows: int) -> None:
+        """The argmax paths' outputs, grown to the most rows seen."""
+        if self._argmax_ids.shape[0] < num_rows:
+            self._logits = torch.empty(num_rows, self.vocab_rows, dtype=torch.float32)
+            self._argmax_ids = np.zeros(num_rows, np.int64)
+            self._hidden_out = torch.empty(
+                num_rows, self._scratch_widths["x"], dtype=torch.bfloat16
+            )
 
     def _run(
         self,

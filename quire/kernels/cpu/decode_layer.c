@@ -234,26 +234,33 @@ int decode_step_bf16(const DecodeModel* M, const DecodeStep* S, const int64_t* t
                              S->num_threads);
 }
 
-// decode_step_bf16, then the LM head over its output and the argmax of each row: the step's
-// greedy tokens into next_ids [num_seqs], the logits of this rank's rows (float32 holding the
+// The LM head over rows x [B, H] (the final norm's output) and the argmax of each row: the
+// greedy tokens into next_ids [B], the logits of this rank's rows (float32 holding the
 // bf16-rounded values, as `linear(...).float()` gives them; -inf in the padding rows) into
-// logits [num_seqs, vocab_rows]. The same kernels as compute_logits and the sampler's argmax,
-// in one call; with several ranks, the argmax of the gathered logits. Returns 0, -5 without an
-// LM head, or the failing stage's status.
+// logits [B, vocab_rows]. The same kernels as compute_logits and the sampler's argmax, in one
+// call; with several ranks, the argmax of the gathered logits. Returns 0, -5 without an LM head,
+// -6 for more rows than the group's slots hold, or the projection's status.
+int lm_head_argmax_bf16(const DecodeModel* M, const uint16_t* x, int B, float* logits,
+                        int64_t* next_ids, int num_threads) {
+    if (!M->lm_head.weight) return -5;
+    const int H = M->layers[0].hidden_size, V = M->vocab_rows;
+    const int past = M->vocab_size - M->vocab_start;  // this rank's rows that are not padding
+    const int valid = past < 0 ? 0 : past < V ? past : V;
+    int status = project(&M->lm_head, x, H, NULL, logits, V, B, V, H, num_threads);
+    if (status) return status;
+    for (int b = 0; b < B && valid < V; b++)
+        for (int v = valid; v < V; v++) logits[(int64_t)b * V + v] = -INFINITY;
+    status = argmax_f32(logits, B, V, next_ids, num_threads);
+    if (status || !M->group) return status;
+    return shm_argmax_rows(M->group, logits, V, M->vocab_start, next_ids, B);
+}
+
+// decode_step_bf16, then lm_head_argmax_bf16 over its output: the step's greedy tokens.
 int decode_step_argmax_bf16(const DecodeModel* M, const DecodeStep* S, const int64_t* token_ids,
                             const int64_t* positions, uint16_t* hidden, uint16_t* residual,
                             uint16_t* out, float* logits, int64_t* next_ids) {
     if (!M->lm_head.weight) return -5;
-    const int B = S->num_seqs, H = M->layers[0].hidden_size, V = M->vocab_rows;
-    const int past = M->vocab_size - M->vocab_start;  // this rank's rows that are not padding
-    const int valid = past < 0 ? 0 : past < V ? past : V;
-    int status = decode_step_bf16(M, S, token_ids, positions, hidden, residual, out);
+    const int status = decode_step_bf16(M, S, token_ids, positions, hidden, residual, out);
     if (status) return status;
-    status = project(&M->lm_head, out, H, NULL, logits, V, B, V, H, S->num_threads);
-    if (status) return status;
-    for (int b = 0; b < B && valid < V; b++)
-        for (int v = valid; v < V; v++) logits[(int64_t)b * V + v] = -INFINITY;
-    status = argmax_f32(logits, B, V, next_ids, S->num_threads);
-    if (status || !M->group) return status;
-    return shm_argmax_rows(M->group, logits, V, M->vocab_start, next_ids, B);
+    return lm_head_argmax_bf16(M, out, S->num_seqs, logits, next_ids, S->num_threads);
 }
