@@ -238,6 +238,43 @@ def test_greedy_and_sampled_requests_in_mixed_steps_get_their_tokens_alone(tiny_
     assert together == alone
 
 
+def lm_head_checkpoint(src: str, dst: str, rows: dict[int, float]) -> str:
+    """A copy of checkpoint `src` whose LM head rows are all row 0 of its own, except the
+    rows `rows` names, filled with the value given."""
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    weight = model.lm_head.weight.data
+    weight[:] = weight[0].clone()
+    for row, value in rows.items():
+        weight[row] = value
+    model.save_pretrained(dst)
+    return dst
+
+
+@pytest.mark.parametrize(
+    "rows,expected",
+    [
+        ({}, 0),  # every logit equal: the first
+        ({41000: float("nan"), 45000: float("nan")}, 41000),  # NaN first, the first NaN
+    ],
+    ids=["equal logits", "two NaN logits"],
+)
+@pytest.mark.parametrize("num_rows", [1, 3, 300])
+def test_greedy_tokens_break_ties_and_nans_as_torch_argmax(
+    tiny_llama, tmp_path, rows, expected, num_rows
+):
+    # 300 rows: the LM head's 49152 columns in blocks of 192 per thread
+    llm = bf16_llm(lm_head_checkpoint(tiny_llama, str(tmp_path / "model"), rows))
+    model = in_process_model(llm)
+    hidden = torch.randn(num_rows, 64, generator=torch.Generator().manual_seed(0))
+    hidden = hidden.to(torch.bfloat16)
+    tokens = model.greedy_tokens(hidden)
+    assert tokens == [expected] * num_rows
+    assert tokens == model.compute_logits(hidden).argmax(dim=-1).tolist()
+
+
 @pytest.mark.parametrize(
     "dtype,switches",
     [("float32", {}), ("bfloat16", {"gemv": False}), ("bfloat16", {"pack_weights": False})],

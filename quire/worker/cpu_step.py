@@ -303,6 +303,9 @@ class CpuStepRunner:
         self._argmax_ids = np.zeros(0, np.int64)  # numpy: tolist() without a torch op
         lm_head = weights.lm_head
         self.has_lm_head = _c_projection(lm_head) and lm_head.out_features == self.vocab_rows
+        # A head in GGUF blocks writes the logits for its argmax; a GEMV-packed one none (it
+        # goes through them a block of columns at a time, in cache).
+        self._logits_width = self.vocab_rows if isinstance(_base(lm_head), QuantizedLinear) else 0
         self._out_slices: list[torch.Tensor] = []  # the LoRA slots' column ranges, kept alive
         self._layers = self._layer_structs(weights, kv_cache)
         self._model = self._model_struct(weights)
@@ -435,8 +438,8 @@ class CpuStepRunner:
     ) -> list[int]:  # each row's argmax token
         """`compute_logits` and the greedy argmax of any step's rows (a prompt chunk's last
         row, decodes beside it) in one C call, the LM head and argmax `argmax_tokens` runs,
-        into the same buffers: no [rows, vocab] float32 tensor allocated per step (above 32 MiB
-        the allocator maps fresh pages for each one, and faults them all in as they fill)."""
+        into the same buffers: no [rows, vocab] float32 tensor per step (above 32 MiB the
+        allocator maps fresh pages for each one, and faults them all in as they fill)."""
         num_rows = hidden.shape[0]
         assert self.takes_lm_head_argmax(num_rows)
         hidden = _as(hidden, torch.bfloat16)
@@ -456,7 +459,7 @@ class CpuStepRunner:
     def _grow_argmax_buffers(self, num_rows: int) -> None:
         """The argmax paths' outputs, grown to the most rows seen."""
         if self._argmax_ids.shape[0] < num_rows:
-            self._logits = torch.empty(num_rows, self.vocab_rows, dtype=torch.float32)
+            self._logits = torch.empty(num_rows, self._logits_width, dtype=torch.float32)
             self._argmax_ids = np.zeros(num_rows, np.int64)
             self._hidden_out = torch.empty(
                 num_rows, self._scratch_widths["x"], dtype=torch.bfloat16
@@ -468,7 +471,7 @@ class CpuStepRunner:
         positions: torch.Tensor,
         metadata: AttentionMetadata,
         out: torch.Tensor,  # [>= num_seqs, hidden_size] bf16: the final norm's output
-        logits: torch.Tensor | None = None,  # [>= num_seqs, vocab] float32
+        logits: torch.Tensor | None = None,  # [>= num_seqs, vocab] float32 (a GGUF-block head)
         argmax_ids: np.ndarray | None = None,  # [>= num_seqs] int64
     ) -> None:
         """The C step into `out`; with `logits` and `argmax_ids`, the LM head and the argmax
