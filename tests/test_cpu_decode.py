@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import greedy, in_process_model, make_llm, make_lora_adapter, token_prompts
 
-from quire import LLM, LoRARequest
+from quire import LLM, LoRARequest, SamplingParams
 from quire.attention.forward_context import forward_context
 from quire.kernels.cpu import gemv
 from quire.layers.linear import packed_linear_supported
@@ -188,6 +188,91 @@ def test_mixed_prefill_and_decode_steps_take_the_module_path(tiny_llama, monkeyp
     assert any(0 < decodes < seqs and tokens <= 8 for tokens, decodes, seqs, _ in seen)
     taken = [seqs for _, _, seqs, was_taken in seen if was_taken]
     assert taken and steps == taken  # each fused step checked against the module path
+
+
+def check_each_lm_head_argmax(runner: ModelForward, monkeypatch) -> list[int]:
+    """Wraps `runner.cpu_step.lm_head_argmax` so that each call's tokens must be the argmax of
+    the module path's logits of its rows. Returns the list each call's row count is appended
+    to."""
+    path, model = runner.cpu_step, runner.model
+    fused = path.lm_head_argmax
+    calls: list[int] = []
+
+    def lm_head_argmax(hidden):
+        tokens = fused(hidden)
+        assert tokens == model.compute_logits(hidden).argmax(dim=-1).tolist()
+        calls.append(hidden.shape[0])
+        return tokens
+
+    monkeypatch.setattr(path, "lm_head_argmax", lm_head_argmax)
+    return calls
+
+
+def test_greedy_rows_of_mixed_steps_take_the_c_lm_head_and_argmax(tiny_llama, monkeypatch):
+    llm = bf16_llm(tiny_llama, max_num_batched_tokens=16)  # prompts prefill in 16-token chunks
+    calls = check_each_lm_head_argmax(in_process_model(llm), monkeypatch)
+    llm.generate(token_prompts([4, 30, 30]), greedy(8), use_tqdm=False)
+    # A step's rows: the decodes and the prompt whose last chunk it computes (4 | 12; 1 | 15;
+    # 1 + 3 | 12; 2 | 14; 2 + 4), then decode-only steps through argmax_tokens.
+    assert calls == [1, 1, 2, 2, 3]
+
+
+def test_greedy_and_sampled_requests_in_mixed_steps_get_their_tokens_alone(tiny_llama, monkeypatch):
+    llm = bf16_llm(tiny_llama, max_num_batched_tokens=16)
+    prompts = token_prompts([4, 30, 30])
+    params = [
+        SamplingParams(temperature=0.8, seed=7, max_tokens=16, ignore_eos=True),
+        greedy(8),
+        greedy(8, min_tokens=4, stop_token_ids=[0]),  # token 0 banned below 4 outputs
+    ]
+    calls = check_each_lm_head_argmax(in_process_model(llm), monkeypatch)
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    # Only greedy rows take the LM head's argmax, beside the sampled first request: the second
+    # request's from its prompt's last chunk (step 3) to its 8th token (step 10), the third's
+    # from its 5th token (step 9) to its 8th (step 12).
+    assert calls == [1] * 6 + [2] * 2 + [1] * 2
+    alone = [
+        llm.generate([p], q, use_tqdm=False)[0].outputs[0].token_ids
+        for p, q in zip(prompts, params)
+    ]
+    assert together == alone
+
+
+def lm_head_checkpoint(src: str, dst: str, rows: dict[int, float]) -> str:
+    """A copy of checkpoint `src` whose LM head rows are all row 0 of its own, except the
+    rows `rows` names, filled with the value given."""
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    weight = model.lm_head.weight.data
+    weight[:] = weight[0].clone()
+    for row, value in rows.items():
+        weight[row] = value
+    model.save_pretrained(dst)
+    return dst
+
+
+@pytest.mark.parametrize(
+    "rows,expected",
+    [
+        ({}, 0),  # every logit equal: the first
+        ({41000: float("nan"), 45000: float("nan")}, 41000),  # NaN first, the first NaN
+    ],
+    ids=["equal logits", "two NaN logits"],
+)
+@pytest.mark.parametrize("num_rows", [1, 3, 300])
+def test_greedy_tokens_break_ties_and_nans_as_torch_argmax(
+    tiny_llama, tmp_path, rows, expected, num_rows
+):
+    # 300 rows: the LM head's 49152 columns in blocks of 192 per thread
+    llm = bf16_llm(lm_head_checkpoint(tiny_llama, str(tmp_path / "model"), rows))
+    model = in_process_model(llm)
+    hidden = torch.randn(num_rows, 64, generator=torch.Generator().manual_seed(0))
+    hidden = hidden.to(torch.bfloat16)
+    tokens = model.greedy_tokens(hidden)
+    assert tokens == [expected] * num_rows
+    assert tokens == model.compute_logits(hidden).argmax(dim=-1).tolist()
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,8 @@
 """`quire bench overhead`: the engine's host time per step, phase by phase.
 
 The model is one whose forward costs next to nothing: one layer of hidden size 64 with SmolLM2's
-vocabulary (49152 tokens), random weights, built in a temporary folder (`--model` runs another
-instead). What a step then costs is the host's work around the forward: scheduling, preparing
+vocabulary (49152 tokens), random weights, built in a temporary folder with the default model's
+tokenizer, or the one saved in the folder `--tokenizer` names (`--model` runs another instead). What a step then costs is the host's work around the forward: scheduling, preparing
 the inputs, sampling, the stop rules, the outputs and their text.
 
 At each batch size B, B requests with short prompts decode (greedy unless --temperature; as
@@ -240,9 +240,9 @@ def report(results: list[PhaseTimes]) -> str:
     return "\n".join(lines)
 
 
-def build_null_forward_model(path: str) -> str:
+def build_null_forward_model(path: str, tokenizer_source: str | None = None) -> str:
     """Saves the null-forward model (NULL_FORWARD_SHAPE, random bf16 weights, the default
-    model's tokenizer) at `path`."""
+    model's tokenizer or the one saved at `tokenizer_source`) at `path`."""
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -250,7 +250,13 @@ def build_null_forward_model(path: str) -> str:
     from quire.config import default_model_path
     from quire.model.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(default_model_path())
+    tokenizer = load_tokenizer(tokenizer_source or default_model_path())
+    if len(tokenizer) > NULL_FORWARD_SHAPE["vocab_size"]:
+        raise ValueError(
+            f"The tokenizer at {tokenizer_source} has {len(tokenizer)} tokens; the null-forward "
+            f"model's vocabulary is {NULL_FORWARD_SHAPE['vocab_size']}: pass --tokenizer a "
+            "folder holding SmolLM2's tokenizer (the default model's), or --model a model."
+        )
     config = AutoConfig.for_model(
         "llama",
         architectures=["LlamaForCausalLM"],
@@ -338,7 +344,8 @@ def main(args: argparse.Namespace) -> int:
     _check(args)
     with tempfile.TemporaryDirectory() as tmp:
         if args.model is None:
-            args.model = build_null_forward_model(os.path.join(tmp, "null-forward"))
+            path = os.path.join(tmp, "null-forward")
+            args.model = build_null_forward_model(path, args.tokenizer)
             model_name = "null-forward (1 layer, hidden 64, vocabulary 49152)"
         else:
             model_name = args.model

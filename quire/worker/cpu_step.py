@@ -309,7 +309,7 @@ class CpuStepRunner:
         }
         self._scratch: dict[str, torch.Tensor] = {}
         self._step = _DecodeStep()  # over the scratch rows; rebuilt when they grow
-        # argmax_tokens' outputs, grown to the widest step seen.
+        # argmax_tokens' and lm_head_argmax's outputs, grown to the most rows seen.
         self._hidden_out = torch.empty(0, weights.hidden_size, dtype=torch.bfloat16)
         self._logits = torch.empty(0, 0)
         self._argmax_ids = np.zeros(0, np.int64)  # numpy: tolist() without a torch op
@@ -319,6 +319,9 @@ class CpuStepRunner:
             and _c_projection(lm_head)
             and lm_head.out_features == self.vocab_rows
         )
+        # A head in GGUF blocks writes the logits for its argmax; a GEMV-packed one none (it
+        # goes through them a block of columns at a time, in cache).
+        self._logits_width = self.vocab_rows if isinstance(_base(lm_head), QuantizedLinear) else 0
         self._out_slices: list[torch.Tensor] = []  # the LoRA slots' column ranges, kept alive
         self._layers = self._layer_structs(weights, kv_cache)
         self._model = self._model_struct(weights)
@@ -463,12 +466,7 @@ class CpuStepRunner:
         the torch ops around the LM head (each costs 10-25 us with the caches cold from the
         weights, ~3% of a batch-1 step together)."""
         num_seqs = input_ids.shape[0]
-        if self._argmax_ids.shape[0] < num_seqs:
-            self._logits = torch.empty(num_seqs, self.vocab_rows, dtype=torch.float32)
-            self._argmax_ids = np.zeros(num_seqs, np.int64)
-            self._hidden_out = torch.empty(
-                num_seqs, self._scratch_widths["x"], dtype=torch.bfloat16
-            )
+        self._grow_argmax_buffers(num_seqs)
         self._run(input_ids, positions, metadata, self._hidden_out, self._logits, self._argmax_ids)
         return self._argmax_ids[:num_seqs].tolist()
 
@@ -489,13 +487,51 @@ class CpuStepRunner:
             },
         )
 
+    def takes_lm_head_argmax(self, num_rows: int) -> bool:
+        """Whether `lm_head_argmax` takes these rows: an LM head the GEMV or the int8 kernel
+        holds (under tensor parallelism, at most as many rows as a slot of the group's file)."""
+        return self.has_lm_head and 0 < num_rows <= self._max_group_rows
+
+    def lm_head_argmax(
+        self,
+        hidden: torch.Tensor,  # [num_rows, hidden_size] bf16, after the final norm
+    ) -> list[int]:  # each row's argmax token
+        """`compute_logits` and the greedy argmax of any step's rows (a prompt chunk's last
+        row, decodes beside it) in one C call, the LM head and argmax `argmax_tokens` runs,
+        into the same buffers: no [rows, vocab] float32 tensor per step (above 32 MiB the
+        allocator maps fresh pages for each one, and faults them all in as they fill)."""
+        num_rows = hidden.shape[0]
+        assert self.takes_lm_head_argmax(num_rows)
+        hidden = _as(hidden, torch.bfloat16)
+        self._grow_argmax_buffers(num_rows)
+        status = cpu_kernels.load_library().lm_head_argmax_bf16(
+            ctypes.byref(self._model),
+            hidden.data_ptr(),
+            num_rows,
+            self._logits.data_ptr(),
+            self._argmax_ids.ctypes.data,
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise RuntimeError(f"lm_head_argmax_bf16 failed (status {status})")
+        return self._argmax_ids[:num_rows].tolist()
+
+    def _grow_argmax_buffers(self, num_rows: int) -> None:
+        """The argmax paths' outputs, grown to the most rows seen."""
+        if self._argmax_ids.shape[0] < num_rows:
+            self._logits = torch.empty(num_rows, self._logits_width, dtype=torch.float32)
+            self._argmax_ids = np.zeros(num_rows, np.int64)
+            self._hidden_out = torch.empty(
+                num_rows, self._scratch_widths["x"], dtype=torch.bfloat16
+            )
+
     def _run(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         metadata: AttentionMetadata,
         out: torch.Tensor,  # [>= num_seqs, hidden_size] bf16: the final norm's output
-        logits: torch.Tensor | None = None,  # [>= num_seqs, vocab] float32
+        logits: torch.Tensor | None = None,  # [>= num_seqs, vocab] float32 (a GGUF-block head)
         argmax_ids: np.ndarray | None = None,  # [>= num_seqs] int64
     ) -> None:
         """The C step into `out`; with `logits` and `argmax_ids`, the LM head and the argmax

@@ -6,7 +6,8 @@ states of the step's rows, `compute_logits` the LM head over some of them. Where
 through a faster path than the modules, the path is chosen once, when the cache exists:
 
 - the C decode step (worker/cpu_step.py) for decode-only steps on a CPU, which can also take
-  each row's argmax in the same call (`argmax_tokens`);
+  each row's argmax in the same call (`argmax_tokens`); its LM head and argmax also take the
+  greedy rows of any other step (`greedy_tokens`, `fuses_lm_head_argmax`);
 - CUDA graphs (worker/cuda_graph.py) for decode-only batches on a GPU (the target only: its
   `max_num_seqs` ladder);
 - the model's modules, in a forward context of the step's attention metadata, for every other
@@ -42,6 +43,7 @@ from quire.distributed.parallel_state import (
 from quire.lora.config import LoRAConfig
 from quire.model.loader import load_model
 from quire.model.model_config import ModelConfig
+from quire.sample.sampler import greedy
 from quire.worker import host_memory, kv_cache
 from quire.worker.cpu_step import CpuStepRunner
 from quire.worker.cuda_graph import CUDAGraphRunner
@@ -228,6 +230,24 @@ class ModelForward:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
         return self.model.compute_logits(hidden)
+
+    @property
+    def fuses_lm_head_argmax(self) -> bool:
+        """Whether `greedy_tokens` runs the C step's LM head and argmax: no [rows, vocab]
+        logits tensor (on a GPU the logits stay on the device, and the sampler's argmax costs
+        no more)."""
+        return self.cpu_step is not None and self.cpu_step.has_lm_head
+
+    def greedy_tokens(
+        self,
+        hidden: torch.Tensor,  # [rows, hidden_size], after the final norm
+    ) -> list[int]:  # each row's argmax token over `compute_logits(hidden)`
+        """The argmax of each row's logits: the C step's LM head and argmax in one call where
+        it takes the rows (`fuses_lm_head_argmax`), else `compute_logits` and the sampler's
+        argmax."""
+        if self.cpu_step is not None and self.cpu_step.takes_lm_head_argmax(hidden.shape[0]):
+            return self.cpu_step.lm_head_argmax(hidden)
+        return greedy(self.compute_logits(hidden)).tolist()
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         self.kv_cache.copy_blocks(copies)

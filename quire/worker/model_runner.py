@@ -13,7 +13,10 @@ computes logits, samples and proposes, and only its output carries tokens.
 
 A decode-only step whose every row takes the argmax of the raw logits asks the ModelForward for
 the tokens in one call (the C step fuses the forward, the LM head and the argmax); a forward
-path that cannot, gives None, and the step goes the usual way.
+path that cannot, gives None, and the step goes the usual way. In any other step on a CPU, the
+rows of requests that take the argmax at every row get their tokens from the C step's LM head
+and argmax alone (`ModelForward.greedy_tokens`: no [rows, vocab] logits tensor per step), and
+only the other rows' logits go to the StepSampler.
 """
 
 from __future__ import annotations
@@ -31,7 +34,14 @@ from quire.lora.manager import LoRAManager
 from quire.lora.ops import lora_ops
 from quire.messages import ModelRunnerOutput, SchedulerOutput, TopLogprobs
 from quire.sample.sampler import compute_topk_logprobs
-from quire.sample.step_sampler import GrammarMask, Row, StepSampler, accept, takes_argmax
+from quire.sample.step_sampler import (
+    GrammarMask,
+    Row,
+    StepSample,
+    StepSampler,
+    accept,
+    takes_argmax,
+)
 from quire.worker import kv_cache
 from quire.worker.cuda_graph import use_cuda_graphs
 from quire.worker.input_batch import InputBatch, RequestState
@@ -155,15 +165,45 @@ class ModelRunner:
             if not rows:
                 return result
             if hidden_rows != list(range(hidden.shape[0])):  # not a decode step's every row
-                hidden = hidden[torch.tensor(hidden_rows, device=self.device)]
-            logits = self.target.compute_logits(hidden)  # [num_rows, vocab] float32
+                hidden = hidden[self._index(hidden_rows)]
             grammar = None
             if output.grammar_bitmask is not None:
                 grammar = GrammarMask(output.grammar_bitmask, output.structured_output_request_ids)
-            drafts = None if self.proposer is None else self.proposer.drafts
-            sample = self.sampler(logits, rows, grammar, drafts)
+            sample = self._sample(rows, hidden, grammar)
         result.sampled_token_ids, result.logprobs = sample.accepted, sample.logprobs
         return result
+
+    def _sample(
+        self,
+        rows: list[Row],
+        hidden: torch.Tensor,  # [len(rows), hidden_size]: each row's hidden state
+        grammar: GrammarMask | None,
+    ) -> StepSample:
+        """The rows' tokens: where the ModelForward fuses the LM head and the argmax, those of
+        requests that take the argmax at every row and follow no grammar from it alone
+        (`greedy_tokens`); the others (all of them elsewhere: one host sync, not two) from
+        their logits through the StepSampler."""
+        greedy_rows = _greedy_rows(rows, grammar) if self.target.fuses_lm_head_argmax else []
+        if len(greedy_rows) == len(rows):
+            return StepSample(accept(rows, self.target.greedy_tokens(hidden)))
+        greedy: dict[str, list[int]] = {}
+        sampled_rows = rows
+        if greedy_rows:
+            taken = set(greedy_rows)
+            others = [i for i in range(len(rows)) if i not in taken]
+            tokens = self.target.greedy_tokens(hidden[self._index(greedy_rows)])
+            greedy = accept([rows[i] for i in greedy_rows], tokens)
+            sampled_rows, hidden = [rows[i] for i in others], hidden[self._index(others)]
+        logits = self.target.compute_logits(hidden)  # [num_rows, vocab] float32
+        drafts = None if self.proposer is None else self.proposer.drafts
+        sample = self.sampler(logits, sampled_rows, grammar, drafts)
+        if greedy:  # each request's tokens in the order of its rows, as from one call
+            accepted = greedy | sample.accepted
+            sample.accepted = {r: accepted[r] for r in dict.fromkeys(s.req_id for s, _ in rows)}
+        return sample
+
+    def _index(self, indices: list[int]) -> torch.Tensor:
+        return torch.tensor(indices, device=self.device)
 
     # ---- adapters (multi-LoRA) --------------------------------------------------------------
     def _release_adapters(self, output: SchedulerOutput) -> None:
@@ -241,6 +281,15 @@ class ModelRunner:
             ids, lps, ranks = compute_topk_logprobs(logits.log_softmax(-1), targets, k)
             result[s.req_id] = TopLogprobs(ids.tolist(), lps.tolist(), ranks.tolist())
         return result
+
+
+def _greedy_rows(rows: list[Row], grammar: GrammarMask | None) -> list[int]:
+    """The indices of the rows whose request takes the argmax of the raw logits at every one of
+    its rows and follows no grammar."""
+    sampling = {s.req_id for s, offset in rows if not takes_argmax(s, offset)}
+    if grammar is not None:
+        sampling |= grammar.first_rows.keys()
+    return [i for i, (s, _) in enumerate(rows) if s.req_id not in sampling]
 
 
 def _sampled_rows(

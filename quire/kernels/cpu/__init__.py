@@ -93,6 +93,8 @@ _SIGNATURES = {
     "decode_step_bf16": [_P] * 7,
     # The same, then logits (float32) and the argmax ids (int64).
     "decode_step_argmax_bf16": [_P] * 9,
+    # DecodeModel*, x (bf16 rows), rows, logits (float32), argmax ids (int64), num_threads.
+    "lm_head_argmax_bf16": [_P, _P, _I32, _P, _P, _I32],
 }
 
 

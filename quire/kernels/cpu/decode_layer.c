@@ -31,7 +31,9 @@
 // scratch); the last stage ends in the final norm (and the LM head), the others leave their
 // layers' hidden states and residual in that scratch, for the next stage.
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
@@ -247,26 +249,123 @@ int decode_step_bf16(const DecodeModel* M, const DecodeStep* S, const int64_t* t
                              S->num_threads);
 }
 
-// decode_step_bf16, then the LM head over its output and the argmax of each row: the step's
-// greedy tokens into next_ids [num_seqs], the logits of this rank's rows (float32 holding the
-// bf16-rounded values, as `linear(...).float()` gives them; -inf in the padding rows) into
-// logits [num_seqs, vocab_rows]. The same kernels as compute_logits and the sampler's argmax,
-// in one call; with several ranks, the argmax of the gathered logits. Returns 0, -5 without an
-// LM head, or the failing stage's status.
+// A thread's LM head columns go through the argmax in blocks of at most this many bytes of
+// float32 logits ([rows, block columns]), which stay in its L2 cache: no [rows, vocab] tensor
+// is written to memory and read back.
+#define LOGITS_BLOCK_BYTES (256 * 1024)
+
+// The best logit of a row so far, and its column: the first NaN, else the first maximum.
+typedef struct {
+    float value;
+    int32_t is_nan;  // told by the bits: the library is built with -ffast-math
+    int64_t id;  // -1: no column seen yet
+} Best;
+
+// best <- (value, id) where it comes first in torch.argmax's order; ids arrive ascending.
+static void keep_best(Best* best, float value, int64_t id) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    const int is_nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
+    if (best->id < 0 || (!best->is_nan && (is_nan || value > best->value)))
+        *best = (Best){value, is_nan, id};
+}
+
+// lm_head_argmax_bf16 for a GEMV-packed head (format 0): each thread takes a contiguous range
+// of the head's panels, computes it a block of columns at a time for every row into a block
+// of its own (the kernel's bits for each logit, whatever the columns of a call), and keeps each
+// row's best; the threads' bests are then merged in column order. Columns past `valid` (the
+// padding) are not computed. Returns 0, -3 out of memory, or the kernel's status.
+static int lm_head_argmax_blocked(const Projection* P, const uint16_t* x, int B, int H,
+                                  int valid, float* values, int64_t* ids, int num_threads) {
+    const int panels = (valid + 31) / 32;
+    const int threads = panels < 2 * num_threads ? 1 : num_threads;
+    int64_t block = LOGITS_BLOCK_BYTES / ((int64_t)B * (int64_t)sizeof(float)) / 32 * 32;
+    if (block < 32) block = 32;
+    Best* bests = malloc((size_t)threads * (size_t)B * sizeof(Best));
+    int64_t* columns = malloc((size_t)threads * (size_t)B * sizeof(int64_t));  // in a block
+    float* blocks = malloc((size_t)threads * (size_t)B * (size_t)block * sizeof(float));
+    if (!bests || !columns || !blocks) {
+        free(bests), free(columns), free(blocks);
+        return -3;
+    }
+    int status = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t c1 = (int64_t)panels * (t + 1) / nt * 32;
+        const int64_t end = c1 < valid ? c1 : valid;
+        Best* best = bests + (int64_t)t * B;
+        int64_t* at = columns + (int64_t)t * B;
+        float* logits = blocks + (int64_t)t * B * block;
+        for (int b = 0; b < B; b++) best[b] = (Best){0.0f, 0, -1};
+        for (int64_t c0 = (int64_t)panels * t / nt * 32; c0 < end; c0 += block) {
+            const int n = (int)(end - c0 < block ? end - c0 : block);
+            const int s = gemv_bf16(x, H, (const uint16_t*)P->weight + c0 * H,
+                                    P->bias ? P->bias + c0 : NULL, NULL, logits, n, B, n, H,
+                                    P->k_block, 1);
+            if (s) {
+#pragma omp atomic write
+                status = s;
+                break;
+            }
+            argmax_f32(logits, B, n, at, 1);
+            for (int b = 0; b < B; b++)
+                keep_best(best + b, logits[(int64_t)b * n + at[b]], c0 + at[b]);
+        }
+    }
+    for (int b = 0; b < B && !status; b++) {
+        Best row = bests[b];
+        for (int t = 1; t < threads; t++) {
+            const Best other = bests[(int64_t)t * B + b];
+            if (other.id >= 0) keep_best(&row, other.value, other.id);
+        }
+        // no column at all (every one padding): the argmax of a row of -inf
+        values[b] = row.id < 0 ? -INFINITY : row.value;
+        ids[b] = row.id < 0 ? 0 : row.id;
+    }
+    free(bests), free(columns), free(blocks);
+    return status;
+}
+
+// The LM head over rows x [B, H] (the final norm's output) and the argmax of each row into
+// next_ids [B]: the argmax of the logits compute_logits gives (float32 holding the bf16-rounded
+// values), as the sampler's argmax takes it (the first maximum, the first NaN before any
+// number); with several ranks, of the gathered logits. A GEMV-packed head goes through it in
+// blocks of columns that stay in cache; a head in GGUF blocks writes this rank's logits into
+// logits [B, vocab_rows] (-inf in the padding rows), then takes their argmax. Returns 0, -5
+// without an LM head, -3 out of memory, -6 for more rows than the group's slots hold, or the
+// projection's status.
+int lm_head_argmax_bf16(const DecodeModel* M, const uint16_t* x, int B, float* logits,
+                        int64_t* next_ids, int num_threads) {
+    if (!M->lm_head.weight) return -5;
+    const int H = M->layers[0].hidden_size, V = M->vocab_rows;
+    const int past = M->vocab_size - M->vocab_start;  // this rank's rows that are not padding
+    const int valid = past < 0 ? 0 : past < V ? past : V;
+    float* values = malloc((size_t)B * sizeof(float));  // each row's best logit
+    if (!values) return -3;
+    int status;
+    if (M->lm_head.format == 0) {
+        status = lm_head_argmax_blocked(&M->lm_head, x, B, H, valid, values, next_ids,
+                                        num_threads);
+    } else {
+        status = project(&M->lm_head, x, H, NULL, logits, V, B, V, H, num_threads);
+        for (int b = 0; b < B && valid < V && !status; b++)
+            for (int v = valid; v < V; v++) logits[(int64_t)b * V + v] = -INFINITY;
+        if (!status) status = argmax_f32(logits, B, V, next_ids, num_threads);
+        for (int b = 0; b < B && !status; b++) values[b] = logits[(int64_t)b * V + next_ids[b]];
+    }
+    if (!status && M->group)
+        status = shm_argmax_rows(M->group, values, M->vocab_start, next_ids, B);
+    free(values);
+    return status;
+}
+
+// decode_step_bf16, then lm_head_argmax_bf16 over its output: the step's greedy tokens.
 int decode_step_argmax_bf16(const DecodeModel* M, const DecodeStep* S, const int64_t* token_ids,
                             const int64_t* positions, uint16_t* hidden, uint16_t* residual,
                             uint16_t* out, float* logits, int64_t* next_ids) {
     if (!M->lm_head.weight) return -5;
-    const int B = S->num_seqs, H = M->layers[0].hidden_size, V = M->vocab_rows;
-    const int past = M->vocab_size - M->vocab_start;  // this rank's rows that are not padding
-    const int valid = past < 0 ? 0 : past < V ? past : V;
-    int status = decode_step_bf16(M, S, token_ids, positions, hidden, residual, out);
+    const int status = decode_step_bf16(M, S, token_ids, positions, hidden, residual, out);
     if (status) return status;
-    status = project(&M->lm_head, out, H, NULL, logits, V, B, V, H, S->num_threads);
-    if (status) return status;
-    for (int b = 0; b < B && valid < V; b++)
-        for (int v = valid; v < V; v++) logits[(int64_t)b * V + v] = -INFINITY;
-    status = argmax_f32(logits, B, V, next_ids, S->num_threads);
-    if (status || !M->group) return status;
-    return shm_argmax_rows(M->group, logits, V, M->vocab_start, next_ids, B);
+    return lm_head_argmax_bf16(M, out, S->num_seqs, logits, next_ids, S->num_threads);
 }

@@ -53,7 +53,7 @@ typedef struct {
 } ShmGroup;
 
 int shm_all_reduce_bf16(const ShmGroup* g, uint16_t* x, int64_t n);
-int shm_argmax_rows(const ShmGroup* g, const float* logits, int64_t cols, int64_t vocab_start,
-                    int64_t* ids, int rows);
+int shm_argmax_rows(const ShmGroup* g, const float* values, int64_t vocab_start, int64_t* ids,
+                    int rows);
 
 #endif

@@ -79,19 +79,20 @@ typedef struct {
     int64_t id;  // in the whole vocabulary
 } RowBest;
 
-// logits [rows, cols]: this rank's range of the vocabulary, from vocab_start on. ids [rows]:
-// in, the argmax of each row over that range (argmax_f32); out, the argmax over every rank's
-// range as a vocabulary id, the same on every rank: the first in vocabulary order among equal
-// maxima (the ranks hold contiguous ranges in rank order), the first NaN before any number, as
-// torch.argmax over the gathered logits. Returns 0, or -6 when the rows do not fit a slot.
-int shm_argmax_rows(const ShmGroup* g, const float* logits, int64_t cols, int64_t vocab_start,
-                    int64_t* ids, int rows) {
+// ids [rows]: in, the argmax of each row over this rank's range of the vocabulary (from
+// vocab_start on, as argmax_f32 takes it), whose logit is values [rows]; out, the argmax over
+// every rank's range as a vocabulary id, the same on every rank: the first in vocabulary order
+// among equal maxima (the ranks hold contiguous ranges in rank order), the first NaN before any
+// number, as torch.argmax over the gathered logits. Returns 0, or -6 when the rows do not fit a
+// slot.
+int shm_argmax_rows(const ShmGroup* g, const float* values, int64_t vocab_start, int64_t* ids,
+                    int rows) {
     if ((int64_t)rows * (int64_t)sizeof(RowBest) > g->slot_bytes) return -6;
     int64_t call;
     uint8_t* slots = next_slots(g, &call);
     RowBest* own = (RowBest*)(slots + g->rank * g->slot_bytes);
     for (int b = 0; b < rows; b++) {
-        const float* value = logits + b * cols + ids[b];
+        const float* value = values + b;
         uint32_t bits;
         memcpy(&bits, value, sizeof bits);
         own[b] = (RowBest){*value, (bits & 0x7FFFFFFFu) > 0x7F800000u, vocab_start + ids[b]};
