@@ -481,7 +481,7 @@ def test_clients_that_disconnect_have_their_requests_aborted(server, engine):
 
 def test_an_engine_failure_fails_only_the_live_requests(server, engine, client, monkeypatch):
     assert_idle_with_all_blocks_free(server, engine)  # the loop thread waits: safe to patch
-    execute = UniprocExecutor.execute_model
+    execute = UniprocExecutor.submit
     failures = [RuntimeError("simulated kernel failure")] * 2
 
     def fail_twice(executor, scheduler_output):
@@ -489,7 +489,7 @@ def test_an_engine_failure_fails_only_the_live_requests(server, engine, client, 
             raise failures.pop()
         return execute(executor, scheduler_output)
 
-    monkeypatch.setattr(UniprocExecutor, "execute_model", fail_twice)
+    monkeypatch.setattr(UniprocExecutor, "submit", fail_twice)
     with pytest.raises(openai.InternalServerError, match="simulated kernel failure"):
         client.completions.create(model=MODEL, prompt="Fail", max_tokens=4)
     stream = client.completions.create(model=MODEL, prompt="Fail", max_tokens=4, stream=True)

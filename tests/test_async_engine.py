@@ -165,7 +165,7 @@ def test_bad_input_raises_value_error_and_the_engine_keeps_serving(async_llm, pr
 
 def test_a_failing_step_fails_the_live_requests_and_the_loop_keeps_serving(async_llm, monkeypatch):
     assert_idle_with_all_blocks_free(async_llm)  # the loop thread is waiting: safe to patch
-    execute = UniprocExecutor.execute_model
+    execute = UniprocExecutor.submit
     calls = []
 
     def fail_once(executor, scheduler_output):
@@ -174,7 +174,7 @@ def test_a_failing_step_fails_the_live_requests_and_the_loop_keeps_serving(async
             raise RuntimeError("simulated kernel failure")
         return execute(executor, scheduler_output)
 
-    monkeypatch.setattr(UniprocExecutor, "execute_model", fail_once)
+    monkeypatch.setattr(UniprocExecutor, "submit", fail_once)
     with pytest.raises(RequestFailedError, match="simulated kernel failure"):
         run(collect(async_llm, PROMPTS[0], greedy(4)))
     assert_idle_with_all_blocks_free(async_llm)
