@@ -12,7 +12,9 @@
 // Speed: decode is bound by the bytes read, so each slot's stacks are read once per call,
 // whatever the number of its rows: the rows are grouped by slot, and the threads split a
 // group's ranks (shrink) and output columns (expand), not its rows, so a lone row (batch 1)
-// streams its adapter on every thread.
+// streams its adapter on every thread. A group's rows go ROWS at a time through each loaded
+// vector of A or B (a row alone through the same sums); one barrier between the two phases.
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,38 +28,74 @@ typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
 #define COLS 64  // output columns of one expand work item: 4 vectors
 
-// x . a over n floats: 16 lanes summed along the input, then the lanes, then the tail.
-static float dot(const float* x, const float* a, int n) {
-    f32x16 acc = {0};
+#define ROWS 4  // rows that share each load of A or B
+
+// 16 values at p[i..i+16) of a bf16 (is_bf16) or float32 array, as float32 (exactly).
+static inline f32x16 load_16(const void* p, int64_t i, int is_bf16) {
+    f32x16 v;
+    if (is_bf16) {
+        u16x16 h;
+        memcpy(&h, (const uint16_t*)p + i, sizeof h);
+        const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+        memcpy(&v, &w, sizeof v);
+    } else {
+        memcpy(&v, (const float*)p + i, sizeof v);
+    }
+    return v;
+}
+
+static inline float load_1(const void* p, int64_t i, int is_bf16) {
+    return is_bf16 ? bf16_to_f32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+}
+
+// The sum of x . a over n values: 16 lanes summed along the input, then the lanes, then the
+// tail, for `rows` rows of x (ROWS or 1; row stride n, float32) with one row of a (bf16 or
+// float32): each row's sums in the same order.
+static inline void dot_rows(const float* x, const void* a, int n, int is_bf16, int rows,
+                            float* sums) {
+    f32x16 acc[ROWS] = {{0}};
     int k = 0;
     for (; k + 16 <= n; k += 16) {
-        f32x16 xv, av;
-        memcpy(&xv, x + k, sizeof xv);
-        memcpy(&av, a + k, sizeof av);
-        acc += xv * av;
+        const f32x16 av = load_16(a, k, is_bf16);
+        if (rows == ROWS) {
+            for (int i = 0; i < ROWS; i++) acc[i] += load_16(x, (int64_t)i * n + k, 0) * av;
+        } else {
+            acc[0] += load_16(x, k, 0) * av;
+        }
     }
-    float lanes[16], sum = 0.0f;
-    memcpy(lanes, &acc, sizeof lanes);
-    for (int l = 0; l < 16; l++) sum += lanes[l];
-    for (; k < n; k++) sum += x[k] * a[k];
-    return sum;
+    for (int i = 0; i < rows; i++) {
+        float lanes[16], sum = 0.0f;
+        memcpy(lanes, &acc[i], sizeof lanes);
+        for (int l = 0; l < 16; l++) sum += lanes[l];
+        for (int j = k; j < n; j++) sum += x[(int64_t)i * n + j] * load_1(a, j, is_bf16);
+        sums[i] = sum;
+    }
+}
+
+// delta[i] = the sum over r of u_i[r] b[r][0..16) in order of r, for `rows` rows (ROWS or 1),
+// u_i = u + i * u_stride; b (bf16 or float32) rows b_stride apart.
+static inline void expand_16(const float* u, int64_t u_stride, const void* b, int64_t b_stride,
+                             int max_rank, int is_bf16, int rows, f32x16* delta) {
+    f32x16 acc[ROWS] = {{0}};
+    for (int r = 0; r < max_rank; r++) {
+        const f32x16 bv = load_16(b, r * b_stride, is_bf16);
+        if (rows == ROWS) {
+            for (int i = 0; i < ROWS; i++) acc[i] += u[i * u_stride + r] * bv;
+        } else {
+            acc[0] += u[r] * bv;
+        }
+    }
+    for (int i = 0; i < rows; i++) delta[i] = acc[i];
 }
 
 // n values of a bf16 (is_bf16) or float32 row, widened to float32 (exactly) into dst.
 static void widen(float* dst, const void* src, int64_t n, int is_bf16) {
-    if (!is_bf16) {
-        memcpy(dst, src, sizeof(float) * n);
-        return;
-    }
-    const uint16_t* s = src;
     int64_t k = 0;
     for (; k + 16 <= n; k += 16) {
-        u16x16 h;
-        memcpy(&h, s + k, sizeof h);
-        const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-        memcpy(dst + k, &w, sizeof w);
+        const f32x16 v = load_16(src, k, is_bf16);
+        memcpy(dst + k, &v, sizeof v);
     }
-    for (; k < n; k++) dst[k] = bf16_to_f32(s[k]);
+    for (; k < n; k++) dst[k] = load_1(src, k, is_bf16);
 }
 
 static float* aligned_floats(int64_t n) {
@@ -97,95 +135,105 @@ int lora_add(int is_bf16, const void* x, int64_t x_stride, void* out, int64_t ou
     const int ranks = modules * max_rank;
     if (in < 1 || out_features < 1 || ranks < 1 || tokens < 0) return -1;
     const size_t elem = is_bf16 ? 2 : 4;
+    const int max_items = out_features / COLS + modules;
     int64_t* order = malloc(sizeof(int64_t) * (tokens + 1));
     int64_t* group_start = malloc(sizeof(int64_t) * (tokens + 1));
     int32_t* group_slot = malloc(sizeof(int32_t) * (tokens + 1));
-    int* item_module = malloc(sizeof(int) * (out_features / COLS + 2 * modules + 1));
-    int* item_first = malloc(sizeof(int) * (out_features / COLS + 2 * modules + 1));
-    if (!order || !group_start || !group_slot || !item_module || !item_first) {
-        free(order), free(group_start), free(group_slot), free(item_module), free(item_first);
-        return -1;
+    int* item_module = malloc(sizeof(int) * max_items);
+    int* item_first = malloc(sizeof(int) * max_items);
+    float* u = NULL;
+    int failed = !order || !group_start || !group_slot || !item_module || !item_first;
+    int groups = 0, items = 0;
+    int64_t rows = 0;
+    if (!failed) {
+        groups = group_rows(token_slots, tokens, order, group_start, group_slot);
+        rows = group_start[groups];
+        // expand's work items per group: each module's columns in pieces of COLS
+        for (int m = 0; m < modules; m++)
+            for (int c = 0; c < out_slices[2 * m + 1]; c += COLS) {
+                item_module[items] = m;
+                item_first[items++] = out_slices[2 * m] + c;
+            }
+        u = aligned_floats(rows * ranks);  // [rows, ranks] in group order
+        failed = !u;
     }
-    const int groups = group_rows(token_slots, tokens, order, group_start, group_slot);
-    const int64_t rows = group_start[groups];
-    // expand's work items per group: each module's columns in pieces of COLS
-    int items = 0;
-    for (int m = 0; m < modules; m++)
-        for (int c = 0; c < out_slices[2 * m + 1]; c += COLS) {
-            item_module[items] = m;
-            item_first[items++] = out_slices[2 * m] + c;
-        }
-    // x's rows with a slot in float32, in group order; then u [rows, ranks]
-    float* xf = aligned_floats(rows * (int64_t)in);
-    float* u = aligned_floats(rows * (int64_t)ranks);
-    int failed = !xf || !u;
     const int threads = num_threads > 1 ? num_threads : 1;
 #pragma omp parallel num_threads(threads) if (threads > 1 && rows > 0 && !failed)
     {
-        float* a_row = aligned_floats(in);
-        float* b_tile = aligned_floats((int64_t)max_rank * COLS);
-        if (!a_row || !b_tile) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < rows; i++)
-            if (xf) widen(xf + i * in, (const char*)x + order[i] * x_stride * elem, in, is_bf16);
-        // shrink: the threads split each group's ranks; a rank's row of A is read once
-#pragma omp for schedule(static) collapse(2)
-        for (int g = 0; g < groups; g++)
-            for (int j = 0; j < ranks; j++) {
-                if (!a_row || !xf || !u) continue;
-                const int64_t at = ((int64_t)group_slot[g] * ranks + j) * in;
-                widen(a_row, (const char*)lora_a + at * elem, in, is_bf16);
-                for (int64_t i = group_start[g]; i < group_start[g + 1]; i++)
-                    u[i * ranks + j] = dot(xf + i * in, a_row, in);
-            }
-        // expand: the threads split each group's output columns; B's tile is read once
-#pragma omp for schedule(static) collapse(2)
-        for (int g = 0; g < groups; g++)
-            for (int item = 0; item < items; item++) {
-                if (!b_tile || !u) continue;
-                const int m = item_module[item], first = item_first[item];
-                const int end = out_slices[2 * m] + out_slices[2 * m + 1];
-                const int cols = end - first < COLS ? end - first : COLS;
-                for (int r = 0; r < max_rank; r++) {
-                    const int64_t at = ((int64_t)group_slot[g] * max_rank + r) * out_features;
-                    widen(b_tile + r * COLS, (const char*)lora_b + (at + first) * elem, cols,
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        // shrink: this thread's share of the (group, rank) pairs, each rank's row of A read once
+        // for its group's rows (in float32, from this thread's copy of those rows)
+        const int64_t pairs = failed ? 0 : (int64_t)groups * ranks;
+        const int64_t p0 = pairs * t / nt, p1 = pairs * (t + 1) / nt;
+        if (p0 < p1) {
+            const int64_t row0 = group_start[p0 / ranks], row1 = group_start[(p1 - 1) / ranks + 1];
+            float* xf = aligned_floats((row1 - row0) * in);
+            if (xf) {
+                for (int64_t i = row0; i < row1; i++)
+                    widen(xf + (i - row0) * in, (const char*)x + order[i] * x_stride * elem, in,
                           is_bf16);
+                for (int64_t p = p0; p < p1; p++) {
+                    const int g = p / ranks, j = p % ranks;
+                    const void* a = (const char*)lora_a +
+                                    ((int64_t)group_slot[g] * ranks + j) * in * elem;
+                    for (int64_t i = group_start[g]; i < group_start[g + 1];) {
+                        const int n = i + ROWS <= group_start[g + 1] ? ROWS : 1;
+                        float sums[ROWS];
+                        dot_rows(xf + (i - row0) * in, a, in, is_bf16, n, sums);
+                        for (int k = 0; k < n; k++) u[(i + k) * ranks + j] = sums[k];
+                        i += n;
+                    }
                 }
-                for (int64_t i = group_start[g]; i < group_start[g + 1]; i++) {
-                    const float* ur = u + i * ranks + m * max_rank;
-                    float delta[COLS] __attribute__((aligned(64)));
-                    int o = 0;
-                    for (; o + 16 <= cols; o += 16) {
-                        f32x16 acc = {0};
-                        for (int r = 0; r < max_rank; r++) {
-                            f32x16 b;
-                            memcpy(&b, b_tile + r * COLS + o, sizeof b);
-                            acc += ur[r] * b;
-                        }
-                        memcpy(delta + o, &acc, sizeof acc);
-                    }
-                    for (; o < cols; o++) {
+            } else {
+#pragma omp atomic write
+                failed = 1;
+            }
+            free(xf);
+        }
+#pragma omp barrier
+        // expand: this thread's share of the (group, column piece) pairs, each piece of B read
+        // once for its group's rows
+        const int64_t pieces = failed ? 0 : (int64_t)groups * items;
+        const int64_t q0 = pieces * t / nt, q1 = pieces * (t + 1) / nt;
+        for (int64_t q = q0; q < q1; q++) {
+            const int g = q / items, m = item_module[q % items], first = item_first[q % items];
+            const int end = out_slices[2 * m] + out_slices[2 * m + 1];
+            const int cols = end - first < COLS ? end - first : COLS;
+            const void* b = (const char*)lora_b +
+                            ((int64_t)group_slot[g] * max_rank * out_features + first) * elem;
+            for (int64_t i = group_start[g]; i < group_start[g + 1];) {
+                const int n = i + ROWS <= group_start[g + 1] ? ROWS : 1;
+                const float* ui = u + i * ranks + m * max_rank;
+                float delta[ROWS][COLS] __attribute__((aligned(64)));
+                int o = 0;
+                for (; o + 16 <= cols; o += 16) {
+                    f32x16 d[ROWS];
+                    expand_16(ui, ranks, (const char*)b + o * elem, out_features, max_rank,
+                              is_bf16, n, d);
+                    for (int k = 0; k < n; k++) memcpy(&delta[k][o], &d[k], sizeof d[k]);
+                }
+                for (; o < cols; o++)
+                    for (int k = 0; k < n; k++) {
                         float acc = 0.0f;
-                        for (int r = 0; r < max_rank; r++) acc += ur[r] * b_tile[r * COLS + o];
-                        delta[o] = acc;
+                        for (int r = 0; r < max_rank; r++)
+                            acc += ui[k * ranks + r] * load_1(b, r * out_features + o, is_bf16);
+                        delta[k][o] = acc;
                     }
-                    const int64_t y_at = order[i] * out_stride + first;
+                for (int k = 0; k < n; k++) {
+                    const int64_t y_at = order[i + k] * out_stride + first;
                     if (is_bf16) {
                         uint16_t* y = (uint16_t*)out + y_at;
-                        for (o = 0; o < cols; o++) y[o] = f32_to_bf16(bf16_to_f32(y[o]) + delta[o]);
+                        for (o = 0; o < cols; o++)
+                            y[o] = f32_to_bf16(bf16_to_f32(y[o]) + delta[k][o]);
                     } else {
                         float* y = (float*)out + y_at;
-                        for (o = 0; o < cols; o++) y[o] += delta[o];
+                        for (o = 0; o < cols; o++) y[o] += delta[k][o];
                     }
                 }
+                i += n;
             }
-        free(a_row);
-        free(b_tile);
+        }
     }
-    free(xf), free(u), free(order), free(group_start), free(group_slot);
-    free(item_module), free(item_first);
+    free(u), free(order), free(group_start), free(group_slot), free(item_module), free(item_first);
     return failed ? -1 : 0;
 }
