@@ -5,15 +5,17 @@
 // all bf16 or all float32 (the model's dtype); A carries the adapter's scale.
 //
 // Batch invariance: every number is computed in an order fixed by the shapes alone. u[t][j]
-// (shrink) is x[t] . A[s][j], 16 float32 lanes along the input, then the lanes, then the tail;
-// each output column (expand) sums u[t][r] B[s][r][col] over the ranks in order, then is added
-// to out. So a row's bits do not depend on the other rows, the thread count, or the slot.
+// (shrink) is x[t] . A[s][j]: 16 float32 lanes along the input, a tree over the lanes, then
+// the tail; each output column (expand) sums u[t][r] B[s][r][col] over the ranks in order, then
+// is added to out. So a row's bits do not depend on the other rows, the thread count, or the
+// slot.
 //
 // Speed: decode is bound by the bytes read, so each slot's stacks are read once per call,
 // whatever the number of its rows: the rows are grouped by slot, and the threads split a
 // group's ranks (shrink) and output columns (expand), not its rows, so a lone row (batch 1)
-// streams its adapter on every thread. A group's rows go ROWS at a time through each loaded
-// vector of A or B (a row alone through the same sums); one barrier between the two phases.
+// streams its adapter on every thread. Blocks of ROWS rows by RANKS ranks (shrink) or VECS
+// column vectors (expand) share each load and keep independent sums in registers; a leftover
+// row or rank goes through the same sums alone. One barrier between the two phases.
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -29,6 +31,8 @@ typedef uint32_t u32x16 __attribute__((vector_size(64)));
 #define COLS 64  // output columns of one expand work item: 4 vectors
 
 #define ROWS 4  // rows that share each load of A or B
+#define RANKS 4  // rows of A (ranks) one shrink block reads at once
+#define VECS (COLS / 16)  // vectors of columns one expand block writes at once
 
 // 16 values at p[i..i+16) of a bf16 (is_bf16) or float32 array, as float32 (exactly).
 static inline f32x16 load_16(const void* p, int64_t i, int is_bf16) {
@@ -48,44 +52,79 @@ static inline float load_1(const void* p, int64_t i, int is_bf16) {
     return is_bf16 ? bf16_to_f32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
 }
 
-// The sum of x . a over n values: 16 lanes summed along the input, then the lanes, then the
-// tail, for `rows` rows of x (ROWS or 1; row stride n, float32) with one row of a (bf16 or
-// float32): each row's sums in the same order.
-static inline void dot_rows(const float* x, const void* a, int n, int is_bf16, int rows,
-                            float* sums) {
-    f32x16 acc[ROWS] = {{0}};
-    int k = 0;
-    for (; k + 16 <= n; k += 16) {
-        const f32x16 av = load_16(a, k, is_bf16);
-        if (rows == ROWS) {
-            for (int i = 0; i < ROWS; i++) acc[i] += load_16(x, (int64_t)i * n + k, 0) * av;
-        } else {
-            acc[0] += load_16(x, k, 0) * av;
-        }
-    }
-    for (int i = 0; i < rows; i++) {
-        float lanes[16], sum = 0.0f;
-        memcpy(lanes, &acc[i], sizeof lanes);
-        for (int l = 0; l < 16; l++) sum += lanes[l];
-        for (int j = k; j < n; j++) sum += x[(int64_t)i * n + j] * load_1(a, j, is_bf16);
-        sums[i] = sum;
-    }
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+
+// The 16 lanes' sum as a tree: halves added, 4 steps (an order fixed by the code).
+static inline float lanes_sum(f32x16 v) {
+    const f32x8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                    __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const f32x4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) +
+                    __builtin_shufflevector(h, h, 4, 5, 6, 7);
+    return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
-// delta[i] = the sum over r of u_i[r] b[r][0..16) in order of r, for `rows` rows (ROWS or 1),
-// u_i = u + i * u_stride; b (bf16 or float32) rows b_stride apart.
-static inline void expand_16(const float* u, int64_t u_stride, const void* b, int64_t b_stride,
-                             int max_rank, int is_bf16, int rows, f32x16* delta) {
-    f32x16 acc[ROWS] = {{0}};
-    for (int r = 0; r < max_rank; r++) {
-        const f32x16 bv = load_16(b, r * b_stride, is_bf16);
-        if (rows == ROWS) {
-            for (int i = 0; i < ROWS; i++) acc[i] += u[i * u_stride + r] * bv;
-        } else {
-            acc[0] += u[r] * bv;
+// sums[i][j] = x_i . a_j over n values, for `rows` rows of x (row stride n, float32) and
+// `ranks` rows of a (row stride n, bf16 or float32): 16 lanes summed along the input, then the
+// lanes (lanes_sum), then the tail. Called with constant rows (ROWS or 1) and ranks (RANKS or 1), so the
+// accumulators stay in registers; every sum is in the same order whatever the block.
+static inline __attribute__((always_inline)) void dot_block(const float* x, const void* a,
+                                                            int n, int is_bf16, int rows,
+                                                            int ranks, float sums[][RANKS]) {
+    f32x16 acc[ROWS][RANKS] = {{{0}}};
+    int k = 0;
+    for (; k + 16 <= n; k += 16)
+        for (int j = 0; j < ranks; j++) {
+            const f32x16 av = load_16(a, (int64_t)j * n + k, is_bf16);
+            for (int i = 0; i < rows; i++) acc[i][j] += load_16(x, (int64_t)i * n + k, 0) * av;
         }
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < ranks; j++) {
+            float sum = lanes_sum(acc[i][j]);
+            for (int t = k; t < n; t++)
+                sum += x[(int64_t)i * n + t] * load_1(a, (int64_t)j * n + t, is_bf16);
+            sums[i][j] = sum;
+        }
+}
+
+// delta[i][v] = the sum over r of u_i[r] b[r][16 v .. 16 v + 16) in order of r, for `rows`
+// rows (ROWS or 1; u_i = u + i * u_stride) and `vecs` vectors of columns (VECS or 1); b (bf16
+// or float32) rows b_stride apart. Constant blocks, as dot_block.
+static inline __attribute__((always_inline)) void expand_block(const float* u, int64_t u_stride,
+                                                               const void* b, int64_t b_stride,
+                                                               int max_rank, int is_bf16,
+                                                               int rows, int vecs,
+                                                               f32x16 delta[][VECS]) {
+    f32x16 acc[ROWS][VECS] = {{{0}}};
+    for (int r = 0; r < max_rank; r++)
+        for (int v = 0; v < vecs; v++) {
+            const f32x16 bv = load_16(b, r * b_stride + 16 * v, is_bf16);
+            for (int i = 0; i < rows; i++) acc[i][v] += u[i * u_stride + r] * bv;
+        }
+    for (int i = 0; i < rows; i++)
+        for (int v = 0; v < vecs; v++) delta[i][v] = acc[i][v];
+}
+
+// y[0..n) = y + d, rounded once to y's dtype (bf16 as f32_to_bf16 rounds, 16 at a time).
+static inline void add_rounded(void* y, const float* d, int n, int is_bf16) {
+    int o = 0;
+    if (is_bf16) {
+        uint16_t* yb = y;
+        for (; o + 16 <= n; o += 16) {
+            f32x16 dv;
+            memcpy(&dv, d + o, sizeof dv);
+            const f32x16 sum = load_16(yb, o, 1) + dv;
+            u32x16 bits;
+            memcpy(&bits, &sum, sizeof bits);
+            const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+            const u16x16 h = __builtin_convertvector(rounded, u16x16);
+            memcpy(yb + o, &h, sizeof h);
+        }
+        for (; o < n; o++) yb[o] = f32_to_bf16(bf16_to_f32(yb[o]) + d[o]);
+    } else {
+        float* yf = y;
+        for (; o < n; o++) yf[o] += d[o];
     }
-    for (int i = 0; i < rows; i++) delta[i] = acc[i];
 }
 
 // n values of a bf16 (is_bf16) or float32 row, widened to float32 (exactly) into dst.
@@ -172,17 +211,29 @@ int lora_add(int is_bf16, const void* x, int64_t x_stride, void* out, int64_t ou
                 for (int64_t i = row0; i < row1; i++)
                     widen(xf + (i - row0) * in, (const char*)x + order[i] * x_stride * elem, in,
                           is_bf16);
-                for (int64_t p = p0; p < p1; p++) {
+                for (int64_t p = p0; p < p1;) {
+                    // RANKS ranks of one group at once where this thread has them
                     const int g = p / ranks, j = p % ranks;
+                    const int nj = p + RANKS <= p1 && j + RANKS <= ranks ? RANKS : 1;
                     const void* a = (const char*)lora_a +
                                     ((int64_t)group_slot[g] * ranks + j) * in * elem;
                     for (int64_t i = group_start[g]; i < group_start[g + 1];) {
-                        const int n = i + ROWS <= group_start[g + 1] ? ROWS : 1;
-                        float sums[ROWS];
-                        dot_rows(xf + (i - row0) * in, a, in, is_bf16, n, sums);
-                        for (int k = 0; k < n; k++) u[(i + k) * ranks + j] = sums[k];
-                        i += n;
+                        const int ni = i + ROWS <= group_start[g + 1] ? ROWS : 1;
+                        const float* xi = xf + (i - row0) * in;
+                        float sums[ROWS][RANKS];
+                        if (ni == ROWS && nj == RANKS)
+                            dot_block(xi, a, in, is_bf16, ROWS, RANKS, sums);
+                        else if (ni == ROWS)
+                            dot_block(xi, a, in, is_bf16, ROWS, 1, sums);
+                        else if (nj == RANKS)
+                            dot_block(xi, a, in, is_bf16, 1, RANKS, sums);
+                        else
+                            dot_block(xi, a, in, is_bf16, 1, 1, sums);
+                        for (int k = 0; k < ni; k++)
+                            for (int r = 0; r < nj; r++) u[(i + k) * ranks + j + r] = sums[k][r];
+                        i += ni;
                     }
+                    p += nj;
                 }
             } else {
 #pragma omp atomic write
@@ -205,12 +256,23 @@ int lora_add(int is_bf16, const void* x, int64_t x_stride, void* out, int64_t ou
                 const int n = i + ROWS <= group_start[g + 1] ? ROWS : 1;
                 const float* ui = u + i * ranks + m * max_rank;
                 float delta[ROWS][COLS] __attribute__((aligned(64)));
+                f32x16 d[ROWS][VECS];
                 int o = 0;
+                if (cols == COLS) {
+                    if (n == ROWS)
+                        expand_block(ui, ranks, b, out_features, max_rank, is_bf16, ROWS, VECS, d);
+                    else
+                        expand_block(ui, ranks, b, out_features, max_rank, is_bf16, 1, VECS, d);
+                    for (int k = 0; k < n; k++) memcpy(delta[k], d[k], sizeof d[k]);
+                    o = COLS;
+                }
                 for (; o + 16 <= cols; o += 16) {
-                    f32x16 d[ROWS];
-                    expand_16(ui, ranks, (const char*)b + o * elem, out_features, max_rank,
-                              is_bf16, n, d);
-                    for (int k = 0; k < n; k++) memcpy(&delta[k][o], &d[k], sizeof d[k]);
+                    const void* bo = (const char*)b + o * elem;
+                    if (n == ROWS)
+                        expand_block(ui, ranks, bo, out_features, max_rank, is_bf16, ROWS, 1, d);
+                    else
+                        expand_block(ui, ranks, bo, out_features, max_rank, is_bf16, 1, 1, d);
+                    for (int k = 0; k < n; k++) memcpy(&delta[k][o], &d[k][0], sizeof d[k][0]);
                 }
                 for (; o < cols; o++)
                     for (int k = 0; k < n; k++) {
@@ -219,17 +281,9 @@ int lora_add(int is_bf16, const void* x, int64_t x_stride, void* out, int64_t ou
                             acc += ui[k * ranks + r] * load_1(b, r * out_features + o, is_bf16);
                         delta[k][o] = acc;
                     }
-                for (int k = 0; k < n; k++) {
-                    const int64_t y_at = order[i + k] * out_stride + first;
-                    if (is_bf16) {
-                        uint16_t* y = (uint16_t*)out + y_at;
-                        for (o = 0; o < cols; o++)
-                            y[o] = f32_to_bf16(bf16_to_f32(y[o]) + delta[k][o]);
-                    } else {
-                        float* y = (float*)out + y_at;
-                        for (o = 0; o < cols; o++) y[o] += delta[k][o];
-                    }
-                }
+                for (int k = 0; k < n; k++)
+                    add_rounded((char*)out + (order[i + k] * out_stride + first) * elem,
+                                delta[k], cols, is_bf16);
                 i += n;
             }
         }
