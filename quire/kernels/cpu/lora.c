@@ -27,12 +27,13 @@
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
 
-#define COLS 64  // output columns of one expand work item: 4 vectors
-
+#define COLS 64  // output columns of one expand work item
+#define VECS (COLS / 16)  // its vectors, which one expand block writes at once
 #define ROWS 4  // rows that share each load of A or B
 #define RANKS 4  // rows of A (ranks) one shrink block reads at once
-#define VECS (COLS / 16)  // vectors of columns one expand block writes at once
 
 // 16 values at p[i..i+16) of a bf16 (is_bf16) or float32 array, as float32 (exactly).
 static inline f32x16 load_16(const void* p, int64_t i, int is_bf16) {
@@ -52,10 +53,7 @@ static inline float load_1(const void* p, int64_t i, int is_bf16) {
     return is_bf16 ? bf16_to_f32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
 }
 
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef float f32x4 __attribute__((vector_size(16)));
-
-// The 16 lanes' sum as a tree: halves added, 4 steps (an order fixed by the code).
+// The 16 lanes' sum as a tree: the halves added, 4 times.
 static inline float lanes_sum(f32x16 v) {
     const f32x8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                     __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -66,8 +64,8 @@ static inline float lanes_sum(f32x16 v) {
 
 // sums[i][j] = x_i . a_j over n values, for `rows` rows of x (row stride n, float32) and
 // `ranks` rows of a (row stride n, bf16 or float32): 16 lanes summed along the input, then the
-// lanes (lanes_sum), then the tail. Called with constant rows (ROWS or 1) and ranks (RANKS or 1), so the
-// accumulators stay in registers; every sum is in the same order whatever the block.
+// lanes (lanes_sum), then the tail. Called with constant rows (ROWS or 1) and ranks (RANKS or
+// 1), so the sums stay in registers; each sum is in the same order whatever the block.
 static inline __attribute__((always_inline)) void dot_block(const float* x, const void* a,
                                                             int n, int is_bf16, int rows,
                                                             int ranks, float sums[][RANKS]) {
