@@ -62,25 +62,31 @@ static inline float lanes_sum(f32x16 v) {
     return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
-// sums[i][j] = x_i . a_j over n values, for `rows` rows of x (row stride n, float32) and
-// `ranks` rows of a (row stride n, bf16 or float32): 16 lanes summed along the input, then the
-// lanes (lanes_sum), then the tail. Called with constant rows (ROWS or 1) and ranks (RANKS or
-// 1), so the sums stay in registers; each sum is in the same order whatever the block.
-static inline __attribute__((always_inline)) void dot_block(const float* x, const void* a,
+// sums[i][j] = x_i . a_j over n values, for `rows` rows of x (x_i = x + order[i] * x_stride)
+// and `ranks` rows of a (row stride n), x and a both bf16 or both float32: 16 lanes summed
+// along the input, then the lanes (lanes_sum), then the tail. Called with constant rows (ROWS
+// or 1) and ranks (RANKS or 1), so the sums stay in registers; each sum is in the same order
+// whatever the block.
+static inline __attribute__((always_inline)) void dot_block(const void* x, int64_t x_stride,
+                                                            const int64_t* order, const void* a,
                                                             int n, int is_bf16, int rows,
                                                             int ranks, float sums[][RANKS]) {
     f32x16 acc[ROWS][RANKS] = {{{0}}};
     int k = 0;
-    for (; k + 16 <= n; k += 16)
+    for (; k + 16 <= n; k += 16) {
+        f32x16 xv[ROWS];
+        for (int i = 0; i < rows; i++) xv[i] = load_16(x, order[i] * x_stride + k, is_bf16);
         for (int j = 0; j < ranks; j++) {
             const f32x16 av = load_16(a, (int64_t)j * n + k, is_bf16);
-            for (int i = 0; i < rows; i++) acc[i][j] += load_16(x, (int64_t)i * n + k, 0) * av;
+            for (int i = 0; i < rows; i++) acc[i][j] += xv[i] * av;
         }
+    }
     for (int i = 0; i < rows; i++)
         for (int j = 0; j < ranks; j++) {
             float sum = lanes_sum(acc[i][j]);
             for (int t = k; t < n; t++)
-                sum += x[(int64_t)i * n + t] * load_1(a, (int64_t)j * n + t, is_bf16);
+                sum += load_1(x, order[i] * x_stride + t, is_bf16) *
+                       load_1(a, (int64_t)j * n + t, is_bf16);
             sums[i][j] = sum;
         }
 }
@@ -125,14 +131,10 @@ static inline void add_rounded(void* y, const float* d, int n, int is_bf16) {
     }
 }
 
-// n values of a bf16 (is_bf16) or float32 row, widened to float32 (exactly) into dst.
-static void widen(float* dst, const void* src, int64_t n, int is_bf16) {
-    int64_t k = 0;
-    for (; k + 16 <= n; k += 16) {
-        const f32x16 v = load_16(src, k, is_bf16);
-        memcpy(dst + k, &v, sizeof v);
-    }
-    for (; k < n; k++) dst[k] = load_1(src, k, is_bf16);
+// Asks for bytes [p, p + n) in L2 (prefetcht1) without waiting: a call's reads are short and
+// cold (the base weights streamed through since the last step), so they are asked for at once.
+static inline void prefetch(const void* p, int64_t n) {
+    for (int64_t k = 0; k < n; k += 64) __builtin_prefetch((const char*)p + k, 0, 2);
 }
 
 static float* aligned_floats(int64_t n) {
@@ -198,52 +200,50 @@ int lora_add(int is_bf16, const void* x, int64_t x_stride, void* out, int64_t ou
 #pragma omp parallel num_threads(threads) if (threads > 1 && rows > 0 && !failed)
     {
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-        // shrink: this thread's share of the (group, rank) pairs, each rank's row of A read once
-        // for its group's rows (in float32, from this thread's copy of those rows)
+        // this thread's shares: (group, rank) pairs of the shrink, (group, column piece) pairs
+        // of the expand; their rows of A and pieces of B are asked for first
         const int64_t pairs = failed ? 0 : (int64_t)groups * ranks;
         const int64_t p0 = pairs * t / nt, p1 = pairs * (t + 1) / nt;
-        if (p0 < p1) {
-            const int64_t row0 = group_start[p0 / ranks], row1 = group_start[(p1 - 1) / ranks + 1];
-            float* xf = aligned_floats((row1 - row0) * in);
-            if (xf) {
-                for (int64_t i = row0; i < row1; i++)
-                    widen(xf + (i - row0) * in, (const char*)x + order[i] * x_stride * elem, in,
-                          is_bf16);
-                for (int64_t p = p0; p < p1;) {
-                    // RANKS ranks of one group at once where this thread has them
-                    const int g = p / ranks, j = p % ranks;
-                    const int nj = p + RANKS <= p1 && j + RANKS <= ranks ? RANKS : 1;
-                    const void* a = (const char*)lora_a +
-                                    ((int64_t)group_slot[g] * ranks + j) * in * elem;
-                    for (int64_t i = group_start[g]; i < group_start[g + 1];) {
-                        const int ni = i + ROWS <= group_start[g + 1] ? ROWS : 1;
-                        const float* xi = xf + (i - row0) * in;
-                        float sums[ROWS][RANKS];
-                        if (ni == ROWS && nj == RANKS)
-                            dot_block(xi, a, in, is_bf16, ROWS, RANKS, sums);
-                        else if (ni == ROWS)
-                            dot_block(xi, a, in, is_bf16, ROWS, 1, sums);
-                        else if (nj == RANKS)
-                            dot_block(xi, a, in, is_bf16, 1, RANKS, sums);
-                        else
-                            dot_block(xi, a, in, is_bf16, 1, 1, sums);
-                        for (int k = 0; k < ni; k++)
-                            for (int r = 0; r < nj; r++) u[(i + k) * ranks + j + r] = sums[k][r];
-                        i += ni;
-                    }
-                    p += nj;
-                }
-            } else {
-#pragma omp atomic write
-                failed = 1;
+        const int64_t pieces = failed ? 0 : (int64_t)groups * items;
+        const int64_t q0 = pieces * t / nt, q1 = pieces * (t + 1) / nt;
+        for (int64_t p = p0; p < p1; p++)
+            prefetch((const char*)lora_a + ((int64_t)group_slot[p / ranks] * ranks + p % ranks) *
+                                               in * elem,
+                     in * elem);
+        for (int64_t q = q0; q < q1; q++) {
+            const int m = item_module[q % items], first = item_first[q % items];
+            const int end = out_slices[2 * m] + out_slices[2 * m + 1];
+            const int64_t at = (int64_t)group_slot[q / items] * max_rank * out_features + first;
+            for (int r = 0; r < max_rank; r++)
+                prefetch((const char*)lora_b + (at + (int64_t)r * out_features) * elem,
+                         (end - first < COLS ? end - first : COLS) * elem);
+        }
+        // shrink: each rank's row of A read once for its group's rows, RANKS at a time
+        for (int64_t p = p0; p < p1;) {
+            const int g = p / ranks, j = p % ranks;
+            const int nj = p + RANKS <= p1 && j + RANKS <= ranks ? RANKS : 1;
+            const void* a = (const char*)lora_a + ((int64_t)group_slot[g] * ranks + j) * in * elem;
+            for (int64_t i = group_start[g]; i < group_start[g + 1];) {
+                const int ni = i + ROWS <= group_start[g + 1] ? ROWS : 1;
+                const int64_t* rows_i = order + i;
+                float sums[ROWS][RANKS];
+                if (ni == ROWS && nj == RANKS)
+                    dot_block(x, x_stride, rows_i, a, in, is_bf16, ROWS, RANKS, sums);
+                else if (ni == ROWS)
+                    dot_block(x, x_stride, rows_i, a, in, is_bf16, ROWS, 1, sums);
+                else if (nj == RANKS)
+                    dot_block(x, x_stride, rows_i, a, in, is_bf16, 1, RANKS, sums);
+                else
+                    dot_block(x, x_stride, rows_i, a, in, is_bf16, 1, 1, sums);
+                for (int k = 0; k < ni; k++)
+                    for (int r = 0; r < nj; r++) u[(i + k) * ranks + j + r] = sums[k][r];
+                i += ni;
             }
-            free(xf);
+            p += nj;
         }
 #pragma omp barrier
         // expand: this thread's share of the (group, column piece) pairs, each piece of B read
         // once for its group's rows
-        const int64_t pieces = failed ? 0 : (int64_t)groups * items;
-        const int64_t q0 = pieces * t / nt, q1 = pieces * (t + 1) / nt;
         for (int64_t q = q0; q < q1; q++) {
             const int g = q / items, m = item_module[q % items], first = item_first[q % items];
             const int end = out_slices[2 * m] + out_slices[2 * m + 1];
