@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from quire.bench import roofline
-from quire.bench.models import QWEN3_0_6B_SHAPE
+from quire.bench.models import QWEN3_0_6B_SHAPE, build_lora_adapters
 from quire.bench.perplexity import PROSE
 from quire.bench.serve import (
     RequestResult,
@@ -35,6 +35,24 @@ def _read_json(path) -> dict:
 
 
 # ---- throughput ------------------------------------------------------------------------------
+def test_the_benchmark_adapters_are_distinct_rank_16_on_all_seven_modules(tiny_llama, tmp_path):
+    from quire.config import EngineConfig
+    from quire.lora import load_adapter
+    from quire.model.model_config import load_model_config
+
+    folders = build_lora_adapters(str(tmp_path), 2, tiny_llama)
+    assert folders == [str(tmp_path / "lora-0"), str(tmp_path / "lora-1")]
+    model_config = load_model_config(EngineConfig(model=tiny_llama))
+    first, second = (load_adapter(f"a{i}", f, model_config, 16) for i, f in enumerate(folders))
+    for layer, other in zip(first.layers, second.layers):
+        assert sorted(layer) == sorted(
+            ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        )
+        for module, weights in layer.items():
+            assert weights.rank == 16 and weights.lora_b.abs().min() > 0  # B is not zero
+            assert not torch.equal(weights.lora_a, other[module].lora_a)
+
+
 def test_make_requests_is_seeded_and_a_smaller_count_is_a_prefix():
     small = make_requests(4, (10, 20), (3, 5), seed=7, vocab_size=100)
     large = make_requests(8, (10, 20), (3, 5), seed=7, vocab_size=100)

@@ -519,11 +519,12 @@ def add_lora_rows(
     ops, requests: list[tuple[int, torch.Tensor, torch.Tensor]], slot_of: dict[int, int]
 ) -> list[torch.Tensor]:
     """`ops` over one step of `requests` (adapter, x rows, base output rows; adapter -1: none),
-    adapter i in slot `slot_of[i]` of a q|k|v-like layer (4 slots, rank 16); each request's
-    output rows."""
+    adapter i in slot `slot_of[i]` of a q|k|v-like layer (4 slots, rank 16, stacks in the rows'
+    dtype); each request's output rows."""
     generator = torch.Generator().manual_seed(0)
-    adapters_a = torch.randn(4, 3 * 16, 576, generator=generator) / 10
-    adapters_b = torch.randn(4, 16, 80, generator=generator) / 10
+    dtype = requests[0][1].dtype
+    adapters_a = (torch.randn(4, 3 * 16, 576, generator=generator) / 10).to(dtype)
+    adapters_b = (torch.randn(4, 16, 80, generator=generator) / 10).to(dtype)
     lora_a, lora_b = torch.zeros_like(adapters_a), torch.zeros_like(adapters_b)
     for adapter, slot in slot_of.items():
         lora_a[slot], lora_b[slot] = adapters_a[adapter], adapters_b[adapter]
@@ -565,15 +566,36 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(ops, dtype):
 
 
 @pytest.mark.skipif(not lora_kernel.supported(torch.empty(0)), reason="the C kernels are off")
-def test_the_c_kernel_adds_what_the_torch_ops_add():
+@pytest.mark.parametrize(
+    "dtype, tolerance",
+    [(torch.float32, dict(atol=1e-4, rtol=1e-5)), (torch.bfloat16, dict(atol=0, rtol=2**-7))],
+)
+def test_the_c_kernel_adds_what_the_torch_ops_add(dtype, tolerance):
     def step(ops) -> torch.Tensor:
         generator = torch.Generator().manual_seed(0)
-        x, out = torch.randn(30, 576, generator=generator), torch.randn(30, 80, generator=generator)
+        x = torch.randn(30, 576, generator=generator).to(dtype)
+        out = torch.randn(30, 80, generator=generator).to(dtype)
         requests = [(a, x[i : i + n], out[i : i + n]) for a, i, n in [(0, 0, 9), (-1, 9, 4)]]
         requests += [(i % 4 - 1, x[i : i + 1], out[i : i + 1]) for i in range(13, 30)]
         return torch.cat(add_lora_rows(ops, requests, {0: 2, 1: 0, 2: 1}))
 
-    torch.testing.assert_close(step(CpuLoRAOps), step(TorchLoRAOps), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(step(CpuLoRAOps), step(TorchLoRAOps), **tolerance)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_adapter_stacks_are_in_the_models_dtype(adapted, dtype):
+    model, model_config = quire_model(adapted["base"], dtype)
+    manager = LoRAManager(LoRAConfig(max_loras=2), model_config, model)
+    manager.add(LoRARequest("plain", 1, adapted["plain"]))
+    slot = manager.activate(["plain"])["plain"]
+    o_proj = model.layers[0].self_attn.o_proj
+    want = load_adapter("plain", adapted["plain"], model_config, 16).layers[0]["o_proj"]
+    rank = want.rank
+    assert o_proj.lora_a.dtype == o_proj.lora_b.dtype == getattr(torch, dtype)
+    assert torch.equal(
+        o_proj.lora_a[slot, :rank], (want.lora_a * want.scale).to(o_proj.lora_a.dtype)
+    )
+    assert torch.equal(o_proj.lora_b[slot, :rank], want.lora_b.t().to(o_proj.lora_b.dtype))
 
 
 @pytest.mark.skipif(

@@ -58,7 +58,9 @@ def _errors(rank: int) -> dict[str, float]:
     for m in "qkv":
         qkv.weight_loader(qkv.weight, full[m].weight.data, m)
         qkv.weight_loader(qkv.bias, full[m].bias.data, m)
-    layer = LoRALinear(qkv, ("q_proj", "k_proj", "v_proj"), 0, max_loras=2, max_rank=8)
+    layer = LoRALinear(
+        qkv, ("q_proj", "k_proj", "v_proj"), 0, max_loras=2, max_rank=8, dtype=torch.float32
+    )
     for slot, adapter in enumerate(adapters):
         layer.set_slot(slot, adapter)
     with lora_context(mapping, TorchLoRAOps()):
@@ -78,7 +80,7 @@ def _errors(rank: int) -> dict[str, float]:
     row = RowParallelLinear(ODD, HIDDEN, bias=True)
     row.weight_loader(row.weight, full_o.weight.data)
     row.weight_loader(row.bias, full_o.bias.data)
-    layer = LoRALinear(row, ("o_proj",), 0, max_loras=2, max_rank=8)
+    layer = LoRALinear(row, ("o_proj",), 0, max_loras=2, max_rank=8, dtype=torch.float32)
     for slot, adapter in enumerate(adapters):
         layer.set_slot(slot, adapter)
     x_rank = _shard(x, rank, 6)

@@ -1,6 +1,7 @@
 """The Triton LoRA shrink/expand kernels add what the torch ops add, for prompt chunks, decode
-rows and base-model rows mixed in one step. Without CUDA they run in Triton's interpreter, in
-float32 (the interpreter's tl.dot is wrong on bf16 inputs)."""
+rows and base-model rows mixed in one step, over float32 or bf16 adapter stacks. Without CUDA
+they run in Triton's interpreter, on float32 rows (the interpreter's tl.dot is wrong on bf16
+inputs; the kernels widen bf16 stacks to float32 before their dots)."""
 
 from __future__ import annotations
 
@@ -26,15 +27,17 @@ if DEVICE == "cpu" and type(_shrink_kernel).__name__ != "InterpretedFunction":
     )
 
 
+@pytest.mark.parametrize("stack_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "max_rank, out_slices",
     [(8, [(0, 24), (24, 8), (32, 8)]), (16, [(0, 40)]), (32, [(0, 20), (20, 20)])],
 )
-def test_triton_kernels_add_what_the_torch_ops_add(max_rank, out_slices):
+def test_triton_kernels_add_what_the_torch_ops_add(max_rank, out_slices, stack_dtype):
     generator = torch.Generator().manual_seed(max_rank)
     in_features, out_features = 40, 40
     lora_a = torch.randn(3, len(out_slices) * max_rank, in_features, generator=generator)
     lora_b = torch.randn(3, max_rank, out_features, generator=generator)
+    lora_a, lora_b = lora_a.to(stack_dtype), lora_b.to(stack_dtype)
     x = torch.randn(23, in_features, generator=generator)
     base = torch.randn(23, out_features, generator=generator)
     # prompt chunks (5, 9 rows), decode rows of three slots, and rows of the base model

@@ -6,6 +6,15 @@ sibling).
 
     python -m quire.bench.models [--name smollm2-8h-random] [--model-dir DIR]
 
+It also builds LoRA adapters for the multi-LoRA benchmarks: `--lora-adapters N` saves N PEFT
+adapters of rank 16 on all seven modules (q, k, v, o, gate, up, down), random and non-zero
+(`init_lora_weights=False`, seeds 0..N-1), for the base model `--base` (default: the default
+model) in DIR/lora-0 .. DIR/lora-{N-1}, and prints the `--lora-modules` arguments that name them:
+
+    python -m quire.bench.models --lora-adapters 8 --model-dir /tmp/adapters
+    quire bench throughput --workload w1 --num-requests 8 --enable-lora --max-loras 8 \
+        --lora-modules lora-0=/tmp/adapters/lora-0 ... --lora-mix lora-0,...,lora-7
+
 The weights are random (seeded), saved in bfloat16 with SmolLM2's tokenizer, so the checkpoint
 needs no download: it measures speed, not quality. Built once, then reused from the cache folder.
 """
@@ -128,6 +137,37 @@ def build_random_model(
     return model_dir
 
 
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_lora_adapters(
+    out_dir: str, count: int, base: str | None = None, rank: int = 16
+) -> list[str]:
+    """`count` PEFT adapters of `rank` on every module of LORA_MODULES with random (non-zero)
+    A and B for checkpoint `base` (a folder or .gguf; default: the default model), seeded 0..,
+    saved at out_dir/lora-I; returns their folders. Only the base's shape is read: the adapter's
+    weights do not depend on the base's."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quire.config import default_model_path
+    from quire.model.gguf_loader import load_gguf_config
+    from quire.model.model_config import read_hf_config
+
+    base = base or default_model_path()
+    cfg = load_gguf_config(base) if base.endswith(".gguf") else read_hf_config(base)
+    config = AutoConfig.for_model(**cfg)
+    folders = []
+    for seed in range(count):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        torch.manual_seed(seed)
+        lora = LoraConfig(r=rank, target_modules=list(LORA_MODULES), init_lora_weights=False)
+        folder = os.path.join(out_dir, f"lora-{seed}")
+        get_peft_model(model, lora).save_pretrained(folder)
+        folders.append(folder)
+    return folders
+
+
 def resolve_model(model: str | None, model_dir: str | None = None) -> str | None:
     """`--model qwen3-0.6b-random` (or another RANDOM_MODELS name) names a random checkpoint,
     built at `model_dir` (default ~/.cache/quire/NAME) if absent; any other value is a path,
@@ -151,8 +191,22 @@ def main(argv: list[str] | None = None) -> int:
     add_model_dir_arg(parser)
     parser.add_argument("--name", choices=tuple(RANDOM_MODELS), default=QWEN3_RANDOM)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--lora-adapters",
+        type=int,
+        default=0,
+        metavar="N",
+        help="build N rank-16 LoRA adapters for --base in --model-dir instead of a model",
+    )
+    parser.add_argument("--base", default=None, help="the adapters' base (default: default model)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.lora_adapters:
+        if args.model_dir is None:
+            parser.error("--lora-adapters needs --model-dir, the folder to save them in")
+        folders = build_lora_adapters(args.model_dir, args.lora_adapters, args.base)
+        print(" ".join(f"{os.path.basename(f)}={f}" for f in folders))
+        return 0
     model_dir = args.model_dir or os.path.join(CACHE_DIR, args.name)
     print(build_random_model(args.name, model_dir, args.seed))
     return 0

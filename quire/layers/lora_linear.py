@@ -5,8 +5,11 @@ in a `LoRALinear` before the weights are packed or kept quantized, so the packin
 the base inside the wrapper and any base (nn.Linear shards, PackedLinear, QuantizedLinear)
 takes adapters. Each LoRALinear holds `max_loras` slots of stacked weights: A, the fused
 modules' ranks one under the other [max_loras, modules * max_rank, in], and B transposed
-[max_loras, max_rank, out] (each rank's row contiguous over the outputs), zero-padded to `max_rank` (zeros add nothing), A already times the
-adapter's scale. The adapter manager (quire/lora) writes a slot with `set_slot`.
+[max_loras, max_rank, out] (each rank's row contiguous over the outputs), zero-padded to
+`max_rank` (zeros add nothing), A already times the adapter's scale. The stacks are in the
+model's dtype, as vLLM keeps them (bf16 for a bf16 or GGUF model: half the bytes a decode step
+reads per adapter), and the ops sum in float32. The adapter manager (quire/lora) writes a slot
+with `set_slot`.
 
 Which slot each token row uses is per-step state, so it is not on the modules: the worker sets
 a `LoRAContext` around the forward (`lora_context`, as attention's forward context), holding the
@@ -116,8 +119,8 @@ class LoRAOps(Protocol):
         self,
         out: torch.Tensor,  # [num_tokens, out] the base output
         x: torch.Tensor,  # [num_tokens, in]
-        lora_a: torch.Tensor,  # [max_loras, modules * max_rank, in] float32, scale included
-        lora_b: torch.Tensor,  # [max_loras, max_rank, out] float32 (B transposed)
+        lora_a: torch.Tensor,  # [max_loras, modules * max_rank, in] scale included
+        lora_b: torch.Tensor,  # [max_loras, max_rank, out] (B transposed), lora_a's dtype
         out_slices: Sequence[tuple[int, int]],  # per module: (first output column, columns)
         mapping: LoRAMapping,
     ) -> None: ...
@@ -173,6 +176,7 @@ class LoRALinear(nn.Module):
         layer_idx: int,
         max_loras: int,
         max_rank: int,
+        dtype: torch.dtype,
     ):
         super().__init__()
         self.base = base
@@ -187,12 +191,14 @@ class LoRALinear(nn.Module):
         device = base.weight.device
         self.register_buffer(
             "lora_a",
-            torch.zeros(max_loras, len(modules) * max_rank, base.in_features, device=device),
+            torch.zeros(
+                max_loras, len(modules) * max_rank, base.in_features, dtype=dtype, device=device
+            ),
             persistent=False,
         )
         self.register_buffer(
             "lora_b",
-            torch.zeros(max_loras, max_rank, base.out_features, device=device),
+            torch.zeros(max_loras, max_rank, base.out_features, dtype=dtype, device=device),
             persistent=False,
         )
         # per slot, 1 where it adds anything here (bytes: the C decode step reads them too)
@@ -200,7 +206,8 @@ class LoRALinear(nn.Module):
 
     def set_slot(self, slot: int, weights: Mapping[str, LoRAWeights]) -> None:
         """Writes an adapter's modules of this layer (full size, any rank up to max_rank) into
-        `slot`, this rank's part of each; modules it lacks stay zero."""
+        `slot`, this rank's part of each, rounded once to the stacks' dtype (A after the
+        scale); modules it lacks stay zero."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         r_max = self.max_rank
@@ -233,17 +240,19 @@ class LoRALinear(nn.Module):
         )
 
 
-def add_lora_layers(model: nn.Module, max_loras: int, max_rank: int) -> int:
+def add_lora_layers(model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype) -> int:
     """Wraps, in every decoder layer of `model`, each linear its class names in `lora_targets`
     (path under the layer -> the checkpoint modules it fuses) in a LoRALinear with `max_loras`
-    empty slots of rank `max_rank`. Call it after the weights are loaded and before they are
-    packed or quantized. Returns how many."""
+    empty slots of rank `max_rank` in `dtype` (the model's). Call it after the weights are
+    loaded and before they are packed or quantized. Returns how many."""
     count = 0
     for layer_idx, layer in enumerate(model.layers):
         for path, modules in model.lora_targets.items():
             parent_path, _, name = path.rpartition(".")
             parent = layer.get_submodule(parent_path)
-            linear = LoRALinear(getattr(parent, name), modules, layer_idx, max_loras, max_rank)
+            linear = LoRALinear(
+                getattr(parent, name), modules, layer_idx, max_loras, max_rank, dtype
+            )
             setattr(parent, name, linear)
             count += 1
     return count

@@ -1,5 +1,5 @@
 """The LoRA ops on CPU: each token row's `B (A x)` (A carries the scale) added to a linear's
-output, in float32.
+output, summed in float32 over stacks in the model's dtype (bf16 or float32).
 
 `CpuLoRAOps` runs quire's C kernel (kernels/cpu/lora.c): one call for all the step's rows, each
 row alone in a fixed order. `TorchLoRAOps`, the reference and the fallback (no C compiler, other
@@ -13,7 +13,8 @@ A float32 matmul's summation order depends on its row count (a lone row takes a 
 so every matmul here has one shape: rows in blocks of `ROWS`, zero-padded, one `torch.mm` per
 block, whichever path and however many rows; a row's place in its block does not change its
 sums. Shrink (x A^T over the fused modules' ranks at once), then expand (u B^T per module into
-its columns), then `out = (out + delta)` in float32, rounded once to out's dtype.
+its columns), then `out = (out + delta)` in float32, rounded once to out's dtype; bf16 stacks
+are widened to float32 (exactly) first.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def lora_delta(
     out_slices: Sequence[tuple[int, int]],
 ) -> torch.Tensor:  # [n, out] float32
     max_rank = lora_b.shape[0]
-    shrunk = block_matmul(x, lora_a.t())  # [n, modules * max_rank]
+    lora_b = lora_b.float()
+    shrunk = block_matmul(x, lora_a.float().t())  # [n, modules * max_rank]
     delta = torch.zeros(x.shape[0], lora_b.shape[1], dtype=torch.float32, device=x.device)
     for i, (first, size) in enumerate(out_slices):
         u = shrunk[:, i * max_rank : (i + 1) * max_rank]

@@ -7,6 +7,9 @@ way).
   order.
 - expand, per fused module: out[row_i, cols] += u[i, its ranks] B[slot, cols]^T, summed in float32
   and rounded once to out's dtype.
+
+The stacks are in the model's dtype (bf16 or float32: half the bytes in bf16); each block is
+widened to float32 as it is loaded, and the dots run in IEEE float32 (not TF32).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ BLOCK_K = 32  # the reduction's step
 @triton.jit
 def _shrink_kernel(
     x_ptr,  # [num_tokens, K]
-    a_ptr,  # [max_loras, R, K] float32
+    a_ptr,  # [max_loras, R, K] bf16 or float32
     u_ptr,  # [rows with an adapter, R] float32, in sorted order
     sorted_rows_ptr,
     group_slots_ptr,
@@ -67,7 +70,7 @@ def _shrink_kernel(
             a_ptr + slot * stride_as + offs_n[None, :] * stride_ar + offs_k[:, None],
             mask=mask_k[:, None] & mask_n[None, :],
             other=0.0,
-        )  # [BLOCK_K, BLOCK_N]: A^T's block
+        ).to(tl.float32)  # [BLOCK_K, BLOCK_N]: A^T's block
         acc += tl.dot(x, a, input_precision="ieee")  # float32, not TF32
     tl.store(
         u_ptr + (start + offs_m)[:, None] * stride_um + offs_n[None, :],
@@ -79,7 +82,7 @@ def _shrink_kernel(
 @triton.jit
 def _expand_kernel(
     u_ptr,  # [rows with an adapter, R] float32, in sorted order
-    b_ptr,  # [max_loras, max_rank, out] float32 (B transposed)
+    b_ptr,  # [max_loras, max_rank, out] bf16 or float32 (B transposed)
     out_ptr,  # [num_tokens, out]
     sorted_rows_ptr,
     group_slots_ptr,
@@ -121,7 +124,7 @@ def _expand_kernel(
             b_ptr + slot * stride_bs + offs_r[:, None] * stride_br + (out_first + offs_n)[None, :],
             mask=mask_r[:, None] & mask_n[None, :],
             other=0.0,
-        )  # [BLOCK_K, BLOCK_N]: B^T's block
+        ).to(tl.float32)  # [BLOCK_K, BLOCK_N]: B^T's block
         acc += tl.dot(u, b, input_precision="ieee")
     out_ptrs = out_ptr + rows[:, None] * stride_om + (out_first + offs_n)[None, :]
     mask = mask_m[:, None] & mask_n[None, :]

@@ -164,9 +164,13 @@ def load_model(
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
     if max_loras:  # before packing: the packed or quantized base goes inside the wrapper
-        count = add_lora_layers(model, max_loras, max_lora_rank)
+        count = add_lora_layers(model, max_loras, max_lora_rank, dtype)
         logger.info(
-            "%d linears take adapters: %d slots of rank %d", count, max_loras, max_lora_rank
+            "%d linears take adapters: %d slots of rank %d in %s",
+            count,
+            max_loras,
+            max_lora_rank,
+            str(dtype).removeprefix("torch."),
         )
     if keep_quantized:
         logger.info("%d linear layers kept in GGUF blocks", quantize_weights(model))

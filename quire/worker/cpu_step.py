@@ -229,7 +229,7 @@ def _lora_slots(linear: nn.Module, out_slices: list[torch.Tensor]) -> _LoRASlots
     [modules, 2] int32 out_slices tensor goes on `out_slices`, which keeps it alive."""
     if not isinstance(linear, LoRALinear):
         return _LoRASlots()
-    assert linear.lora_a.dtype == linear.lora_b.dtype == torch.float32
+    assert linear.lora_a.dtype == linear.lora_b.dtype == torch.bfloat16
     assert linear.lora_a.is_contiguous() and linear.lora_b.is_contiguous()
     out_slices.append(torch.tensor(linear.out_slices, dtype=torch.int32))
     used = (ctypes.c_uint8 * len(linear.slot_used)).from_buffer(linear.slot_used)

@@ -42,10 +42,10 @@
 // The per-row q/k norm is split across threads from this many rows of the step.
 #define PARALLEL_ROWS 4
 
-// The adapter slots beside a projection (a LoRALinear's): float32 stacks, the scale in A.
+// The adapter slots beside a projection (a LoRALinear's): bf16 stacks, the scale in A.
 typedef struct {
-    const float* a;  // [slots, modules * max_rank, in]; NULL: the projection takes no adapter
-    const float* b;  // [slots, max_rank, out] (B transposed)
+    const uint16_t* a;  // [slots, modules * max_rank, in]; NULL: the projection takes no adapter
+    const uint16_t* b;  // [slots, max_rank, out] (B transposed)
     const uint8_t* slot_used;  // [slots]: 1 where the slot adds anything to this projection
     const int32_t* out_slices;  // [modules][2]: each fused module's first output column, width
     int32_t modules, max_rank;

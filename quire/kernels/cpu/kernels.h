@@ -39,7 +39,7 @@ int qmatmul_k_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_
 int quantize_rows_q8_bf16(const uint16_t* x, int64_t x_stride, int M, int K, int8_t* q, float* d,
                           int32_t* s);
 int lora_add(int is_bf16, const void* x, int64_t x_stride, void* out, int64_t out_stride,
-             const float* lora_a, const float* lora_b, const int32_t* token_slots,
+             const void* lora_a, const void* lora_b, const int32_t* token_slots,
              const int32_t* out_slices, int modules, int64_t tokens, int in, int out_features,
              int max_rank, int num_threads);
 int argmax_f32(const float* x, int64_t rows, int64_t cols, int64_t* out, int num_threads);

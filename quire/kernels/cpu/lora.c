@@ -1,10 +1,22 @@
 // LoRA deltas beside a linear: each token row t with an adapter slot s (-1: none) gets
 //   out[t] += B[s] (A[s] x[t])
 // for the fused modules of the layer (q|k|v, gate|up: A's ranks one under the other, B's output
-// columns side by side), in float32, rounded once into out (bf16 or float32). A carries the
-// adapter's scale. Each row is computed alone by one thread in an order fixed by the shapes
-// (16 float32 lanes along the input, then ranks in order for each output column), so its bits
-// do not depend on the other rows, the thread count, or which slot holds its adapter.
+// columns side by side), summed in float32 and rounded once into out. x, out and the stacks are
+// all bf16 or all float32 (the model's dtype); A carries the adapter's scale.
+//
+// Batch invariance: every number is computed in an order fixed by the shapes alone. u[t][j]
+// (shrink) is x[t] . A[s][j]: 16 float32 lanes along the input, a tree over the lanes, then
+// the tail; each output column (expand) sums u[t][r] B[s][r][col] over the ranks in order, then
+// is added to out. So a row's bits do not depend on the other rows, the thread count, or the
+// slot.
+//
+// Speed: decode is bound by the bytes read, so each slot's stacks are read once per call,
+// whatever the number of its rows: the rows are grouped by slot, and the threads split a
+// group's ranks (shrink) and output columns (expand), not its rows, so a lone row (batch 1)
+// streams its adapter on every thread. Blocks of ROWS rows by RANKS ranks (shrink) or VECS
+// column vectors (expand) share each load and keep independent sums in registers; a leftover
+// row or rank goes through the same sums alone. One barrier between the two phases.
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,86 +25,267 @@
 #include "kernels.h"
 
 typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
 
-// x . a over n floats: 16 lanes summed along the input, then the lanes, then the tail.
-static float dot(const float* x, const float* a, int n) {
-    f32x16 acc = {0};
+#define COLS 64  // output columns of one expand work item
+#define VECS (COLS / 16)  // its vectors, which one expand block writes at once
+#define ROWS 4  // rows that share each load of A or B
+#define RANKS 4  // rows of A (ranks) one shrink block reads at once
+
+// 16 values at p[i..i+16) of a bf16 (is_bf16) or float32 array, as float32 (exactly).
+static inline f32x16 load_16(const void* p, int64_t i, int is_bf16) {
+    f32x16 v;
+    if (is_bf16) {
+        u16x16 h;
+        memcpy(&h, (const uint16_t*)p + i, sizeof h);
+        const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+        memcpy(&v, &w, sizeof v);
+    } else {
+        memcpy(&v, (const float*)p + i, sizeof v);
+    }
+    return v;
+}
+
+static inline float load_1(const void* p, int64_t i, int is_bf16) {
+    return is_bf16 ? bf16_to_f32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+}
+
+// The 16 lanes' sum as a tree: the halves added, 4 times.
+static inline float lanes_sum(f32x16 v) {
+    const f32x8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                    __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const f32x4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) +
+                    __builtin_shufflevector(h, h, 4, 5, 6, 7);
+    return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+// sums[i][j] = x_i . a_j over n values, for `rows` rows of x (x_i = x + order[i] * x_stride)
+// and `ranks` rows of a (row stride n), x and a both bf16 or both float32: 16 lanes summed
+// along the input, then the lanes (lanes_sum), then the tail. Called with constant rows (ROWS
+// or 1) and ranks (RANKS or 1), so the sums stay in registers; each sum is in the same order
+// whatever the block.
+static inline __attribute__((always_inline)) void dot_block(const void* x, int64_t x_stride,
+                                                            const int64_t* order, const void* a,
+                                                            int n, int is_bf16, int rows,
+                                                            int ranks, float sums[][RANKS]) {
+    f32x16 acc[ROWS][RANKS] = {{{0}}};
     int k = 0;
     for (; k + 16 <= n; k += 16) {
-        f32x16 xv, av;
-        memcpy(&xv, x + k, sizeof xv);
-        memcpy(&av, a + k, sizeof av);
-        acc += xv * av;
+        f32x16 xv[ROWS];
+        for (int i = 0; i < rows; i++) xv[i] = load_16(x, order[i] * x_stride + k, is_bf16);
+        for (int j = 0; j < ranks; j++) {
+            const f32x16 av = load_16(a, (int64_t)j * n + k, is_bf16);
+            for (int i = 0; i < rows; i++) acc[i][j] += xv[i] * av;
+        }
     }
-    float lanes[16], sum = 0.0f;
-    memcpy(lanes, &acc, sizeof lanes);
-    for (int l = 0; l < 16; l++) sum += lanes[l];
-    for (; k < n; k++) sum += x[k] * a[k];
-    return sum;
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < ranks; j++) {
+            float sum = lanes_sum(acc[i][j]);
+            for (int t = k; t < n; t++)
+                sum += load_1(x, order[i] * x_stride + t, is_bf16) *
+                       load_1(a, (int64_t)j * n + t, is_bf16);
+            sums[i][j] = sum;
+        }
 }
 
-static float* aligned_floats(int n) {
+// delta[i][v] = the sum over r of u_i[r] b[r][16 v .. 16 v + 16) in order of r, for `rows`
+// rows (ROWS or 1; u_i = u + i * u_stride) and `vecs` vectors of columns (VECS or 1); b (bf16
+// or float32) rows b_stride apart. Constant blocks, as dot_block.
+static inline __attribute__((always_inline)) void expand_block(const float* u, int64_t u_stride,
+                                                               const void* b, int64_t b_stride,
+                                                               int max_rank, int is_bf16,
+                                                               int rows, int vecs,
+                                                               f32x16 delta[][VECS]) {
+    f32x16 acc[ROWS][VECS] = {{{0}}};
+    for (int r = 0; r < max_rank; r++)
+        for (int v = 0; v < vecs; v++) {
+            const f32x16 bv = load_16(b, r * b_stride + 16 * v, is_bf16);
+            for (int i = 0; i < rows; i++) acc[i][v] += u[i * u_stride + r] * bv;
+        }
+    for (int i = 0; i < rows; i++)
+        for (int v = 0; v < vecs; v++) delta[i][v] = acc[i][v];
+}
+
+// y[0..n) = y + d, rounded once to y's dtype (bf16 as f32_to_bf16 rounds, 16 at a time).
+static inline void add_rounded(void* y, const float* d, int n, int is_bf16) {
+    int o = 0;
+    if (is_bf16) {
+        uint16_t* yb = y;
+        for (; o + 16 <= n; o += 16) {
+            f32x16 dv;
+            memcpy(&dv, d + o, sizeof dv);
+            const f32x16 sum = load_16(yb, o, 1) + dv;
+            u32x16 bits;
+            memcpy(&bits, &sum, sizeof bits);
+            const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+            const u16x16 h = __builtin_convertvector(rounded, u16x16);
+            memcpy(yb + o, &h, sizeof h);
+        }
+        for (; o < n; o++) yb[o] = f32_to_bf16(bf16_to_f32(yb[o]) + d[o]);
+    } else {
+        float* yf = y;
+        for (; o < n; o++) yf[o] += d[o];
+    }
+}
+
+// Asks for bytes [p, p + n) in L2 (prefetcht1) without waiting: a call's reads are short and
+// cold (the base weights streamed through since the last step), so they are asked for at once.
+static inline void prefetch(const void* p, int64_t n) {
+    for (int64_t k = 0; k < n; k += 64) __builtin_prefetch((const char*)p + k, 0, 2);
+}
+
+static float* aligned_floats(int64_t n) {
     const size_t bytes = ((sizeof(float) * (size_t)n + 63) / 64) * 64;
-    return aligned_alloc(64, bytes);
+    return aligned_alloc(64, bytes ? bytes : 64);
 }
 
-// x [tokens, in] (row stride x_stride), out [tokens, out] (row stride out_stride), both bf16
-// (is_bf16) or float32; lora_a [slots, modules * max_rank, in], lora_b [slots, max_rank, out]
-// (B transposed) float32; token_slots [tokens]; out_slices [modules][2]: each module's first
-// output column and width. Returns 0, or -1 for shapes it does not take.
+// The rows with a slot, grouped by slot (by first appearance; rows in order inside a group):
+// order [rows], group_start [groups + 1]. Returns the group count.
+static int group_rows(const int32_t* token_slots, int64_t tokens, int64_t* order,
+                      int64_t* group_start, int32_t* group_slot) {
+    int groups = 0;
+    int64_t rows = 0;
+    for (int64_t t = 0; t < tokens; t++) {
+        const int slot = token_slots[t];
+        if (slot < 0) continue;
+        int seen = 0;
+        for (int g = 0; g < groups && !seen; g++) seen = group_slot[g] == slot;
+        if (seen) continue;
+        group_slot[groups] = slot;
+        group_start[groups++] = rows;
+        for (int64_t r = t; r < tokens; r++)
+            if (token_slots[r] == slot) order[rows++] = r;
+    }
+    group_start[groups] = rows;
+    return groups;
+}
+
+// x [tokens, in] (row stride x_stride), out [tokens, out] (row stride out_stride);
+// lora_a [slots, modules * max_rank, in], lora_b [slots, max_rank, out] (B transposed); all
+// bf16 (is_bf16) or all float32. token_slots [tokens]; out_slices [modules][2]: each module's
+// first output column and width. Returns 0, or -1 for shapes it does not take or no memory.
 int lora_add(int is_bf16, const void* x, int64_t x_stride, void* out, int64_t out_stride,
-             const float* lora_a, const float* lora_b, const int32_t* token_slots,
+             const void* lora_a, const void* lora_b, const int32_t* token_slots,
              const int32_t* out_slices, int modules, int64_t tokens, int in, int out_features,
              int max_rank, int num_threads) {
     const int ranks = modules * max_rank;
     if (in < 1 || out_features < 1 || ranks < 1 || tokens < 0) return -1;
-    const int threads = tokens >= 2 ? num_threads : 1;
-    int failed = 0;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        // 64-byte aligned, so no row's loops start at another alignment than another's
-        float* xf = aligned_floats(in);
-        float* u = aligned_floats(ranks);
-        float* delta = aligned_floats(out_features);
-        if (!xf || !u || !delta) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tokens; t++) {
-            const int slot = token_slots[t];
-            if (slot < 0 || !xf || !u || !delta) continue;
-            if (is_bf16) {
-                const uint16_t* row = (const uint16_t*)x + t * x_stride;
-                for (int k = 0; k < in; k++) xf[k] = bf16_to_f32(row[k]);
-            } else {
-                const float* row = (const float*)x + t * x_stride;
-                for (int k = 0; k < in; k++) xf[k] = row[k];
+    const size_t elem = is_bf16 ? 2 : 4;
+    const int max_items = out_features / COLS + modules;
+    int64_t* order = malloc(sizeof(int64_t) * (tokens + 1));
+    int64_t* group_start = malloc(sizeof(int64_t) * (tokens + 1));
+    int32_t* group_slot = malloc(sizeof(int32_t) * (tokens + 1));
+    int* item_module = malloc(sizeof(int) * max_items);
+    int* item_first = malloc(sizeof(int) * max_items);
+    float* u = NULL;
+    int failed = !order || !group_start || !group_slot || !item_module || !item_first;
+    int groups = 0, items = 0;
+    int64_t rows = 0;
+    if (!failed) {
+        groups = group_rows(token_slots, tokens, order, group_start, group_slot);
+        rows = group_start[groups];
+        // expand's work items per group: each module's columns in pieces of COLS
+        for (int m = 0; m < modules; m++)
+            for (int c = 0; c < out_slices[2 * m + 1]; c += COLS) {
+                item_module[items] = m;
+                item_first[items++] = out_slices[2 * m] + c;
             }
-            const float* a = lora_a + (int64_t)slot * ranks * in;
-            for (int j = 0; j < ranks; j++) u[j] = dot(xf, a + (int64_t)j * in, in);
-            const float* bt = lora_b + (int64_t)slot * max_rank * out_features;
-            for (int m = 0; m < modules; m++) {
-                const int first = out_slices[2 * m], width = out_slices[2 * m + 1];
-                float* d = delta + first;
-                for (int o = 0; o < width; o++) d[o] = 0.0f;
-                for (int r = 0; r < max_rank; r++) {
-                    const float ur = u[m * max_rank + r];
-                    const float* b = bt + (int64_t)r * out_features + first;
-                    for (int o = 0; o < width; o++) d[o] += ur * b[o];
-                }
-                if (is_bf16) {
-                    uint16_t* y = (uint16_t*)out + t * out_stride + first;
-                    for (int o = 0; o < width; o++) y[o] = f32_to_bf16(bf16_to_f32(y[o]) + d[o]);
-                } else {
-                    float* y = (float*)out + t * out_stride + first;
-                    for (int o = 0; o < width; o++) y[o] += d[o];
-                }
-            }
-        }
-        free(xf);
-        free(u);
-        free(delta);
+        u = aligned_floats(rows * ranks);  // [rows, ranks] in group order
+        failed = !u;
     }
+    const int threads = num_threads > 1 ? num_threads : 1;
+#pragma omp parallel num_threads(threads) if (threads > 1 && rows > 0 && !failed)
+    {
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        // this thread's shares: (group, rank) pairs of the shrink, (group, column piece) pairs
+        // of the expand; their rows of A and pieces of B are asked for first
+        const int64_t pairs = failed ? 0 : (int64_t)groups * ranks;
+        const int64_t p0 = pairs * t / nt, p1 = pairs * (t + 1) / nt;
+        const int64_t pieces = failed ? 0 : (int64_t)groups * items;
+        const int64_t q0 = pieces * t / nt, q1 = pieces * (t + 1) / nt;
+        for (int64_t p = p0; p < p1; p++)
+            prefetch((const char*)lora_a + ((int64_t)group_slot[p / ranks] * ranks + p % ranks) *
+                                               in * elem,
+                     in * elem);
+        for (int64_t q = q0; q < q1; q++) {
+            const int m = item_module[q % items], first = item_first[q % items];
+            const int end = out_slices[2 * m] + out_slices[2 * m + 1];
+            const int64_t at = (int64_t)group_slot[q / items] * max_rank * out_features + first;
+            for (int r = 0; r < max_rank; r++)
+                prefetch((const char*)lora_b + (at + (int64_t)r * out_features) * elem,
+                         (end - first < COLS ? end - first : COLS) * elem);
+        }
+        // shrink: each rank's row of A read once for its group's rows, RANKS at a time
+        for (int64_t p = p0; p < p1;) {
+            const int g = p / ranks, j = p % ranks;
+            const int nj = p + RANKS <= p1 && j + RANKS <= ranks ? RANKS : 1;
+            const void* a = (const char*)lora_a + ((int64_t)group_slot[g] * ranks + j) * in * elem;
+            for (int64_t i = group_start[g]; i < group_start[g + 1];) {
+                const int ni = i + ROWS <= group_start[g + 1] ? ROWS : 1;
+                const int64_t* rows_i = order + i;
+                float sums[ROWS][RANKS];
+                if (ni == ROWS && nj == RANKS)
+                    dot_block(x, x_stride, rows_i, a, in, is_bf16, ROWS, RANKS, sums);
+                else if (ni == ROWS)
+                    dot_block(x, x_stride, rows_i, a, in, is_bf16, ROWS, 1, sums);
+                else if (nj == RANKS)
+                    dot_block(x, x_stride, rows_i, a, in, is_bf16, 1, RANKS, sums);
+                else
+                    dot_block(x, x_stride, rows_i, a, in, is_bf16, 1, 1, sums);
+                for (int k = 0; k < ni; k++)
+                    for (int r = 0; r < nj; r++) u[(i + k) * ranks + j + r] = sums[k][r];
+                i += ni;
+            }
+            p += nj;
+        }
+#pragma omp barrier
+        // expand: this thread's share of the (group, column piece) pairs, each piece of B read
+        // once for its group's rows
+        for (int64_t q = q0; q < q1; q++) {
+            const int g = q / items, m = item_module[q % items], first = item_first[q % items];
+            const int end = out_slices[2 * m] + out_slices[2 * m + 1];
+            const int cols = end - first < COLS ? end - first : COLS;
+            const void* b = (const char*)lora_b +
+                            ((int64_t)group_slot[g] * max_rank * out_features + first) * elem;
+            for (int64_t i = group_start[g]; i < group_start[g + 1];) {
+                const int n = i + ROWS <= group_start[g + 1] ? ROWS : 1;
+                const float* ui = u + i * ranks + m * max_rank;
+                float delta[ROWS][COLS] __attribute__((aligned(64)));
+                f32x16 d[ROWS][VECS];
+                int o = 0;
+                if (cols == COLS) {
+                    if (n == ROWS)
+                        expand_block(ui, ranks, b, out_features, max_rank, is_bf16, ROWS, VECS, d);
+                    else
+                        expand_block(ui, ranks, b, out_features, max_rank, is_bf16, 1, VECS, d);
+                    for (int k = 0; k < n; k++) memcpy(delta[k], d[k], sizeof d[k]);
+                    o = COLS;
+                }
+                for (; o + 16 <= cols; o += 16) {
+                    const void* bo = (const char*)b + o * elem;
+                    if (n == ROWS)
+                        expand_block(ui, ranks, bo, out_features, max_rank, is_bf16, ROWS, 1, d);
+                    else
+                        expand_block(ui, ranks, bo, out_features, max_rank, is_bf16, 1, 1, d);
+                    for (int k = 0; k < n; k++) memcpy(&delta[k][o], &d[k][0], sizeof d[k][0]);
+                }
+                for (; o < cols; o++)
+                    for (int k = 0; k < n; k++) {
+                        float acc = 0.0f;
+                        for (int r = 0; r < max_rank; r++)
+                            acc += ui[k * ranks + r] * load_1(b, r * out_features + o, is_bf16);
+                        delta[k][o] = acc;
+                    }
+                for (int k = 0; k < n; k++)
+                    add_rounded((char*)out + (order[i + k] * out_stride + first) * elem,
+                                delta[k], cols, is_bf16);
+                i += n;
+            }
+        }
+    }
+    free(u), free(order), free(group_start), free(group_slot), free(item_module), free(item_first);
     return failed ? -1 : 0;
 }

@@ -19,12 +19,13 @@ def supported(x: torch.Tensor) -> bool:
 def lora_add(
     out: torch.Tensor,  # [tokens, out] bf16 or float32, rows contiguous; updated in place
     x: torch.Tensor,  # [tokens, in], out's dtype, rows contiguous
-    lora_a: torch.Tensor,  # [slots, modules * max_rank, in] float32, contiguous
-    lora_b: torch.Tensor,  # [slots, max_rank, out] float32 (B transposed), contiguous
+    lora_a: torch.Tensor,  # [slots, modules * max_rank, in] out's dtype, contiguous
+    lora_b: torch.Tensor,  # [slots, max_rank, out] out's dtype (B transposed), contiguous
     token_slots: torch.Tensor,  # [tokens] int32, -1: no adapter
     out_slices: torch.Tensor,  # [modules, 2] int32: each module's first column and width
 ) -> None:
-    assert x.dtype == out.dtype and x.stride(1) == 1 and out.stride(1) == 1
+    assert x.dtype == out.dtype == lora_a.dtype == lora_b.dtype
+    assert x.stride(1) == 1 and out.stride(1) == 1
     assert lora_a.is_contiguous() and lora_b.is_contiguous() and token_slots.dtype == torch.int32
     status = load_library().lora_add(
         int(x.dtype == torch.bfloat16),
