@@ -52,6 +52,18 @@ def test_a_killed_worker_fails_the_step_within_seconds(tiny_llama):
     llm.engine.shutdown()
 
 
+def test_a_worker_dead_before_the_step_is_sent_fails_it_as_a_death(tiny_llama):
+    """Its end of the pipe already closed, sending the step fails (a broken pipe): that is
+    reported as the rank's death, like one noticed while waiting."""
+    llm = make_llm(tiny_llama, dtype="float32", distributed_executor_backend="mp")
+    (pid,) = worker_pids(llm)
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(0.5)  # dead, its sockets closed, before the engine sends anything
+    with pytest.raises(WorkerDiedError, match="worker rank 0 process died"):
+        llm.generate(PROMPTS, SamplingParams(max_tokens=4), use_tqdm=False)
+    llm.engine.shutdown()
+
+
 def test_shutdown_ends_the_worker_process(tiny_llama):
     llm = make_llm(tiny_llama, dtype="float32", distributed_executor_backend="mp")
     (pid,) = worker_pids(llm)

@@ -122,8 +122,15 @@ class MultiprocExecutor(Executor):
 
     def _send_all(self, message: tuple) -> None:
         try:
-            for pipe in self._pipes:
-                pipe.send(message)
+            try:
+                for pipe in self._pipes:
+                    pipe.send(message)
+            except OSError as error:  # a rank's end of its pipe is gone: the rank died
+                deadline = time.monotonic() + child_process.POLL_S
+                while time.monotonic() < deadline:  # the parent sees the exit a moment later
+                    self._raise_if_one_died(error)
+                    time.sleep(0.01)
+                raise
         except BaseException:
             self._end_workers()
             raise
