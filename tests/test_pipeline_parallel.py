@@ -31,6 +31,7 @@ from test_tensor_parallel import (
     GREEDY,
     PROMPTS,
     assert_close_greedy,
+    assert_preemption_and_abort_free_every_block,
     run,
 )
 
@@ -145,23 +146,10 @@ def test_default_model_keeps_its_blocks_on_two_stages(default_model, tokenizer_d
 
 
 def test_preemption_abort_and_forks_free_every_block_on_every_stage(pp_llama):
-    engine = pp_llama.engine
-    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    prompts = [{"prompt_token_ids": list(range(100 * i + 10, 100 * i + 50))} for i in range(3)]
-    preemptions = pp_llama.stats().num_preemptions
-    outputs = pp_llama.generate(prompts, params, use_tqdm=False)
-    assert [len(o.outputs[0].token_ids) for o in outputs] == [30, 30, 30]
-    assert pp_llama.stats().num_preemptions > preemptions
-    assert_idle(pp_llama)
+    assert_preemption_and_abort_free_every_block(pp_llama, steps_before_abort=2)  # both in flight
     forks = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
     (output,) = pp_llama.generate(PROMPTS[:1], forks, use_tqdm=False)
     assert [len(c.token_ids) for c in output.outputs] == [6, 6, 6]
-    assert_idle(pp_llama)
-    for i, request_prompt in enumerate(prompts):
-        engine.add_request(f"abort-{i}", request_prompt, params)
-    engine.step()
-    engine.step()
-    engine.abort_request([f"abort-{i}" for i in range(3)])
     assert_idle(pp_llama)
 
 

@@ -228,20 +228,28 @@ def test_ranks_get_disjoint_cores():
         assert len(shares[0]) == len(shares[1]) == len(cores) // 2
 
 
-def test_preemption_and_abort_free_every_block(tp_llama):
-    engine = tp_llama.engine
+def assert_preemption_and_abort_free_every_block(llm: LLM, steps_before_abort: int = 1) -> None:
+    """Three 40-token prompts that do not all fit `llm`'s small pool run to 30 tokens each, with
+    preemptions, and leave every block free; so do the same prompts aborted after
+    `steps_before_abort` steps."""
+    engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(100 * i + 10, 100 * i + 50))} for i in range(3)]
-    preemptions = tp_llama.stats().num_preemptions
-    outputs = tp_llama.generate(prompts, params, use_tqdm=False)
+    preemptions = llm.stats().num_preemptions
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [30, 30, 30]
-    assert tp_llama.stats().num_preemptions > preemptions
-    assert_idle(tp_llama)
+    assert llm.stats().num_preemptions > preemptions
+    assert_idle(llm)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"abort-{i}", prompt, params)
-    engine.step()
+    for _ in range(steps_before_abort):
+        engine.step()
     engine.abort_request([f"abort-{i}" for i in range(3)])
-    assert_idle(tp_llama)
+    assert_idle(llm)
+
+
+def test_preemption_and_abort_free_every_block(tp_llama):
+    assert_preemption_and_abort_free_every_block(tp_llama)
 
 
 def test_a_killed_rank_fails_the_engine_within_seconds(tp_llama):
