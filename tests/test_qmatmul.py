@@ -283,3 +283,21 @@ def test_a_fused_linear_with_a_float_shard_is_dequantized_in_place() -> None:
     assert quantize_linear_layers(holder) == 0
     assert type(holder.qkv) is QKVParallelLinear and not hasattr(holder.qkv, "quantized_shards")
     assert torch.equal(holder.qkv.weight.data, full)
+
+
+def test_q8_0_blocks_dequantize_as_gguf_dequantizes_them() -> None:
+    """QuantizedWeight.dequantize's torch path for Q8_0 (the tied embedding of the default model)
+    gives gguf's float32 values bit for bit: random bytes, so every code and every float16 scale
+    (subnormals, negatives, large) appears."""
+    from quire.layers.quantized_linear import QuantizedWeight
+
+    rng = np.random.default_rng(3)
+    raw = rng.integers(0, 256, (48, 4 * 34), np.uint8)
+    scales = rng.standard_normal((48, 4)).astype(np.float16)
+    scales[0, 0] = np.float16(3e-7)  # subnormal
+    for block in range(4):
+        raw[:, block * 34 : block * 34 + 2] = scales[:, block : block + 1].view(np.uint8)
+    got = QuantizedWeight(raw, "Q8_0", (48, 128)).dequantize()
+    expected = dequantize(raw, GGMLQuantizationType.Q8_0).astype(np.float32)
+    assert got.dtype == torch.float32 and got.shape == (48, 128)
+    assert torch.equal(got, torch.from_numpy(expected))

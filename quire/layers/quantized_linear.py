@@ -47,6 +47,15 @@ _QUANTIZE_ROWS = 4096  # rows of a float weight quantized at a time (from_float)
 KERNEL_TYPES = frozenset(qmatmul.FORMATS)
 
 
+def _dequantize_q8_0(raw: np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
+    """Q8_0 blocks [N, K / 32 * 34] (a float16 scale, then 32 int8 codes) -> [N, K] float32,
+    each weight scale x code as gguf computes it."""
+    blocks = torch.from_numpy(np.ascontiguousarray(raw)).view(shape[0], -1, 34)
+    scales = blocks[..., :2].contiguous().view(torch.float16).float()
+    codes = blocks[..., 2:].contiguous().view(torch.int8)
+    return (codes * scales).reshape(shape)
+
+
 @dataclass(frozen=True)
 class QuantizedWeight:
     """A GGUF tensor's blocks as stored: [out_features, bytes per row] uint8, `qtype` a
@@ -57,6 +66,8 @@ class QuantizedWeight:
     shape: tuple[int, int]  # (out_features, in_features)
 
     def dequantize(self) -> torch.Tensor:  # [out_features, in_features] float32
+        if self.qtype == "Q8_0":  # the common embedding type: torch's threads, not gguf's numpy
+            return _dequantize_q8_0(self.raw, self.shape)
         values = dequantize(self.raw, GGMLQuantizationType[self.qtype])
         return torch.from_numpy(np.require(values, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
 
