@@ -296,6 +296,19 @@ class EngineConfig(EngineArgs):
         """What does not run under pipeline parallelism, or with several steps in flight, yet:
         refused with what to change."""
         spec = self.speculative_config
+        if self.async_scheduling:
+            refused = [
+                (spec is not None, "speculative decoding (proposals need the step's token)"),
+                (self.disaggregation_mode is not None, "disaggregation"),
+                (self.pipeline_parallel_size > 1, "pipeline_parallel_size > 1"),
+                (self.max_steps_in_flight not in (None, 2), "max_steps_in_flight other than 2"),
+            ]
+            for refuse, what in refused:
+                if refuse:
+                    raise ValueError(
+                        f"async_scheduling does not run with {what} yet: leave "
+                        "async_scheduling out (or set it off), or drop the other option."
+                    )
         if (self.max_steps_in_flight or 1) > 1 and (
             self.disaggregation_mode is not None or (spec and spec.method == "draft_model")
         ):
@@ -516,6 +529,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     grammar_cache_bytes: int  # structured outputs' compiled grammars
     max_steps_in_flight: int  # the engine core's batch queue
+    async_scheduling: bool  # a request's next step scheduled before its step in flight returns
 
 
 @dataclass(frozen=True)
@@ -597,6 +611,15 @@ def resolve_config(config: EngineConfig) -> QuireConfig:
     architecture = load_model_config(config)
     # EngineConfig checked a given max_model_len against the model's (ModelShape)
     max_model_len = config.max_model_len or architecture.max_position_embeddings
+    async_scheduling = config.async_scheduling
+    if async_scheduling is None:  # on where the device runs apart from the host
+        async_scheduling = (
+            config.device == "cuda"
+            and config.speculative_config is None
+            and config.disaggregation_mode is None
+            and config.pipeline_parallel_size == 1
+            and config.max_steps_in_flight in (None, 2)
+        )
     kv_transfer = None
     if config.disaggregation_mode is not None:
         port = config.kv_port
@@ -637,7 +660,10 @@ def resolve_config(config: EngineConfig) -> QuireConfig:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             grammar_cache_bytes=config.grammar_cache_bytes,
-            max_steps_in_flight=config.max_steps_in_flight or config.pipeline_parallel_size,
+            max_steps_in_flight=2
+            if async_scheduling
+            else config.max_steps_in_flight or config.pipeline_parallel_size,
+            async_scheduling=async_scheduling,
         ),
         parallel=ParallelConfig(
             tensor_parallel_size=config.tensor_parallel_size,

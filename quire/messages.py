@@ -48,6 +48,10 @@ class CachedRequestData:
     block_ids_start: int
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Async scheduling: the step was scheduled before the one before it came back, so this
+    # request's next token is the one the worker sampled for it in that step (first appended,
+    # then computed), which the engine does not know yet.
+    takes_sampled_token: bool = False
 
 
 @dataclass

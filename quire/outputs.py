@@ -66,3 +66,5 @@ class EngineStats:
     qmatmul_path: str  # the GGUF block kernel's loop ("avx512-vnni", "avx2", "c" or "off")
     weight_bytes: tuple[int, ...]  # the model weights each rank holds, in rank order
     most_steps_in_flight: int  # the most steps in flight at once since start (batch queue)
+    # async scheduling: (request, step) pairs scheduled before the step before them came back
+    num_scheduled_ahead: int = 0

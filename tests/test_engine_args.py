@@ -47,6 +47,8 @@ EXPECTED_FLAGS = {
     "-pp": "pipeline_parallel_size",
     "--pp-layer-partition": "pp_layer_partition",
     "--max-steps-in-flight": "max_steps_in_flight",
+    "--async-scheduling": "async_scheduling",
+    "--no-async-scheduling": "async_scheduling",
     "--engine-core-process": "engine_core_process",
     "--no-engine-core-process": "engine_core_process",
     "--speculative-config": "speculative_config",

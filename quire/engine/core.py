@@ -3,7 +3,9 @@
 Up to `max_steps_in_flight` steps are in flight at once (vLLM's batch queue; by default one per
 pipeline stage, so every stage has work): a step call submits steps while the queue has room and
 the scheduler finds requests with no step in flight, then waits for the oldest and updates from
-it. With one step in flight, that is schedule, execute, update.
+it. With one step in flight, that is schedule, execute, update. Async scheduling keeps two in
+flight on one stage, the second over the same requests (engine/scheduler.py): the core schedules
+step N + 1, then takes step N's outputs, while the worker runs step N.
 
 The scheduler writes each step's SchedulerOutput, asking the Speculator (engine/
 speculator.py) which proposals to verify and the StructuredOutputManager (structured_output/
@@ -64,6 +66,7 @@ class CoreStats:
     running_lora_adapters: frozenset[str] = frozenset()
     waiting_lora_adapters: frozenset[str] = frozenset()
     most_steps_in_flight: int = 0  # since start
+    num_scheduled_ahead: int = 0  # async scheduling: requests scheduled ahead, since start
 
 
 @dataclass
@@ -131,6 +134,7 @@ class EngineCore:
             structured_output=self.structured_output,
             max_loras=0 if config.lora is None else config.lora.max_loras,
             max_steps_in_flight=scheduler.max_steps_in_flight,
+            async_scheduling=scheduler.async_scheduling,
         )
         self.max_steps_in_flight = scheduler.max_steps_in_flight
         self._in_flight: deque[_StepInFlight] = deque()
@@ -159,7 +163,9 @@ class EngineCore:
         self.kv_manager.take_copies()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        """Whether a step call has work: a request, or a step still in flight (async
+        scheduling leaves one behind a request's last token, whose token is dropped)."""
+        return self.scheduler.num_unfinished > 0 or bool(self._in_flight)
 
     def reset_prefix_cache(self) -> None:
         """Forgets the prefix cache's entries for free blocks: later prompts compute from cold."""
@@ -188,6 +194,7 @@ class EngineCore:
             running_lora_adapters=_lora_names(scheduler.running) if lora else frozenset(),
             waiting_lora_adapters=_lora_names(scheduler.waiting) if lora else frozenset(),
             most_steps_in_flight=self.most_steps_in_flight,
+            num_scheduled_ahead=scheduler.num_scheduled_ahead,
         )
 
     def worker_states(self) -> list[WorkerState]:
@@ -210,6 +217,8 @@ class EngineCore:
         ]:
             if ids:
                 problems.append(f"{len(ids)} request(s) {name} ({', '.join(ids)})")
+        if self._in_flight:
+            problems.append(f"{len(self._in_flight)} step(s) in flight")
         if kv.num_free_blocks != kv.num_blocks:
             holders = ", ".join(sorted(kv.req_blocks)) or "no request"
             problems.append(

@@ -269,6 +269,7 @@ class LLMEngine:
             qmatmul_path=worker.qmatmul_path,
             weight_bytes=tuple(w.weight_bytes for w in workers),
             most_steps_in_flight=core.most_steps_in_flight,
+            num_scheduled_ahead=core.num_scheduled_ahead,
         )
 
     def check_invariants(self) -> None:

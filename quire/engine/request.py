@@ -80,6 +80,10 @@ class Request:
         # Proposed tokens to verify after the last known one (speculative decoding); never part
         # of token_ids until accepted.
         self.spec_token_ids: list[int] = []
+        # Async scheduling: the tokens of its newest scheduled step when that step samples one
+        # token that only the stop rules read (no grammar, no speculation, no fork), so a step
+        # after it may be scheduled before it returns; None otherwise.
+        self.plain_step_tokens: int | None = None
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         # Structured outputs: the matcher of its grammar, advanced with each accepted token

@@ -31,6 +31,17 @@ never preempts one, and holds at most its share of the unfinished sequences (the
 for the next step, so every stage gets work). `update` takes steps back in the order they were
 scheduled.
 
+Async scheduling (vLLM's --async-scheduling; two steps in flight on one stage): a request whose
+step in flight samples a plain token (no grammar, no speculation, no fork: `plain_step_tokens`)
+is scheduled again before that step returns, one token on the token it samples, which the worker
+appends itself (`CachedRequestData.takes_sampled_token`): the engine's scheduling, updates and
+outputs then run while the worker computes. Its counts in the message are what the step in
+flight will have made of it; its slot is allocated without preempting anyone (no slot: it waits
+for its step). The stop rules apply when each step returns, so a stop token found then ends the
+request and the token of the step scheduled past it is dropped, its blocks freed at once (the
+worker runs steps in order, so nothing reads them after). It is scheduled ahead only when that
+token leaves room for another under max_tokens and max_model_len.
+
 `update` takes each request's list of new tokens (several when speculative tokens were verified),
 appends them one by one under the stop rules (tokens after a stop are dropped), and gives back the
 slots of rejected speculative tokens. A request with a grammar (structured outputs) advances its
@@ -99,6 +110,7 @@ class Scheduler:
         structured_output: StructuredOutputManager | None = None,
         max_loras: int = 0,
         max_steps_in_flight: int = 1,
+        async_scheduling: bool = False,
     ):
         """`speculator`: the proposals to verify and the draft lengths each step asks;
         `structured_output`: the step's grammar bitmask. The scheduler asks both while it
@@ -125,7 +137,13 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.max_steps_in_flight = max_steps_in_flight
-        self.in_flight: set[str] = set()  # requests of a step scheduled and not yet updated
+        # Async scheduling: a request whose step in flight samples a plain token is scheduled
+        # again before that step returns (see the module docstring). Not with a proposer: its
+        # proposals need the token.
+        self.async_scheduling = async_scheduling and speculator is None and kv_connector is None
+        # requests of a step scheduled and not yet updated -> how many such steps (2 at most)
+        self.in_flight: dict[str, int] = {}
+        self.num_scheduled_ahead = 0  # since start
         self._sent: dict[str, _SentState] = {}
         self._finished_ids: list[str] = []  # dropped since the last step, for the worker
         # The last message's drops (finished, preempted) until `update` confirms its step ran: a
@@ -159,7 +177,7 @@ class Scheduler:
             request = self.requests.pop(request_id, None)
             if request is None:
                 continue
-            self.in_flight.discard(request_id)  # its step's tokens are dropped on return
+            self.in_flight.pop(request_id, None)  # its steps' tokens are dropped on return
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
@@ -208,11 +226,17 @@ class Scheduler:
         forked: list[tuple[Request, Request]] = []  # (child, parent)
         preempted: list[Request] = []
         max_seqs = self._max_seqs_this_step()
+        ahead: dict[str, int] = {}  # async: request -> the tokens of its step in flight
 
         index = 0
         while index < len(self.running) and budget > 0 and len(scheduled) < max_seqs:
             request = self.running[index]
             if request.request_id in self.in_flight:
+                if self._schedule_ahead(request):
+                    ahead[request.request_id] = request.plain_step_tokens
+                    request.plain_step_tokens = 1
+                    scheduled.append((request, 1))
+                    budget -= 1
                 index += 1
                 continue
             num_new = num_new_tokens(
@@ -239,16 +263,43 @@ class Scheduler:
             budget = self._admit_waiting(budget, scheduled, forked, max_seqs)
 
         self.running.extend(child for child, _ in forked)
-        self.in_flight.update(request.request_id for request, _ in scheduled)
-        self.in_flight.update(child.request_id for child, _ in forked)
+        in_flight = self.in_flight
+        for request, _ in scheduled:
+            in_flight[request.request_id] = in_flight.get(request.request_id, 0) + 1
+        for child, _ in forked:
+            in_flight[child.request_id] = 1
         # Decodes first (stable): the runner lays a step out as decodes, then prompt chunks.
-        scheduled.sort(key=lambda entry: entry[0].num_computed_tokens < entry[0].num_prompt_tokens)
-        return self._message(scheduled, forked, preempted)
+        scheduled.sort(
+            key=lambda entry: (
+                entry[0].request_id not in ahead
+                and entry[0].num_computed_tokens < entry[0].num_prompt_tokens
+            )
+        )
+        self.num_scheduled_ahead += len(ahead)
+        return self._message(scheduled, forked, preempted, ahead)
+
+    def _schedule_ahead(self, request: Request) -> bool:
+        """Async scheduling: whether `request`, in flight, runs this step too on the token its
+        step in flight samples. That step must be its only one in flight and a plain one
+        (`plain_step_tokens`), the token must leave room for another under max_tokens and
+        max_model_len (only a stop token can end it unseen: that step's token is then dropped
+        on return), and its slot must fit without preempting anything."""
+        num_ahead = request.plain_step_tokens
+        if (
+            not self.async_scheduling
+            or num_ahead is None
+            or self.in_flight[request.request_id] != 1
+            or request.num_output_tokens + 2 > request.max_tokens
+            or request.num_tokens + 2 > self.max_model_len
+        ):
+            return False
+        return self.kv_manager.allocate_slots(request, num_ahead + 1)
 
     def _max_seqs_this_step(self) -> int:
-        """The most sequences this step takes: with several steps in flight, an equal share of
-        the unfinished ones, so that each step in flight has some."""
-        if self.max_steps_in_flight == 1:
+        """The most sequences this step takes: with several pipeline steps in flight, an equal
+        share of the unfinished ones, so that each step in flight has some (async scheduling
+        runs each step over every request instead)."""
+        if self.max_steps_in_flight == 1 or self.async_scheduling:
             return self.max_num_seqs
         unfinished = len(self.running) + len(self.waiting)
         return max(1, -(-unfinished // self.max_steps_in_flight))
@@ -435,6 +486,15 @@ class Scheduler:
         """Adds the request to the step; when this step samples its first token, forks the other
         n - 1 sequences of its group (they share its blocks and sample from its logits)."""
         scheduled.append((request, num_new))
+        if self.async_scheduling:
+            plain = (
+                request.num_computed_tokens + num_new == request.num_tokens
+                and not request.spec_token_ids
+                and not request.num_forks_pending
+                and request.grammar is None
+                and request.remote_decode_id is None
+            )
+            request.plain_step_tokens = num_new if plain else None
         if request.remote_decode_id is None and not request.num_forks_pending:
             return  # the usual case: nothing to save for a decode instance, nothing to fork
         samples = request.num_computed_tokens + num_new >= request.num_tokens
@@ -471,8 +531,10 @@ class Scheduler:
         scheduled: list[tuple[Request, int]],
         forked: list[tuple[Request, Request]],
         preempted: list[Request],
+        ahead: dict[str, int],
     ) -> SchedulerOutput:
-        """The step as plain data, each request as new or as a delta from what was sent."""
+        """The step as plain data, each request as new or as a delta from what was sent (a
+        request scheduled ahead: from what its step in flight will have made of it)."""
         preempted_ids = [r.request_id for r in preempted if self._sent.pop(r.request_id, None)]
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
@@ -501,16 +563,19 @@ class Scheduler:
                 self._sent[request_id] = _SentState(request.num_tokens, block_ids)
                 continue
             start, new_block_ids = self._block_table_delta(request_id, sent)
+            num_ahead = ahead.get(request_id)
             cached_reqs.append(
                 CachedRequestData(
                     req_id=request_id,
                     new_token_ids=request.token_ids[sent.num_tokens :],
                     block_ids_start=start,
                     new_block_ids=new_block_ids,
-                    num_computed_tokens=request.num_computed_tokens,
+                    num_computed_tokens=request.num_computed_tokens + (num_ahead or 0),
+                    takes_sampled_token=num_ahead is not None,
                 )
             )
-            sent.num_tokens = request.num_tokens
+            # the worker appends the token it sampled itself
+            sent.num_tokens = request.num_tokens + (num_ahead is not None)
         forks = []
         for child, parent in forked:
             parent_sent = self._sent[parent.request_id]
@@ -567,8 +632,13 @@ class Scheduler:
         Requests whose prompt's K/V arrived from a prefill instance get their first token."""
         delivered = {*output.finished_req_ids, *output.preempted_req_ids}
         self._unconfirmed_drops = [d for d in self._unconfirmed_drops if d not in delivered]
-        self.in_flight.difference_update(output.num_scheduled_tokens)
-        self.in_flight.difference_update(fork.req_id for fork in output.forked_reqs)
+        in_flight = self.in_flight
+        for request_id in (*output.num_scheduled_tokens, *(f.req_id for f in output.forked_reqs)):
+            count = in_flight.get(request_id, 0)
+            if count > 1:
+                in_flight[request_id] = count - 1
+            else:
+                in_flight.pop(request_id, None)
         updated = []
         if runner_output.kv_connector_output is not None:
             updated = self._kv_arrived(runner_output.kv_connector_output, runner_output.logprobs)

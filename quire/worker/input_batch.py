@@ -36,6 +36,9 @@ class RequestState:
     returns_prompt_logprobs: bool
     spec_token_ids: list[int] = field(default_factory=list)  # this step's proposals
     lora_request: LoRARequest | None = None  # the adapter it runs
+    # The last token this worker sampled for it: async scheduling sends a step that computes it
+    # before the engine has seen it (CachedRequestData.takes_sampled_token).
+    last_sampled: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -93,6 +96,15 @@ class InputBatch:
             step.append((state, num_new))
         return step
 
+    def record_sampled(self, sampled_token_ids: dict[str, list[int]]) -> None:
+        """Keeps each request's last sampled token, for a step scheduled before this one's
+        output reached the engine (async scheduling)."""
+        requests = self.requests
+        for req_id, token_ids in sampled_token_ids.items():
+            state = requests.get(req_id)
+            if state is not None and token_ids:
+                state.last_sampled = token_ids[-1]
+
     def block_ids(self, state: RequestState) -> list[int]:
         return self.block_table[state.row, : self.num_blocks[state.row]].tolist()
 
@@ -131,6 +143,8 @@ class InputBatch:
     def _apply(self, cached: CachedRequestData) -> None:
         state = self.requests[cached.req_id]
         state.token_ids.extend(cached.new_token_ids)
+        if cached.takes_sampled_token:
+            state.token_ids.append(state.last_sampled)
         state.num_computed_tokens = cached.num_computed_tokens
         if cached.new_block_ids or cached.block_ids_start != self.num_blocks[state.row]:
             self._set_blocks(state.row, cached.block_ids_start, cached.new_block_ids)

@@ -80,6 +80,7 @@ class ModelRunner:
         self.lora_ops = None if config.lora is None else lora_ops(self.device, model.dtype)
         self.proposer = proposer if self.target.is_last_stage else None  # it needs the tokens
         self.kv_connector = kv_connector
+        self.async_scheduling = config.scheduler.async_scheduling
         target = self.target
         c_decode = self.device.type == "cpu" and cpu_kernels.supports_paged_decode(
             torch.bfloat16, target.num_heads, target.num_kv_heads, model.architecture.head_dim
@@ -133,6 +134,8 @@ class ModelRunner:
                 result.draft_token_ids = self.proposer.propose(
                     self._sampled_step(output, step, inputs, result.sampled_token_ids)
                 )
+        if self.async_scheduling:
+            self.input_batch.record_sampled(result.sampled_token_ids)
         if self.kv_connector is not None:
             self.kv_connector.after_forward(
                 output.kv_connector_metadata,
