@@ -611,15 +611,8 @@ def resolve_config(config: EngineConfig) -> QuireConfig:
     architecture = load_model_config(config)
     # EngineConfig checked a given max_model_len against the model's (ModelShape)
     max_model_len = config.max_model_len or architecture.max_position_embeddings
-    async_scheduling = config.async_scheduling
-    if async_scheduling is None:  # on where the device runs apart from the host
-        async_scheduling = (
-            config.device == "cuda"
-            and config.speculative_config is None
-            and config.disaggregation_mode is None
-            and config.pipeline_parallel_size == 1
-            and config.max_steps_in_flight in (None, 2)
-        )
+    # Off unless asked: measured slower on both devices so far (docs/BENCHMARKS.md)
+    async_scheduling = bool(config.async_scheduling)
     kv_transfer = None
     if config.disaggregation_mode is not None:
         port = config.kv_port

@@ -48,7 +48,7 @@ def outputs(llm: LLM, prompts, params) -> list:
     return result
 
 
-def test_the_default_on_a_cpu_is_off_and_it_can_be_turned_on(default_model):
+def test_it_is_off_unless_asked(default_model):
     assert not resolve_config(EngineConfig(model=default_model)).scheduler.async_scheduling
     config = resolve_config(EngineConfig(model=default_model, async_scheduling=True))
     assert config.scheduler.async_scheduling and config.scheduler.max_steps_in_flight == 2
