@@ -116,6 +116,16 @@ def tiny_engines(tiny_llama):
         llm.engine.shutdown()
 
 
+def test_a_last_request_ended_by_a_stop_token_leaves_no_step_in_flight(tiny_engines):
+    sync, ahead = tiny_engines
+    prompts = token_prompts([20])
+    stop_id = sync.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))[0]
+    stop_id = stop_id.outputs[0].token_ids[3]
+    params = SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_id])
+    assert outputs(ahead, prompts, params) == outputs(sync, prompts, params)
+    assert_idle(ahead)  # the step scheduled past the stop came back and was dropped
+
+
 def test_preemption_and_abort_in_a_small_pool(tiny_engines):
     sync, ahead = tiny_engines
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)

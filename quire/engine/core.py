@@ -272,6 +272,11 @@ class EngineCore:
             else:
                 output = outputs.setdefault(req_id, self._output(request, [], {}))
             output.prompt_logprobs, output.prompt_logprobs_start = top, prompt_starts[req_id]
+        while self._in_flight and not self.scheduler.requests:
+            # Steps past every request's end (async scheduling ran one beyond a stop token):
+            # taken back now, so an engine with nothing to do has nothing in flight.
+            stale = self._in_flight.popleft()
+            self.scheduler.update(stale.output, stale.future.result())
         return list(outputs.values())
 
     def _submit(self) -> bool:
