@@ -10,6 +10,7 @@ as a RuntimeError and the core ends every request.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import queue
 import threading
@@ -122,6 +123,8 @@ def _core_main(pipe: Connection, config: QuireConfig) -> None:
     except BaseException as error:
         pipe.send(("error", child_process.error_message(error)))
         return
+    gc.collect()
+    gc.freeze()  # the process lives as long as the core: a full collection skips its model
     pipe.send(("ready", core.config))
     # A reader thread takes every command as it arrives, so the front end never waits on a
     # core that is busy sending (each direction of the pipe has a bounded buffer).

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import inspect
 import itertools
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,6 +47,9 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any):
         config = EngineArgs.from_kwargs(model=model, **kwargs).create_engine_config()
         self.engine = LLMEngine(config)
+        # Dropping the LLM frees its engine only through the collector, which skips what the
+        # engine froze at start (LLMEngine.__init__): unfreeze then.
+        weakref.finalize(self, gc.unfreeze)
         self._ids = itertools.count()
 
     __init__.__signature__ = _engine_args_signature()
