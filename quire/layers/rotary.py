@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from quire.kernels import cpu as cpu_kernels
+
 
 @dataclass
 class RopeConfig:
@@ -54,6 +56,7 @@ class RotaryEmbedding(nn.Module):
 
     def build_cache(self) -> None:
         """Fills the cos/sin tables (float32) on the buffers' device."""
+        cpu_kernels.warm_up_torch_math()  # or a thread's part of the first cos may be off
         device = self.cos_cache.device
         inv_freq = _inv_freq(self.head_dim, self.rope).to(device)
         positions = torch.arange(self.max_position, dtype=torch.float32, device=device)

@@ -10,6 +10,7 @@ import torch
 
 from quire.config import QuireConfig
 from quire.distributed.parallel_state import RankPlacement, init_tensor_parallel
+from quire.kernels import cpu as cpu_kernels
 from quire.kernels.cpu import gemv, qmatmul
 from quire.messages import ModelRunnerOutput, SchedulerOutput
 from quire.worker.model_runner import ModelRunner
@@ -46,6 +47,7 @@ class Worker:
         """`proposer`, `kv_connector`: the plug-ins the executor built (executor/plugins.py)."""
         placement = placement or RankPlacement()
         self.rank = placement.rank
+        cpu_kernels.warm_up_torch_math()  # before any float unary op runs on several threads
         if placement.world_size > 1:
             pin_rank(placement)
             if config.device.device == "cuda":  # one GPU per rank: "cuda" is this rank's

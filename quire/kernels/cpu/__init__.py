@@ -98,6 +98,28 @@ _SIGNATURES = {
 }
 
 
+# The float unary ops ATen hands to MKL's VML (aten/src/ATen/cpu/vml.h).
+_VML_OPS = (
+    "abs", "acos", "asin", "atan", "ceil", "cos", "cosh", "erf", "erfc", "erfinv", "exp",
+    "expm1", "floor", "lgamma", "log", "log10", "log1p", "log2", "neg", "reciprocal", "round",
+    "rsqrt", "sigmoid", "sin", "sinh", "sqrt", "tan", "tanh", "trunc",
+)  # fmt: skip
+
+
+@functools.cache
+def warm_up_torch_math() -> None:
+    """Has oneMKL pick its kernel for each float unary op ATen hands to VML, with one element on
+    this thread, before any such op runs split over threads. oneMKL picks at a function's first
+    call, and first calls made at once from several threads can run a low-accuracy kernel on one
+    thread's part (pytorch/pytorch#188792). Seen here, on an Intel Xeon with AMX: the rotary
+    tables' first `cos` off by up to 1.5e-4 on rows 80-159 of 160 in 2 to 4 of 10 processes, so
+    a request's tokens depended on the process. Once per process, ~0.1 ms."""
+    for dtype in (torch.float32, torch.float64):
+        x = torch.full((1,), 0.5, dtype=dtype)
+        for name in _VML_OPS:
+            getattr(torch, name)(x)
+
+
 def _cache_dir() -> str:
     return os.path.join(envs.XDG_CACHE_HOME, "quire", "kernels")
 
