@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the checks of docs/GPU.md on a CUDA machine, section by section, and keeps the logs.
 #
-#   bash scripts/gpu_checks.sh [SECTION ...]     # sections: env tests kernel sweep model latency throughput overhead
+#   bash scripts/gpu_checks.sh [SECTION ...]     # sections: env tests kernel sweep model latency
+#                                                  throughput overhead profile (profile needs model)
 #
 # Logs go to $OUT (or ./gpu-logs); each section has its own time limit, so one hang does not
 # cost the others. Uses the python3 that holds a CUDA torch (QUIRE_GPU_PYTHON overrides it).
@@ -84,8 +85,12 @@ overhead() {  # host time per step by phase, on a model whose forward costs next
         --output-json "$LOGS/overhead.json" $([ -d .tok ] && echo --tokenizer .tok)
 }
 
+profile() {  # the GPU's idle fraction and kernels of steady decode steps (torch profiler)
+    "$PY" scripts/gpu_step_profile.py --model "$MODELS" --batch-sizes 1 64 --steps 20
+}
+
 export PY LOGS MODELS
-export -f quire env_info tests kernel sweep model latency throughput overhead
+export -f quire env_info tests kernel sweep model latency throughput overhead profile
 export PEAK=$("$PY" -c "import torch; n = torch.cuda.get_device_name(); print(4800 if 'H200' in n else 3350)")
 for s in "${@:-env tests kernel latency throughput overhead}"; do
     for name in $s; do
@@ -98,6 +103,7 @@ for s in "${@:-env tests kernel latency throughput overhead}"; do
             latency) section latency 420 latency ;;
             throughput) section throughput 560 throughput ;;
             overhead) section overhead 300 overhead ;;
+            profile) section profile 240 profile ;;
             *) echo "unknown section $name" ;;
         esac
     done
