@@ -1,8 +1,8 @@
 """The Ray executor (`distributed_executor_backend="ray"`) on a two-node Ray cluster on this
 machine: two tensor-parallel ranks on different nodes give one rank's greedy tokens (float32, up
-to near-ties) and leave every block free, as do two pipeline stages, each placed by a placement
-group of its own, with two steps in flight; a rank whose actor is killed fails the next step
-within seconds, naming the rank; Ray arguments that cannot work fail at start, saying what to
+to near-ties) and leave every block free, as do two pipeline stages on the two nodes, each placed
+by a placement group of its own, with two steps in flight; a rank whose actor is killed (a
+tensor-parallel rank, a stage) fails the next step within seconds, naming the rank; Ray arguments that cannot work fail at start, saying what to
 change."""
 
 from __future__ import annotations
@@ -103,8 +103,23 @@ def test_a_killed_rank_actor_fails_the_engine_within_seconds(spread_llm):
         spread_llm.generate(PROMPTS, SamplingParams(max_tokens=4), use_tqdm=False)
 
 
-def test_two_stages_give_one_stages_greedy_tokens(nodes, tiny_llama):
-    """(After the test that ends `spread_llm`: the cluster's CPUs are free again.)"""
+@ray.remote(num_cpus=1)
+class _HoldACpu:
+    def ready(self) -> bool:
+        return True
+
+
+def test_two_stages_on_two_nodes_give_one_stages_greedy_tokens(nodes, tiny_llama):
+    """A CPU of the head held by another actor leaves one CPU on each node, so the two stages'
+    placement groups land on different nodes: hidden states cross between Ray nodes. Then a
+    killed stage actor fails the engine within seconds. (After the test that ends
+    `spread_llm`: the cluster's CPUs are free again.)"""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    hold = _HoldACpu.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(nodes[0], soft=False)
+    ).remote()
+    ray.get(hold.ready.remote())
     one = LLM(tiny_llama, dtype="float32", num_kv_blocks=64)
     two = make_llm(
         tiny_llama,
@@ -115,11 +130,29 @@ def test_two_stages_give_one_stages_greedy_tokens(nodes, tiny_llama):
     try:
         groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
         assert sorted(len(g["bundles"]) for g in groups) == [1, 1]  # a group per stage
+        placed = [node for g in groups for node in g["bundles_to_node_id"].values()]
+        assert sorted(placed) == sorted(nodes)  # one stage on each node
         assert_close_greedy(run(one), run(two))
         assert two.stats().most_steps_in_flight == 2
         assert_idle(two)
+        ray.kill(_the_actor_of_rank(1, groups))
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="rank 1"):
+            two.generate(PROMPTS, SamplingParams(max_tokens=4), use_tqdm=False)
+        assert time.monotonic() - start < 5
     finally:
         two.engine.shutdown()
+        ray.kill(hold)
+
+
+def _the_actor_of_rank(rank: int, groups: list[dict]):
+    """The rank's actor, named after the placement group of its stage (executor/ray.py)."""
+    for group in groups:
+        try:
+            return ray.get_actor(f"quire-rank-{rank}-{group['placement_group_id']}")
+        except ValueError:
+            continue
+    raise AssertionError(f"no actor for rank {rank}")
 
 
 def test_a_ray_address_where_nothing_answers_fails_at_start(tiny_llama):
