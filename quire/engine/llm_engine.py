@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from quire.worker.worker import WorkerState
 
 logger = logging.getLogger(__name__)
+atexit.register(gc.unfreeze)  # an engine freezes its start's heap: exit still frees it
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -173,7 +174,6 @@ class LLMEngine:
         # cycles need the collector), and at exit.
         gc.collect()
         gc.freeze()
-        atexit.register(gc.unfreeze)
 
     # ---- adapters (multi-LoRA) ---------------------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> None:

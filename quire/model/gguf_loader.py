@@ -143,7 +143,11 @@ def _iter_weights(
                 ", ".join(sorted(keep_quantized)),
             )
         # the reader gives the data in torch order already: [rows, bytes per row] for blocks
-        weights = dequantize(tensor.data, tensor.tensor_type)
+        if tensor.data.ndim == 2 and qtype not in _FLOAT_TYPES:  # blocks: the one dequantizer
+            shape = (int(tensor.shape[1]), int(tensor.shape[0]))
+            weights = QuantizedWeight(tensor.data, qtype, shape).dequantize().numpy()
+        else:
+            weights = dequantize(tensor.data, tensor.tensor_type)
         if permuted and gguf_kind in heads_for:
             weights = unpermute_rotary(name, weights, heads_for[gguf_kind])
         # an unquantized tensor is still a read-only view of the memory map: copy only that one
