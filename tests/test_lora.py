@@ -547,16 +547,24 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(ops, dtype):
             torch.randn(n, 80, generator=generator).to(dtype),
         )
 
-    prompt, decode = rows(7, 1), rows(1, 2)
+    # The C kernel splits a group of many rows (here adapter 3's 150, and adapter 1's 31 decode
+    # rows) by rows between its threads, a tile at a time, and a small one by ranks: a row's
+    # bits must not tell which.
+    prompt, decode, long_prompt = rows(7, 1), rows(1, 2), rows(150, 5)
     alone = add_lora_rows(ops, [(2, *prompt), (1, *decode)], {2: 0, 1: 1})
     mixed = add_lora_rows(
         ops,
-        [(0, *rows(1, 3)), (1, *decode), (-1, *rows(5, 4)), (2, *prompt), (3, *rows(20, 5))]
-        + [(1, *rows(1, 6 + i)) for i in range(17)],
+        [(0, *rows(1, 3)), (1, *decode), (-1, *rows(5, 4)), (2, *prompt), (3, *long_prompt)]
+        + [(1, *rows(1, 6 + i)) for i in range(30)],
         {0: 0, 1: 1, 2: 2, 3: 3},  # adapter 2 in another slot than alone
     )
     assert torch.equal(mixed[3], alone[0])  # the prompt chunk (SGMV)
     assert torch.equal(mixed[1], alone[1])  # the decode row (BGMV)
+    in_fives = [
+        add_lora_rows(ops, [(3, x, out)], {3: 0})[0]
+        for x, out in zip(*(t.split(5) for t in long_prompt))
+    ]
+    assert torch.equal(torch.cat(in_fives), mixed[4])
     chunks = [
         add_lora_rows(ops, [(2, x, out)], {2: 3})[0]
         for x, out in zip(*(t.split([3, 4]) for t in prompt))

@@ -163,10 +163,99 @@ static int group_rows(const int32_t* token_slots, int64_t tokens, int64_t* order
     return groups;
 }
 
+// The expand of `n` rows (ROWS at a time) by one column piece: delta[i] = u_i B[:, cols] for
+// u_i = u + i * ranks + module's ranks, added to out row order[i] (rounded once).
+static void expand_rows(const float* u, int ranks, int max_rank, const void* b, int64_t b_stride,
+                        int b_bf16, int cols, const int64_t* order, int64_t n, void* out,
+                        int64_t out_stride, int first, int is_bf16) {
+    const size_t elem = is_bf16 ? 2 : 4, b_elem = b_bf16 ? 2 : 4;
+    for (int64_t i = 0; i < n;) {
+        const int rows = i + ROWS <= n ? ROWS : 1;
+        const float* ui = u + i * ranks;
+        float delta[ROWS][COLS] __attribute__((aligned(64)));
+        f32x16 d[ROWS][VECS];
+        int o = 0;
+        if (cols == COLS) {
+            if (rows == ROWS)
+                expand_block(ui, ranks, b, b_stride, max_rank, b_bf16, ROWS, VECS, d);
+            else
+                expand_block(ui, ranks, b, b_stride, max_rank, b_bf16, 1, VECS, d);
+            for (int k = 0; k < rows; k++) memcpy(delta[k], d[k], sizeof d[k]);
+            o = COLS;
+        }
+        for (; o + 16 <= cols; o += 16) {
+            const void* bo = (const char*)b + o * b_elem;
+            if (rows == ROWS)
+                expand_block(ui, ranks, bo, b_stride, max_rank, b_bf16, ROWS, 1, d);
+            else
+                expand_block(ui, ranks, bo, b_stride, max_rank, b_bf16, 1, 1, d);
+            for (int k = 0; k < rows; k++) memcpy(&delta[k][o], &d[k][0], sizeof d[k][0]);
+        }
+        for (; o < cols; o++)
+            for (int k = 0; k < rows; k++) {
+                float acc = 0.0f;
+                for (int r = 0; r < max_rank; r++)
+                    acc += ui[k * ranks + r] * load_1(b, r * b_stride + o, b_bf16);
+                delta[k][o] = acc;
+            }
+        for (int k = 0; k < rows; k++)
+            add_rounded((char*)out + (order[i + k] * out_stride + first) * elem, delta[k], cols,
+                        is_bf16);
+        i += rows;
+    }
+}
+
+// The shrink of `n` rows (x_i = x + order[i] * x_stride) by ranks [j0, j1) of a (rows `in`
+// apart) into u [n, ranks]: RANKS ranks by ROWS rows at a time.
+static void shrink_rows(const void* x, int64_t x_stride, const int64_t* order, int64_t n,
+                        const void* a, int in, int is_bf16, int j0, int j1, float* u, int ranks) {
+    const size_t elem = is_bf16 ? 2 : 4;
+    for (int j = j0; j < j1;) {
+        const int nj = j + RANKS <= j1 ? RANKS : 1;
+        const void* aj = (const char*)a + (int64_t)j * in * elem;
+        for (int64_t i = 0; i < n;) {
+            const int ni = i + ROWS <= n ? ROWS : 1;
+            float sums[ROWS][RANKS];
+            if (ni == ROWS && nj == RANKS)
+                dot_block(x, x_stride, order + i, aj, in, is_bf16, ROWS, RANKS, sums);
+            else if (ni == ROWS)
+                dot_block(x, x_stride, order + i, aj, in, is_bf16, ROWS, 1, sums);
+            else if (nj == RANKS)
+                dot_block(x, x_stride, order + i, aj, in, is_bf16, 1, RANKS, sums);
+            else
+                dot_block(x, x_stride, order + i, aj, in, is_bf16, 1, 1, sums);
+            for (int k = 0; k < ni; k++)
+                for (int r = 0; r < nj; r++) u[(i + k) * ranks + j + r] = sums[k][r];
+            i += ni;
+        }
+        j += nj;
+    }
+}
+
+// values [n] of a bf16 (is_bf16) or float32 array as float32 into w (exactly).
+static void widen(const void* v, int64_t n, int is_bf16, float* w) {
+    if (is_bf16)
+        for (int64_t i = 0; i < n; i++) w[i] = bf16_to_f32(((const uint16_t*)v)[i]);
+    else
+        memcpy(w, v, sizeof(float) * (size_t)n);
+}
+
+// Groups of at least this many rows (a prompt chunk, or many decode rows of one adapter) are
+// split by rows between the threads, TILE rows at a time: see lora_add.
+#define SPLIT_ROWS 24
+#define TILE 64
+
 // x [tokens, in] (row stride x_stride), out [tokens, out] (row stride out_stride);
 // lora_a [slots, modules * max_rank, in], lora_b [slots, max_rank, out] (B transposed); all
 // bf16 (is_bf16) or all float32. token_slots [tokens]; out_slices [modules][2]: each module's
 // first output column and width. Returns 0, or -1 for shapes it does not take or no memory.
+//
+// Two kinds of group. A small one (decode rows, up to SPLIT_ROWS) is bound by the bytes of its
+// adapter: the threads split its ranks (shrink), then, after a barrier, its column pieces
+// (expand). A large one is bound by arithmetic: each thread takes a contiguous share of its rows,
+// widens the slot's A and B to float32 once (so the inner loops convert nothing; the sums are
+// the same), and goes through its rows a tile at a time, widened too, the tile's shrink and
+// expand back to back while its x, u and out rows are in cache.
 int lora_add(int is_bf16, const void* x, int64_t x_stride, void* out, int64_t out_stride,
              const void* lora_a, const void* lora_b, const int32_t* token_slots,
              const int32_t* out_slices, int modules, int64_t tokens, int in, int out_features,
@@ -178,15 +267,22 @@ int lora_add(int is_bf16, const void* x, int64_t x_stride, void* out, int64_t ou
     int64_t* order = malloc(sizeof(int64_t) * (tokens + 1));
     int64_t* group_start = malloc(sizeof(int64_t) * (tokens + 1));
     int32_t* group_slot = malloc(sizeof(int32_t) * (tokens + 1));
+    int32_t* small = malloc(sizeof(int32_t) * (tokens + 1));  // the small groups
     int* item_module = malloc(sizeof(int) * max_items);
     int* item_first = malloc(sizeof(int) * max_items);
     float* u = NULL;
-    int failed = !order || !group_start || !group_slot || !item_module || !item_first;
-    int groups = 0, items = 0;
+    int failed = !order || !group_start || !group_slot || !small || !item_module || !item_first;
+    int groups = 0, items = 0, smalls = 0, larges = 0;
     int64_t rows = 0;
     if (!failed) {
         groups = group_rows(token_slots, tokens, order, group_start, group_slot);
         rows = group_start[groups];
+        for (int g = 0; g < groups; g++) {
+            if (group_start[g + 1] - group_start[g] < SPLIT_ROWS)
+                small[smalls++] = g;
+            else
+                larges++;
+        }
         // expand's work items per group: each module's columns in pieces of COLS
         for (int m = 0; m < modules; m++)
             for (int c = 0; c < out_slices[2 * m + 1]; c += COLS) {
@@ -200,92 +296,91 @@ int lora_add(int is_bf16, const void* x, int64_t x_stride, void* out, int64_t ou
 #pragma omp parallel num_threads(threads) if (threads > 1 && rows > 0 && !failed)
     {
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-        // this thread's shares: (group, rank) pairs of the shrink, (group, column piece) pairs
-        // of the expand; their rows of A and pieces of B are asked for first
-        const int64_t pairs = failed ? 0 : (int64_t)groups * ranks;
+        // the small groups: this thread's shares, (group, rank) pairs of the shrink and (group,
+        // column piece) pairs of the expand; their rows of A and pieces of B are asked for first
+        const int64_t pairs = failed ? 0 : (int64_t)smalls * ranks;
         const int64_t p0 = pairs * t / nt, p1 = pairs * (t + 1) / nt;
-        const int64_t pieces = failed ? 0 : (int64_t)groups * items;
+        const int64_t pieces = failed ? 0 : (int64_t)smalls * items;
         const int64_t q0 = pieces * t / nt, q1 = pieces * (t + 1) / nt;
         for (int64_t p = p0; p < p1; p++)
-            prefetch((const char*)lora_a + ((int64_t)group_slot[p / ranks] * ranks + p % ranks) *
-                                               in * elem,
+            prefetch((const char*)lora_a +
+                         ((int64_t)group_slot[small[p / ranks]] * ranks + p % ranks) * in * elem,
                      in * elem);
         for (int64_t q = q0; q < q1; q++) {
             const int m = item_module[q % items], first = item_first[q % items];
             const int end = out_slices[2 * m] + out_slices[2 * m + 1];
-            const int64_t at = (int64_t)group_slot[q / items] * max_rank * out_features + first;
+            const int64_t at =
+                (int64_t)group_slot[small[q / items]] * max_rank * out_features + first;
             for (int r = 0; r < max_rank; r++)
                 prefetch((const char*)lora_b + (at + (int64_t)r * out_features) * elem,
                          (end - first < COLS ? end - first : COLS) * elem);
         }
         // shrink: each rank's row of A read once for its group's rows, RANKS at a time
         for (int64_t p = p0; p < p1;) {
-            const int g = p / ranks, j = p % ranks;
-            const int nj = p + RANKS <= p1 && j + RANKS <= ranks ? RANKS : 1;
-            const void* a = (const char*)lora_a + ((int64_t)group_slot[g] * ranks + j) * in * elem;
-            for (int64_t i = group_start[g]; i < group_start[g + 1];) {
-                const int ni = i + ROWS <= group_start[g + 1] ? ROWS : 1;
-                const int64_t* rows_i = order + i;
-                float sums[ROWS][RANKS];
-                if (ni == ROWS && nj == RANKS)
-                    dot_block(x, x_stride, rows_i, a, in, is_bf16, ROWS, RANKS, sums);
-                else if (ni == ROWS)
-                    dot_block(x, x_stride, rows_i, a, in, is_bf16, ROWS, 1, sums);
-                else if (nj == RANKS)
-                    dot_block(x, x_stride, rows_i, a, in, is_bf16, 1, RANKS, sums);
-                else
-                    dot_block(x, x_stride, rows_i, a, in, is_bf16, 1, 1, sums);
-                for (int k = 0; k < ni; k++)
-                    for (int r = 0; r < nj; r++) u[(i + k) * ranks + j + r] = sums[k][r];
-                i += ni;
-            }
-            p += nj;
+            const int g = small[p / ranks], j = p % ranks;
+            const int j1 = j + RANKS <= ranks && p + RANKS <= p1 ? j + RANKS : j + 1;
+            const void* a = (const char*)lora_a + (int64_t)group_slot[g] * ranks * in * elem;
+            const int64_t g0 = group_start[g];
+            shrink_rows(x, x_stride, order + g0, group_start[g + 1] - g0, a, in, is_bf16, j, j1,
+                        u + g0 * ranks, ranks);
+            p += j1 - j;
         }
+        // the large groups, which need no barrier: a thread expands only the rows it shrank
+        float *aw = NULL, *bw = NULL, *xw = NULL;
+        int64_t* tile_order = NULL;
+        if (larges && !failed) {
+            aw = aligned_floats((int64_t)ranks * in);
+            bw = aligned_floats((int64_t)max_rank * out_features);
+            xw = aligned_floats((int64_t)TILE * in);
+            tile_order = malloc(sizeof(int64_t) * TILE);
+        }
+        const int large_ok = aw && bw && xw && tile_order;
+        if (larges && !failed && !large_ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        for (int g = 0; g < groups && large_ok; g++) {
+            const int64_t g0 = group_start[g], n = group_start[g + 1] - g0;
+            if (n < SPLIT_ROWS) continue;
+            const int64_t r0 = g0 + n * t / nt, r1 = g0 + n * (t + 1) / nt;
+            widen((const char*)lora_a + (int64_t)group_slot[g] * ranks * in * elem,
+                  (int64_t)ranks * in, is_bf16, aw);
+            widen((const char*)lora_b + (int64_t)group_slot[g] * max_rank * out_features * elem,
+                  (int64_t)max_rank * out_features, is_bf16, bw);
+            for (int64_t i = 0; i < TILE; i++) tile_order[i] = i;
+            for (int64_t r = r0; r < r1; r += TILE) {
+                const int64_t m = r1 - r < TILE ? r1 - r : TILE;
+                for (int64_t i = 0; i < m; i++)
+                    widen((const char*)x + order[r + i] * x_stride * elem, in, is_bf16,
+                          xw + i * in);
+                float* ur = u + r * ranks;
+                shrink_rows(xw, in, tile_order, m, aw, in, 0, 0, ranks, ur, ranks);
+                for (int q = 0; q < items; q++) {
+                    const int mod = item_module[q], first = item_first[q];
+                    const int end = out_slices[2 * mod] + out_slices[2 * mod + 1];
+                    expand_rows(ur + mod * max_rank, ranks, max_rank, bw + first, out_features,
+                                0, end - first < COLS ? end - first : COLS, order + r, m, out,
+                                out_stride, first, is_bf16);
+                }
+            }
+        }
+        free(aw), free(bw), free(xw), free(tile_order);
 #pragma omp barrier
-        // expand: this thread's share of the (group, column piece) pairs, each piece of B read
-        // once for its group's rows
-        for (int64_t q = q0; q < q1; q++) {
-            const int g = q / items, m = item_module[q % items], first = item_first[q % items];
+        // expand of the small groups: this thread's (group, column piece) pairs, each piece of
+        // B read once for its group's rows
+        for (int64_t q = q0; q < q1 && !failed; q++) {
+            const int g = small[q / items], m = item_module[q % items];
+            const int first = item_first[q % items];
             const int end = out_slices[2 * m] + out_slices[2 * m + 1];
-            const int cols = end - first < COLS ? end - first : COLS;
             const void* b = (const char*)lora_b +
                             ((int64_t)group_slot[g] * max_rank * out_features + first) * elem;
-            for (int64_t i = group_start[g]; i < group_start[g + 1];) {
-                const int n = i + ROWS <= group_start[g + 1] ? ROWS : 1;
-                const float* ui = u + i * ranks + m * max_rank;
-                float delta[ROWS][COLS] __attribute__((aligned(64)));
-                f32x16 d[ROWS][VECS];
-                int o = 0;
-                if (cols == COLS) {
-                    if (n == ROWS)
-                        expand_block(ui, ranks, b, out_features, max_rank, is_bf16, ROWS, VECS, d);
-                    else
-                        expand_block(ui, ranks, b, out_features, max_rank, is_bf16, 1, VECS, d);
-                    for (int k = 0; k < n; k++) memcpy(delta[k], d[k], sizeof d[k]);
-                    o = COLS;
-                }
-                for (; o + 16 <= cols; o += 16) {
-                    const void* bo = (const char*)b + o * elem;
-                    if (n == ROWS)
-                        expand_block(ui, ranks, bo, out_features, max_rank, is_bf16, ROWS, 1, d);
-                    else
-                        expand_block(ui, ranks, bo, out_features, max_rank, is_bf16, 1, 1, d);
-                    for (int k = 0; k < n; k++) memcpy(&delta[k][o], &d[k][0], sizeof d[k][0]);
-                }
-                for (; o < cols; o++)
-                    for (int k = 0; k < n; k++) {
-                        float acc = 0.0f;
-                        for (int r = 0; r < max_rank; r++)
-                            acc += ui[k * ranks + r] * load_1(b, r * out_features + o, is_bf16);
-                        delta[k][o] = acc;
-                    }
-                for (int k = 0; k < n; k++)
-                    add_rounded((char*)out + (order[i + k] * out_stride + first) * elem,
-                                delta[k], cols, is_bf16);
-                i += n;
-            }
+            const int64_t g0 = group_start[g];
+            expand_rows(u + g0 * ranks + m * max_rank, ranks, max_rank, b, out_features, is_bf16,
+                        end - first < COLS ? end - first : COLS, order + g0,
+                        group_start[g + 1] - g0, out, out_stride, first, is_bf16);
         }
     }
-    free(u), free(order), free(group_start), free(group_slot), free(item_module), free(item_first);
+    free(u), free(order), free(group_start), free(group_slot), free(small);
+    free(item_module), free(item_first);
     return failed ? -1 : 0;
 }
