@@ -275,6 +275,18 @@ def test_greedy_tokens_break_ties_and_nans_as_torch_argmax(
     assert tokens == model.compute_logits(hidden).argmax(dim=-1).tolist()
 
 
+@pytest.mark.parametrize("num_rows", [1, 300])
+def test_greedy_tokens_are_the_argmax_of_a_random_lm_head(tiny_llama, num_rows):
+    # each row's maximum lies in any block and either thread's columns; most blocks cannot beat
+    # the row's best so far and are not searched
+    model = in_process_model(bf16_llm(tiny_llama))
+    hidden = torch.randn(num_rows, 64, generator=torch.Generator().manual_seed(1)) * 4
+    hidden = hidden.to(torch.bfloat16)
+    expected = model.compute_logits(hidden).argmax(dim=-1).tolist()
+    assert model.greedy_tokens(hidden) == expected
+    assert len(set(expected)) > num_rows // 2  # the rows' maxima are spread over the vocabulary
+
+
 @pytest.mark.parametrize(
     "dtype,switches",
     [("float32", {}), ("bfloat16", {"gemv": False}), ("bfloat16", {"pack_weights": False})],

@@ -273,19 +273,21 @@ static void keep_best(Best* best, float value, int64_t id) {
 // lm_head_argmax_bf16 for a GEMV-packed head (format 0): each thread takes a contiguous range
 // of the head's panels, computes it a block of columns at a time for every row into a block
 // of its own (the kernel's bits for each logit, whatever the columns of a call), and keeps each
-// row's best; the threads' bests are then merged in column order. Columns past `valid` (the
-// padding) are not computed. Returns 0, -3 out of memory, or the kernel's status.
+// row's best (argmax_f32_beyond: a block that cannot change a row's answer is not searched); the
+// threads' bests are then merged in column order. Columns past `valid` (the padding) are not
+// computed. Returns 0, -3 out of memory, or the kernel's status.
 static int lm_head_argmax_blocked(const Projection* P, const uint16_t* x, int B, int H,
                                   int valid, float* values, int64_t* ids, int num_threads) {
     const int panels = (valid + 31) / 32;
     const int threads = panels < 2 * num_threads ? 1 : num_threads;
     int64_t block = LOGITS_BLOCK_BYTES / ((int64_t)B * (int64_t)sizeof(float)) / 32 * 32;
     if (block < 32) block = 32;
-    Best* bests = malloc((size_t)threads * (size_t)B * sizeof(Best));
-    int64_t* columns = malloc((size_t)threads * (size_t)B * sizeof(int64_t));  // in a block
+    float* best_values = malloc((size_t)threads * (size_t)B * sizeof(float));
+    int64_t* best_ids = malloc((size_t)threads * (size_t)B * sizeof(int64_t));
+    uint8_t* best_nans = malloc((size_t)threads * (size_t)B);
     float* blocks = malloc((size_t)threads * (size_t)B * (size_t)block * sizeof(float));
-    if (!bests || !columns || !blocks) {
-        free(bests), free(columns), free(blocks);
+    if (!best_values || !best_ids || !best_nans || !blocks) {
+        free(best_values), free(best_ids), free(best_nans), free(blocks);
         return -3;
     }
     int status = 0;
@@ -294,10 +296,11 @@ static int lm_head_argmax_blocked(const Projection* P, const uint16_t* x, int B,
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t c1 = (int64_t)panels * (t + 1) / nt * 32;
         const int64_t end = c1 < valid ? c1 : valid;
-        Best* best = bests + (int64_t)t * B;
-        int64_t* at = columns + (int64_t)t * B;
+        float* value = best_values + (int64_t)t * B;
+        int64_t* id = best_ids + (int64_t)t * B;
+        uint8_t* nan = best_nans + (int64_t)t * B;
         float* logits = blocks + (int64_t)t * B * block;
-        for (int b = 0; b < B; b++) best[b] = (Best){0.0f, 0, -1};
+        for (int b = 0; b < B; b++) id[b] = -1, nan[b] = 0, value[b] = 0.0f;
         for (int64_t c0 = (int64_t)panels * t / nt * 32; c0 < end; c0 += block) {
             const int n = (int)(end - c0 < block ? end - c0 : block);
             const int s = gemv_bf16(x, H, (const uint16_t*)P->weight + c0 * H,
@@ -308,22 +311,20 @@ static int lm_head_argmax_blocked(const Projection* P, const uint16_t* x, int B,
                 status = s;
                 break;
             }
-            argmax_f32(logits, B, n, at, 1);
-            for (int b = 0; b < B; b++)
-                keep_best(best + b, logits[(int64_t)b * n + at[b]], c0 + at[b]);
+            argmax_f32_beyond(logits, B, n, c0, value, id, nan);
         }
     }
     for (int b = 0; b < B && !status; b++) {
-        Best row = bests[b];
-        for (int t = 1; t < threads; t++) {
-            const Best other = bests[(int64_t)t * B + b];
-            if (other.id >= 0) keep_best(&row, other.value, other.id);
+        Best row = {0.0f, 0, -1};
+        for (int t = 0; t < threads; t++) {
+            const int64_t at = (int64_t)t * B + b;
+            if (best_ids[at] >= 0) keep_best(&row, best_values[at], best_ids[at]);
         }
         // no column at all (every one padding): the argmax of a row of -inf
         values[b] = row.id < 0 ? -INFINITY : row.value;
         ids[b] = row.id < 0 ? 0 : row.id;
     }
-    free(bests), free(columns), free(blocks);
+    free(best_values), free(best_ids), free(best_nans), free(blocks);
     return status;
 }
 

@@ -43,6 +43,8 @@ int lora_add(int is_bf16, const void* x, int64_t x_stride, void* out, int64_t ou
              const int32_t* out_slices, int modules, int64_t tokens, int in, int out_features,
              int max_rank, int num_threads);
 int argmax_f32(const float* x, int64_t rows, int64_t cols, int64_t* out, int num_threads);
+void argmax_f32_beyond(const float* x, int64_t rows, int64_t cols, int64_t first,
+                       float* best_value, int64_t* best_id, uint8_t* best_nan);
 
 // A tensor-parallel group's shared-memory file, mapped by quire/distributed/shm_all_reduce.py
 // (shm_all_reduce.c: the protocol).

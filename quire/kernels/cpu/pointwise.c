@@ -208,12 +208,70 @@ static int64_t argmax_row(const float* x, int64_t cols) {
     return at;
 }
 
+// The largest value of x [cols] (any one of equal maxima; NaNs ignored), and whether x holds a
+// NaN: one pass of vector maxima in four independent chains, no position. argmax_f32_beyond
+// searches a row for its position only where this says the row can change the answer.
+static float max_and_nan(const float* x, int64_t cols, int* has_nan) {
+    const uint32_t* bits = (const uint32_t*)x;
+    int64_t i = 0;
+    float best = -INFINITY;
+    int nan = 0;
+#if defined(__AVX512F__)
+    if (cols >= 64) {
+        __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
+        __m512i a0 = _mm512_setzero_si512(), a1 = a0;  // the largest |bits|: NaN above 0x7F800000
+        const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+        for (; i + 64 <= cols; i += 64) {
+            const __m512i v0 = _mm512_loadu_si512(x + i), v1 = _mm512_loadu_si512(x + i + 16);
+            const __m512i v2 = _mm512_loadu_si512(x + i + 32), v3 = _mm512_loadu_si512(x + i + 48);
+            m0 = _mm512_max_ps(m0, _mm512_castsi512_ps(v0));
+            m1 = _mm512_max_ps(m1, _mm512_castsi512_ps(v1));
+            m2 = _mm512_max_ps(m2, _mm512_castsi512_ps(v2));
+            m3 = _mm512_max_ps(m3, _mm512_castsi512_ps(v3));
+            a0 = _mm512_max_epu32(a0, _mm512_max_epu32(_mm512_and_si512(v0, abs_mask),
+                                                       _mm512_and_si512(v1, abs_mask)));
+            a1 = _mm512_max_epu32(a1, _mm512_max_epu32(_mm512_and_si512(v2, abs_mask),
+                                                       _mm512_and_si512(v3, abs_mask)));
+        }
+        best = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
+        nan = _mm512_reduce_max_epu32(_mm512_max_epu32(a0, a1)) > 0x7F800000u;
+    }
+#endif
+    for (; i < cols; i++) {
+        nan |= (bits[i] & 0x7FFFFFFFu) > 0x7F800000u;
+        best = x[i] > best ? x[i] : best;
+    }
+    *has_nan = nan;
+    return best;
+}
+
 int argmax_f32(const float* x, int64_t rows, int64_t cols, int64_t* out, int num_threads) {
     if (rows < 0 || cols < 1) return -1;
     const int threads = rows >= 2 ? num_threads : 1;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * cols, cols);
     return 0;
+}
+
+// Each row's argmax over x [rows, cols] merged into a running best, for a row whose columns come
+// a block at a time in ascending order (the fused LM head, decode_layer.c): best_value[r] and
+// best_id[r] (-1: nothing seen yet; ids are this block's positions plus `first`) are replaced
+// where the block holds the row's first NaN or a value above the best (equal ones keep the
+// earlier column: torch.argmax's first maximum). A row already holding a NaN stays. A block that
+// cannot change a row's answer costs one pass of vector maxima, not a search for the position.
+void argmax_f32_beyond(const float* x, int64_t rows, int64_t cols, int64_t first,
+                       float* best_value, int64_t* best_id, uint8_t* best_nan) {
+    for (int64_t r = 0; r < rows; r++) {
+        if (best_id[r] >= 0 && best_nan[r]) continue;
+        const float* row = x + r * cols;
+        int nan;
+        const float top = max_and_nan(row, cols, &nan);
+        if (best_id[r] >= 0 && !nan && !(top > best_value[r])) continue;
+        const int64_t at = argmax_row(row, cols);
+        best_value[r] = row[at];
+        best_id[r] = first + at;
+        best_nan[r] = (uint8_t)nan;
+    }
 }
 
 // Structured outputs: in each of `num_masks` rows of x [?, cols] float32 (row rows[i] masked by
