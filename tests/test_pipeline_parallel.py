@@ -14,6 +14,7 @@ import os
 import signal
 import time
 
+import numpy as np
 import pytest
 from conftest import assert_idle, greedy, make_llm, process_exists, token_prompts, worker_pids
 from test_scheduler import (
@@ -174,6 +175,26 @@ def test_ngram_speculation_runs_on_two_stages(tiny_llama, one_llama):
     try:
         got = [o.outputs[0] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
         assert_close_greedy(want, got)
+        assert llm.stats().spec_decode_num_drafts > 0
+        assert_idle(llm)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_adaptive_ngram_speculation_measures_steps_in_flight(tiny_llama, one_llama):
+    """With two micro-batches in flight, each step's proposals and readiness are its own
+    requests': "auto" measures its step times (its cost table fills) and verifies proposals."""
+    auto = {"method": "ngram", "num_speculative_tokens": "auto", "prompt_lookup_min": 1}
+    prompts = [{"prompt_token_ids": [7 + i, 8, 9, 10] * 5} for i in range(6)]
+    params = greedy(24, logprobs=2)
+    want = [o.outputs[0] for o in one_llama.generate(prompts, params, use_tqdm=False)]
+    llm = two_stages(tiny_llama, speculative_config=auto, num_kv_blocks=64, max_model_len=96)
+    try:
+        got = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert_close_greedy(want, got)
+        assert llm.stats().most_steps_in_flight == 2
+        cost = llm.engine.core.speculator.adaptive.cost
+        assert cost.predict(np.arange(1, 33)).max() > 0  # decode steps were measured
         assert llm.stats().spec_decode_num_drafts > 0
         assert_idle(llm)
     finally:

@@ -138,6 +138,7 @@ class EngineCore:
         )
         self.max_steps_in_flight = scheduler.max_steps_in_flight
         self._in_flight: deque[_StepInFlight] = deque()
+        self._last_step_done = 0.0  # when the last step came back (perf_counter)
         self.most_steps_in_flight = 0  # the most steps ever in flight at once
         self.num_steps = 0  # steps run (that computed something), since start
 
@@ -258,10 +259,12 @@ class EngineCore:
             req_id: requests[req_id].num_computed_tokens for req_id in runner_output.prompt_logprobs
         }
         updated = self.scheduler.update(scheduler_output, runner_output)
-        if self.speculator is not None:
+        now = time.perf_counter()
+        if self.speculator is not None:  # with steps in flight, a step costs from the last one
             self.speculator.record_step(
-                scheduler_output, runner_output, time.perf_counter() - start
+                scheduler_output, runner_output, now - max(start, self._last_step_done)
             )
+        self._last_step_done = now
         outputs: dict[str, EngineCoreOutput] = {}
         for request, token_ids in updated:
             outputs[request.request_id] = self._output(request, token_ids, runner_output.logprobs)

@@ -327,7 +327,7 @@ class Scheduler:
     def _set_spec_tokens(self) -> None:
         """Gives every running request the speculator's proposals for this step (none: no
         proposals), cut at the first its grammar rejects."""
-        proposals = self.speculator.proposals(self.running)
+        proposals = self.speculator.proposals(self.running, self.in_flight)
         for request in self.running:
             if request.request_id in self.in_flight:
                 continue  # verifying what its step in flight proposed comes after it

@@ -13,11 +13,15 @@ verifies, and keeps statistics:
   step's time to the cost model.
 
 A request is a decode ready for proposals when all its known tokens but the last are computed:
-a request still in its prompt, or replaying its tokens after a preemption, gets none.
+a request still in its prompt, or replaying its tokens after a preemption, gets none. With steps
+in flight (pipeline stages' micro-batches) a request whose step is in flight is neither: what it
+was when that step was scheduled stays until the step comes back, and each step's proposals
+replace only its own requests' ones.
 """
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from quire.config import SpeculativeConfig
@@ -53,7 +57,7 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         drafted = config.method == "draft_model"
-        self._draft_token_ids: dict[str, list[int]] = {}  # the last step's proposals
+        self._draft_token_ids: dict[str, list[int]] = {}  # each request's latest proposals
         self.adaptive = (
             AdaptiveSpeculation(config.num_speculative_tokens, drafted=drafted)
             if config.adaptive
@@ -61,22 +65,35 @@ class Speculator:
         )
         self.draft_lengths: dict[str, int] | None = None  # this step's, with a draft and "auto"
         self.stats = SpecDecodingStats(config.num_speculative_tokens)
-        self._ready: set[str] = set()  # this step's decodes ready for proposals
+        # the decodes that were ready for proposals when their last step was scheduled
+        self._ready: set[str] = set()
         self._running: set[str] = set()  # last step's running requests ("auto")
 
-    def proposals(self, running: list[Request]) -> dict[str, list[int]]:
-        """The tokens to verify next step, per running decode ready for them."""
-        ready = [
-            r for r in running if r.num_prompt_tokens <= r.num_computed_tokens == r.num_tokens - 1
-        ]
-        self._ready = {r.request_id for r in ready}
+    def proposals(
+        self, running: list[Request], in_flight: Container[str] = ()
+    ) -> dict[str, list[int]]:
+        """The tokens to verify next step, per running decode ready for them (none for a request
+        whose step is `in_flight`)."""
+        ids = [r.request_id for r in running]
+        present = set(ids)
         drafts = self._draft_token_ids
+        for req_id in drafts.keys() - present:  # finished or preempted
+            del drafts[req_id]
+        self._ready &= present
+        ready = []
+        for r in running:
+            if r.request_id in in_flight:
+                continue
+            if r.num_prompt_tokens <= r.num_computed_tokens == r.num_tokens - 1:
+                ready.append(r)
+                self._ready.add(r.request_id)
+            else:
+                self._ready.discard(r.request_id)
         adaptive = self.adaptive
         if adaptive is None:
             return {r.request_id: list(drafts.get(r.request_id, ())) for r in ready}
-        ids = [r.request_id for r in running]
-        adaptive.drop(self._running - set(ids))
-        self._running = set(ids)
+        adaptive.drop(self._running - present)
+        self._running = present
         if adaptive.drafted:
             self.draft_lengths = dict(zip(ids, adaptive.draft_lengths(ids)))
             return {r.request_id: list(drafts.get(r.request_id, ())) for r in ready}
@@ -95,8 +112,12 @@ class Speculator:
         self, output: SchedulerOutput, runner_output: ModelRunnerOutput, seconds: float
     ) -> None:
         """Counts the step's accepted proposals; a decode-only step's time goes to the
-        adaptive cost model."""
-        self._draft_token_ids = runner_output.draft_token_ids
+        adaptive cost model. `seconds`: what the step cost the engine (with steps in flight, the
+        time since the step before it came back)."""
+        drafts = self._draft_token_ids
+        for req_id in output.num_scheduled_tokens:
+            drafts.pop(req_id, None)  # proposals for positions this step has computed
+        drafts.update(runner_output.draft_token_ids)
         stats, spec = self.stats, output.scheduled_spec_decode_tokens
         for req_id, proposal in spec.items():
             sampled = runner_output.sampled_token_ids.get(req_id)
