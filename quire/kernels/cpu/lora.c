@@ -15,10 +15,7 @@
 // group's ranks (shrink) and output columns (expand), not its rows, so a lone row (batch 1)
 // streams its adapter on every thread. Blocks of ROWS rows by RANKS ranks (shrink) or VECS
 // column vectors (expand) share each load and keep independent sums in registers; a leftover
-// row or rank goes through the same sums alone. One barrier between the two phases. The reads
-// are left to the hardware's prefetchers: asking for a call's bytes at once with prefetcht1
-// stalled the thread on its fill buffers (a call of one row, from DRAM: 10 us with, 7 without).
-// A large group (a prompt chunk) goes another way: see lora_add.
+// row or rank goes through the same sums alone. One barrier between the two phases.
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -132,6 +129,12 @@ static inline void add_rounded(void* y, const float* d, int n, int is_bf16) {
         float* yf = y;
         for (; o < n; o++) yf[o] += d[o];
     }
+}
+
+// Asks for bytes [p, p + n) in L2 (prefetcht1) without waiting: a call's reads are short and
+// cold (the base weights streamed through since the last step), so they are asked for at once.
+static inline void prefetch(const void* p, int64_t n) {
+    for (int64_t k = 0; k < n; k += 64) __builtin_prefetch((const char*)p + k, 0, 2);
 }
 
 static float* aligned_floats(int64_t n) {
@@ -294,11 +297,24 @@ int lora_add(int is_bf16, const void* x, int64_t x_stride, void* out, int64_t ou
     {
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
         // the small groups: this thread's shares, (group, rank) pairs of the shrink and (group,
-        // column piece) pairs of the expand
+        // column piece) pairs of the expand; their rows of A and pieces of B are asked for first
         const int64_t pairs = failed ? 0 : (int64_t)smalls * ranks;
         const int64_t p0 = pairs * t / nt, p1 = pairs * (t + 1) / nt;
         const int64_t pieces = failed ? 0 : (int64_t)smalls * items;
         const int64_t q0 = pieces * t / nt, q1 = pieces * (t + 1) / nt;
+        for (int64_t p = p0; p < p1; p++)
+            prefetch((const char*)lora_a +
+                         ((int64_t)group_slot[small[p / ranks]] * ranks + p % ranks) * in * elem,
+                     in * elem);
+        for (int64_t q = q0; q < q1; q++) {
+            const int m = item_module[q % items], first = item_first[q % items];
+            const int end = out_slices[2 * m] + out_slices[2 * m + 1];
+            const int64_t at =
+                (int64_t)group_slot[small[q / items]] * max_rank * out_features + first;
+            for (int r = 0; r < max_rank; r++)
+                prefetch((const char*)lora_b + (at + (int64_t)r * out_features) * elem,
+                         (end - first < COLS ? end - first : COLS) * elem);
+        }
         // shrink: each rank's row of A read once for its group's rows, RANKS at a time
         for (int64_t p = p0; p < p1;) {
             const int g = small[p / ranks], j = p % ranks;
