@@ -24,17 +24,22 @@ def error_message(error: BaseException) -> tuple[str, BaseException | None]:
 
 
 def receive(
-    pipe: Connection, process: multiprocessing.Process, name: str, died: type[Exception]
+    pipe: Connection,
+    process: multiprocessing.Process,
+    name: str,
+    died: type[Exception],
+    noun: str = "process",
 ) -> Any:
     """The payload of the child's next message. Raises `died` within POLL_S of the child's
-    death, and RuntimeError with the child's traceback when it reports an error."""
+    death, and RuntimeError with the child's traceback when it reports an error. `process`:
+    anything with is_alive() and exitcode (a Ray actor's stand-in, whose `noun` is "actor")."""
     while not pipe.poll(POLL_S):
         if not process.is_alive():
-            raise died(f"The {name} process died (exit code {process.exitcode}).")
+            raise died(f"The {name} {noun} died (exit code {process.exitcode}).")
     try:
         kind, payload = pipe.recv()
     except (EOFError, ConnectionError) as error:
-        raise died(f"The {name} process died: {error!r}") from error
+        raise died(f"The {name} {noun} died: {error!r}") from error
     if kind == "error":
         trace, told = payload if isinstance(payload, tuple) else (payload, None)
         if told is not None:

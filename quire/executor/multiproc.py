@@ -40,7 +40,7 @@ from quire.executor.base import Executor, StepFuture, WorkerDiedError
 from quire.messages import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
-    from quire.worker.worker import WorkerState
+    from quire.worker.worker import Worker, WorkerState
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,8 @@ _SHUTDOWN_TIMEOUT_S = 10.0
 
 
 class MultiprocExecutor(Executor):
+    _worker_noun = "process"  # in the message of a rank's death
+
     def __init__(self, config: QuireConfig):
         parallel = config.parallel
         world_size = parallel.world_size
@@ -158,7 +160,11 @@ class MultiprocExecutor(Executor):
             try:
                 payloads.append(
                     child_process.receive(
-                        pipe, self._processes[rank], f"worker rank {rank}", WorkerDiedError
+                        pipe,
+                        self._processes[rank],
+                        f"worker rank {rank}",
+                        WorkerDiedError,
+                        self._worker_noun,
                     )
                 )
             except WorkerDiedError:
@@ -263,18 +269,25 @@ def _worker_main(pipe: Connection, config: QuireConfig, placement: RankPlacement
         pipe.send(("error", child_process.error_message(error)))
         return
     pipe.send(("ready", worker.num_kv_blocks))
+    if serve_steps(pipe, worker):
+        # Nothing is left to clean up that the OS does not: skip the interpreter's teardown of
+        # torch, ~3 s per rank on a loaded 2-core host, which the engine's shutdown waits for.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def serve_steps(pipe: Connection, worker: Worker) -> bool:
+    """A rank's side of the executor's messages on `pipe`: ("execute", step) answered with the
+    step's output, ("state", None) with the rank's state, a failure with ("error", traceback).
+    True once told to shut down; False when the executor's end closed (the engine is gone)."""
     while True:
         try:
             kind, payload = pipe.recv()
         except (EOFError, ConnectionError):
-            return  # the engine is gone
+            return False
         if kind == "shutdown":
-            # Nothing is left to clean up that the OS does not: skip the interpreter's teardown
-            # of torch, ~3 s per rank on a loaded 2-core host, which the engine's shutdown waits
-            # for.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
+            return True
         try:
             if kind == "state":
                 pipe.send(("state", worker.state()))
