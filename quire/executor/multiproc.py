@@ -53,15 +53,9 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: QuireConfig):
         parallel = config.parallel
         world_size = parallel.world_size
-        # the first rank of the last stage samples: its output is the step's
-        self._output_rank = world_size - parallel.tensor_parallel_size
         port = parallel.tensor_parallel_port or free_port()
         context = multiprocessing.get_context("spawn")  # no fork of a process with threads
-        self._processes: list[multiprocessing.Process] = []
-        self._pipes: list[Connection] = []
-        self._pending: deque[StepFuture] = deque()  # submitted, answers not yet read
-        self._outbox: queue.SimpleQueue | None = None  # (pipe, message) for the sender thread
-        self._sender: threading.Thread | None = None
+        self._init_steps(config)
         for rank in range(world_size):
             engine_end, worker_end = context.Pipe()
             placement = RankPlacement(rank, world_size, port, rank_cores(rank, world_size))
@@ -81,6 +75,18 @@ class MultiprocExecutor(Executor):
             self._end_workers()
             raise
         logger.info("Started %d worker process(es), rendezvous port %d", world_size, port)
+
+    def _init_steps(self, config: QuireConfig) -> None:
+        """The state the step loop below keeps (RayExecutor's too): no rank started yet."""
+        parallel = config.parallel
+        # the first rank of the last stage samples: its output is the step's
+        self._output_rank = parallel.world_size - parallel.tensor_parallel_size
+        # a multiprocessing.Process per rank, or a stand-in with is_alive, exitcode, terminate, join
+        self._processes: list = []
+        self._pipes: list[Connection] = []
+        self._pending: deque[StepFuture] = deque()  # submitted, answers not yet read
+        self._outbox: queue.SimpleQueue | None = None  # (pipe, message) for the sender thread
+        self._sender: threading.Thread | None = None
 
     def submit(self, scheduler_output: SchedulerOutput) -> StepFuture:
         if not self._processes:

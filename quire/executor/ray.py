@@ -10,7 +10,8 @@ picks a free port, and the ranks form their gloo group (NCCL on a GPU) at rank 0
 Then each actor connects back to this process (a `multiprocessing.connection` over TCP, with a
 key made for it) and serves steps over it until shutdown, as `mp`'s worker processes do over
 their pipes: the steps, several in flight, go the way MultiprocExecutor sends them, not through
-Ray calls (a Ray call to every rank and back costs ~1.5 ms a step on a 2-core host). Ranks that all
+Ray calls, whose round trip would cost each step more than a small model's forward (measured in
+docs/BENCHMARKS.md). Ranks that all
 share one node all-reduce through shared memory, as `mp`'s do; otherwise every collective goes
 over gloo, bound to the interface of each node's Ray address. Each rank is pinned to its share
 of its node's cores (those of the ranks of this executor on that node).
@@ -30,7 +31,6 @@ import logging
 import os
 import socket
 import time
-from collections import deque
 from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 from typing import Any
 
@@ -138,14 +138,10 @@ class RayExecutor(MultiprocExecutor):
     def __init__(self, config: QuireConfig):
         parallel = config.parallel
         world_size, tp = parallel.world_size, parallel.tensor_parallel_size
-        self._output_rank = world_size - tp  # the last stage's first rank samples
         self._started_ray = connect(parallel.ray_address)
         self._actors: list[Any] = []
         self._groups: list[Any] = []  # a placement group per pipeline stage
-        self._processes: list[_Serving] = []
-        self._pipes: list[Connection] = []
-        self._pending = deque()
-        self._outbox = self._sender = None
+        self._init_steps(config)
         try:
             cpus = cpus_per_rank(world_size)
             for _ in range(parallel.pipeline_parallel_size):
@@ -190,9 +186,8 @@ class RayExecutor(MultiprocExecutor):
         )
 
     def _open_channels(self) -> None:
-        """Each rank's steps over a connection of its own to this process: a Ray call to every
-        rank and back costs ~1.5 ms a step on a 2-core host, a pipe's message ~0.1 ms. Ray keeps
-        the actors' lives: a `serve` call that ends is the rank's death."""
+        """Each rank's steps over a connection of its own to this process (see the module
+        doc). Ray keeps the actors' lives: a `serve` call that ends is the rank's death."""
         authkey = os.urandom(32)
         with socket.create_server((ray.util.get_node_ip_address(), 0)) as server:
             server.settimeout(child_process.POLL_S)
