@@ -276,14 +276,28 @@ def test_greedy_tokens_break_ties_and_nans_as_torch_argmax(
 
 
 @pytest.mark.parametrize("num_rows", [1, 300])
-def test_greedy_tokens_are_the_argmax_of_a_random_lm_head(tiny_llama, num_rows):
-    # each row's maximum lies in any block and either thread's columns; most blocks cannot beat
-    # the row's best so far and are not searched
+@pytest.mark.parametrize("vocab_size", [49152, 49170], ids=["panels", "a part panel"])
+def test_greedy_tokens_are_the_argmax_of_a_random_lm_head(
+    tiny_llama, build_model, tmp_path, num_rows, vocab_size
+):
+    # each row's maximum lies in any block (panel, on AMX) and either thread's columns; most
+    # cannot beat the row's best so far and are not searched; 49170 columns end in a part panel
+    if vocab_size != 49152:
+        from transformers import AutoModelForCausalLM
+
+        path = build_model(str(tmp_path / "model"), "llama", vocab_size=vocab_size)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        head = hf.lm_head.weight.data
+        head[-1] = 3 * head[0]  # the last column wins the rows where column 0 is well above 0
+        hf.save_pretrained(path)
+        tiny_llama = path
     model = in_process_model(bf16_llm(tiny_llama))
     hidden = torch.randn(num_rows, 64, generator=torch.Generator().manual_seed(1)) * 4
     hidden = hidden.to(torch.bfloat16)
     expected = model.compute_logits(hidden).argmax(dim=-1).tolist()
     assert model.greedy_tokens(hidden) == expected
+    if vocab_size != 49152 and num_rows > 1:
+        assert vocab_size - 1 in expected
     assert len(set(expected)) > num_rows // 2  # the rows' maxima are spread over the vocabulary
 
 

@@ -19,15 +19,18 @@ static inline uint16_t f32_to_bf16(float f) {
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+// 16 bf16 values widened to float32 (exactly).
+static inline __m512 widen_16(const uint16_t* x) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)x)), 16));
+}
+
 // 16 float32 sums (+ bias) rounded to bf16 as f32_to_bf16 rounds, into y_bf16, or widened back
 // into y_f32.
 static inline void store_16(const float* sums, const uint16_t* bias, uint16_t* y_bf16,
                             float* y_f32) {
     __m512 v = _mm512_loadu_ps(sums);
-    if (bias)
-        v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)bias)),
-                                 16)));
+    if (bias) v = _mm512_add_ps(v, widen_16(bias));
     const __m512i u = _mm512_castps_si512(v);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     const __m512i r = _mm512_srli_epi32(

@@ -274,19 +274,23 @@ static void keep_best(Best* best, float value, int64_t id) {
 // of the head's panels, computes it a block of columns at a time for every row into a block
 // of its own (the kernel's bits for each logit, whatever the columns of a call), and keeps each
 // row's best (argmax_f32_beyond: a block that cannot change a row's answer is not searched); the
-// threads' bests are then merged in column order. Columns past `valid` (the padding) are not
-// computed. Returns 0, -3 out of memory, or the kernel's status.
+// threads' bests are then merged in column order. Where gemv_bf16 runs on AMX tiles, the AMX
+// kernel's argmax (matmul_amx.c) takes the thread's range instead: the same logits, searched a
+// panel at a time in cache, never stored. Columns past `valid` (the padding) are not computed.
+// Returns 0, -3 out of memory, or the kernel's status.
 static int lm_head_argmax_blocked(const Projection* P, const uint16_t* x, int B, int H,
                                   int valid, float* values, int64_t* ids, int num_threads) {
     const int panels = (valid + 31) / 32;
     const int threads = panels < 2 * num_threads ? 1 : num_threads;
+    // gemv_bf16 hands these calls to the AMX kernel (gemv.c): that order, fused with the search
+    const int amx = gemv_bf16_uses_amx() && P->k_block == H;
     int64_t block = LOGITS_BLOCK_BYTES / ((int64_t)B * (int64_t)sizeof(float)) / 32 * 32;
     if (block < 32) block = 32;
     float* best_values = malloc((size_t)threads * (size_t)B * sizeof(float));
     int64_t* best_ids = malloc((size_t)threads * (size_t)B * sizeof(int64_t));
     uint8_t* best_nans = malloc((size_t)threads * (size_t)B);
-    float* blocks = malloc((size_t)threads * (size_t)B * (size_t)block * sizeof(float));
-    if (!best_values || !best_ids || !best_nans || !blocks) {
+    float* blocks = amx ? NULL : malloc((size_t)threads * (size_t)B * (size_t)block * sizeof(float));
+    if (!best_values || !best_ids || !best_nans || (!blocks && !amx)) {
         free(best_values), free(best_ids), free(best_nans), free(blocks);
         return -3;
     }
@@ -299,9 +303,19 @@ static int lm_head_argmax_blocked(const Projection* P, const uint16_t* x, int B,
         float* value = best_values + (int64_t)t * B;
         int64_t* id = best_ids + (int64_t)t * B;
         uint8_t* nan = best_nans + (int64_t)t * B;
-        float* logits = blocks + (int64_t)t * B * block;
         for (int b = 0; b < B; b++) id[b] = -1, nan[b] = 0, value[b] = 0.0f;
-        for (int64_t c0 = (int64_t)panels * t / nt * 32; c0 < end; c0 += block) {
+        const int64_t start = (int64_t)panels * t / nt * 32;
+        if (amx && start < end) {
+            const int s = matmul_amx_argmax_bf16(
+                x, H, (const uint16_t*)P->weight + start * H, P->bias ? P->bias + start : NULL, B,
+                (int)(end - start), H, start, value, id, nan);
+            if (s) {
+#pragma omp atomic write
+                status = s;
+            }
+        }
+        float* logits = amx ? NULL : blocks + (int64_t)t * B * block;
+        for (int64_t c0 = start; c0 < end && !amx; c0 += block) {
             const int n = (int)(end - c0 < block ? end - c0 : block);
             const int s = gemv_bf16(x, H, (const uint16_t*)P->weight + c0 * H,
                                     P->bias ? P->bias + c0 : NULL, NULL, logits, n, B, n, H,

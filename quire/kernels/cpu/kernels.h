@@ -26,7 +26,11 @@ int store_kv_quant(int kind, const uint16_t* key, const uint16_t* value, int64_t
 int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const uint16_t* bias,
               uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M, int N, int K, int k_block,
               int num_threads);
+int gemv_bf16_uses_amx(void);
 int matmul_amx_available(void);
+int matmul_amx_argmax_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed,
+                           const uint16_t* bias, int M, int N, int K, int64_t first,
+                           float* best_value, int64_t* best_id, uint8_t* best_nan);
 int matmul_amx_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed,
                     const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M,
                     int N, int K, int num_threads);

@@ -64,9 +64,10 @@ static void configure_tiles(int rows) {
     _tile_loadconfig(&c);
 }
 
-// One panel against `rows` (1..32, as configured) rows of x: out [32][32] float32 sums.
-static void amx_panel(int rows, const uint16_t* x, int64_t x_stride, const uint16_t* p, int K,
-                      float* out) {
+// One panel against `rows` (1..32, as configured) rows of x: the sums over the first
+// K - K % 32 columns into tiles 0-3 (amx_panel_store takes them out).
+static inline void amx_panel_sums(int rows, const uint16_t* x, int64_t x_stride,
+                                  const uint16_t* p, int K) {
     const int two = rows > 16, k_tiles = K - K % 32;
     const int64_t stride = x_stride * (int64_t)sizeof(uint16_t);
     _tile_zero(0);
@@ -88,6 +89,12 @@ static void amx_panel(int rows, const uint16_t* x, int64_t x_stride, const uint1
             _tile_dpbf16ps(3, 5, 7);
         }
     }
+}
+
+// amx_panel_sums' tiles into out [32][32] float32, with the last K % 32 columns added.
+static inline void amx_panel_store(int rows, const uint16_t* x, int64_t x_stride,
+                                   const uint16_t* p, int K, float* out) {
+    const int two = rows > 16, k_tiles = K - K % 32;
     _tile_stored(0, out, PANEL * sizeof(float));
     _tile_stored(1, out + 16, PANEL * sizeof(float));
     if (two) {
@@ -107,6 +114,13 @@ static void amx_panel(int rows, const uint16_t* x, int64_t x_stride, const uint1
         _mm512_storeu_ps(out + m * PANEL, lo);
         _mm512_storeu_ps(out + m * PANEL + 16, hi);
     }
+}
+
+// One panel against `rows` (1..32, as configured) rows of x: out [32][32] float32 sums.
+static void amx_panel(int rows, const uint16_t* x, int64_t x_stride, const uint16_t* p, int K,
+                      float* out) {
+    amx_panel_sums(rows, x, x_stride, p, K);
+    amx_panel_store(rows, x, x_stride, p, K, out);
 }
 
 // Arguments as gemv_bf16's (K even); returns 0, or -2 where AMX cannot run.
@@ -145,8 +159,121 @@ int matmul_amx_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed,
     }
     return 0;
 }
+
+// One row's best over a panel's logits v [cols] (cols <= 32, columns first..), merged into the
+// row's running best as argmax_f32_beyond does for a block: the first NaN, else the first
+// maximum, kept where an earlier column holds an equal one. A panel that cannot change the
+// answer costs a few vector operations. NaNs are told by their bits (built with -ffast-math).
+static inline void panel_argmax(const float* v, int cols, int64_t first, float* best_value,
+                                int64_t* best_id, uint8_t* best_nan) {
+    if (*best_id >= 0 && *best_nan) return;
+    const uint32_t* bits = (const uint32_t*)v;
+    int nan = 0;
+    if (cols == PANEL) {
+        const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+        const __m512i a = _mm512_loadu_si512(v), b = _mm512_loadu_si512(v + 16);
+        const __m512i top_bits =
+            _mm512_max_epu32(_mm512_and_si512(a, abs_mask), _mm512_and_si512(b, abs_mask));
+        nan = _mm512_cmpgt_epu32_mask(top_bits, _mm512_set1_epi32(0x7F800000)) != 0;
+        if (*best_id >= 0 && !nan) {
+            const __m512 top = _mm512_max_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b));
+            if (!_mm512_cmp_ps_mask(top, _mm512_set1_ps(*best_value), _CMP_GT_OQ)) return;
+        }
+    } else {
+        for (int i = 0; i < cols; i++) nan |= (bits[i] & 0x7FFFFFFFu) > 0x7F800000u;
+    }
+    int at = 0;
+    if (nan) {
+        while ((bits[at] & 0x7FFFFFFFu) <= 0x7F800000u) at++;
+    } else {
+        for (int i = 1; i < cols; i++)
+            if (v[i] > v[at]) at = i;
+        if (*best_id >= 0 && !(v[at] > *best_value)) return;
+    }
+    *best_value = v[at];
+    *best_id = first + at;
+    *best_nan = (uint8_t)nan;
+}
+
+// One panel's sums out [rows][32] (columns n0.., `cols` of them) into the rows' running bests.
+static void panel_rows_argmax(const float* out, int rows, int cols, int n0, int64_t first,
+                              const uint16_t* bias, float* best_value, int64_t* best_id,
+                              uint8_t* best_nan) {
+    const uint16_t* panel_bias = bias ? bias + n0 : NULL;
+    __m512 bias_lo = _mm512_setzero_ps(), bias_hi = bias_lo;
+    if (panel_bias && cols == PANEL) {
+        bias_lo = widen_16(panel_bias);
+        bias_hi = widen_16(panel_bias + 16);
+    }
+    float logits[PANEL];
+    for (int m = 0; m < rows; m++) {
+        if (best_id[m] >= 0 && cols == PANEL) {
+            // Rounding to bf16 never lifts a value above a bf16 best it does not exceed: a row
+            // none of whose sums is above its best (or NaN) is done.
+            const __m512 b = _mm512_set1_ps(best_value[m]);
+            const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(out + m * PANEL), bias_lo);
+            const __m512 hi = _mm512_add_ps(_mm512_loadu_ps(out + m * PANEL + 16), bias_hi);
+            if (!(_mm512_cmp_ps_mask(lo, b, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(hi, b, _CMP_NLE_UQ)))
+                continue;
+        }
+        store_panel(out + m * PANEL, PANEL, 1, 0, 0, cols, panel_bias, NULL, logits, PANEL);
+        panel_argmax(logits, cols, first + n0, best_value + m, best_id + m, best_nan + m);
+    }
+}
+
+// The argmax of each of M rows of y = x W^T (+ bias) over columns [0, N) of `packed` (a thread's
+// range of a GEMV-packed LM head: its first column is `first`), merged into each row's running
+// best (best_value / best_id / best_nan [M], as argmax_f32_beyond keeps them), without writing
+// the logits: each panel's sums are rounded to bf16 exactly as matmul_amx_bf16 stores them,
+// then searched while in cache, while the tiles compute the next panel. One thread; the caller
+// splits the columns. Returns 0, or -2 where AMX cannot run.
+int matmul_amx_argmax_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed,
+                           const uint16_t* bias, int M, int N, int K, int64_t first,
+                           float* best_value, int64_t* best_id, uint8_t* best_nan) {
+    if (!matmul_amx_available()) return -2;
+    const int panels = (N + PANEL - 1) / PANEL;
+    const int64_t panel_bytes = (int64_t)K * PANEL * sizeof(uint16_t);
+    const int chunk = panel_bytes >= CHUNK_BYTES ? 1 : (int)(CHUNK_BYTES / panel_bytes);
+    float out[2][ROW_GROUP * PANEL];
+    int configured = 0;
+    for (int c0 = 0; c0 < panels; c0 += chunk) {
+        const int c1 = c0 + chunk < panels ? c0 + chunk : panels;
+        for (int m0 = 0; m0 < M; m0 += ROW_GROUP) {
+            const int rows = M - m0 < ROW_GROUP ? M - m0 : ROW_GROUP;
+            const uint16_t* xg = x + (int64_t)m0 * x_stride;
+            if (rows != configured) {
+                configure_tiles(rows);
+                configured = rows;
+            }
+            for (int pi = c0; pi < c1; pi++) {
+                const uint16_t* p = packed + (int64_t)pi * PANEL * K;
+                amx_panel_sums(rows, xg, x_stride, p, K);
+                if (pi > c0) {  // the last panel's search, while the tiles sum this one
+                    const int n0 = (pi - 1) * PANEL;
+                    panel_rows_argmax(out[(pi - 1) & 1], rows, N - n0 < PANEL ? N - n0 : PANEL,
+                                      n0, first, bias, best_value + m0, best_id + m0,
+                                      best_nan + m0);
+                }
+                amx_panel_store(rows, xg, x_stride, p, K, out[pi & 1]);
+            }
+            const int n0 = (c1 - 1) * PANEL;
+            panel_rows_argmax(out[(c1 - 1) & 1], rows, N - n0 < PANEL ? N - n0 : PANEL, n0, first,
+                              bias, best_value + m0, best_id + m0, best_nan + m0);
+        }
+    }
+    if (configured) _tile_release();
+    return 0;
+}
 #else
 int matmul_amx_available(void) { return 0; }
+
+int matmul_amx_argmax_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed,
+                           const uint16_t* bias, int M, int N, int K, int64_t first,
+                           float* best_value, int64_t* best_id, uint8_t* best_nan) {
+    (void)x, (void)x_stride, (void)packed, (void)bias, (void)M, (void)N, (void)K, (void)first;
+    (void)best_value, (void)best_id, (void)best_nan;
+    return -2;  // built without AMX-BF16
+}
 
 int matmul_amx_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed,
                     const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M,
