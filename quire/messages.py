@@ -37,7 +37,7 @@ class NewRequestData:
     lora_request: LoRARequest | None = None  # the adapter it runs (its name versioned)
 
 
-@dataclass
+@dataclass(slots=True)
 class CachedRequestData:
     """What changed for a request the worker holds since it was last scheduled."""
 

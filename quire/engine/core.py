@@ -69,7 +69,7 @@ class CoreStats:
     num_scheduled_ahead: int = 0  # async scheduling: requests scheduled ahead, since start
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     """What one sequence got from one step."""
 
@@ -299,22 +299,22 @@ class EngineCore:
     def _output(
         request: Request, token_ids: list[int], logprobs: dict[str, TopLogprobs]
     ) -> EngineCoreOutput:
-        top = logprobs.get(request.request_id) if token_ids else None
+        top = logprobs.get(request.request_id) if token_ids and logprobs else None
         if top is not None and len(top.ranks) > len(token_ids):  # tokens after a stop dropped
             n = len(token_ids)
             top = TopLogprobs(top.token_ids[:n], top.logprobs[:n], top.ranks[:n])
-        return EngineCoreOutput(
-            req_id=request.request_id,
-            group_id=request.group_id,
-            index=request.index,
-            new_token_ids=token_ids,
-            logprobs=top,
-            prompt_logprobs=None,
-            prompt_logprobs_start=0,
-            status=request.status,
-            stop_reason=request.stop_reason,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            first_scheduled_time=request.first_scheduled_time,
+        return EngineCoreOutput(  # by position: one per sequence and step
+            request.request_id,
+            request.group_id,
+            request.index,
+            token_ids,  # new_token_ids
+            top,  # logprobs
+            None,  # prompt_logprobs
+            0,  # prompt_logprobs_start
+            request.status,
+            request.stop_reason,
+            max(request.num_cached_tokens, 0),
+            request.first_scheduled_time,
         )
 
     def shutdown(self) -> None:

@@ -115,7 +115,28 @@ class KVCacheManager:
         them (for speculative tokens; never hashed). Without `cache`, the new full blocks are
         not hashed (their K/V is still to arrive: `cache_blocks` once it has). Returns False,
         changing nothing, when the pool has too few free blocks."""
-        blocks = self.req_blocks.setdefault(request.request_id, [])
+        blocks = self.req_blocks.get(request.request_id)
+        if blocks and not computed_blocks:
+            # The usual decode step: the slots fit the blocks held, and the block written first
+            # is the request's own (or starts empty). No block moves; at most one fills.
+            num_computed = request.num_computed_tokens
+            num_end = num_computed + num_new_tokens
+            bs = self.block_size
+            if num_end + num_lookahead <= len(blocks) * bs and (
+                num_computed % bs == 0
+                or not num_new_tokens + num_lookahead
+                or blocks[num_computed // bs].ref_count == 1
+            ):
+                if (
+                    self.enable_prefix_caching
+                    and cache
+                    and min(num_end, request.num_tokens) // bs
+                    > self.req_num_hashed_blocks.get(request.request_id, 0)
+                ):
+                    self._cache_full_blocks(request, blocks, num_end)
+                return True
+        if blocks is None:
+            blocks = self.req_blocks[request.request_id] = []
         num_computed, num_needed, needs_cow, num_taken = self._demand(
             blocks, request, num_new_tokens + num_lookahead, computed_blocks
         )

@@ -228,10 +228,29 @@ class Scheduler:
         max_seqs = self._max_seqs_this_step()
         ahead: dict[str, int] = {}  # async: request -> the tokens of its step in flight
 
-        index = 0
-        while index < len(self.running) and budget > 0 and len(scheduled) < max_seqs:
-            request = self.running[index]
-            if request.request_id in self.in_flight:
+        # A plain decode (its next token, no proposals, nothing reserved past it, nothing to
+        # fork or save) whose slot fits its blocks takes the short way; the rest are planned
+        # in full. Async scheduling marks each step's kind, so it plans every request in full.
+        plain_decodes = not (self.num_lookahead_tokens or self.async_scheduling)
+        allocate_slots = self.kv_manager.allocate_slots
+        running, in_flight = self.running, self.in_flight
+        index = num_fast = 0
+        while index < len(running) and budget > 0 and len(scheduled) < max_seqs:
+            request = running[index]
+            if (
+                plain_decodes
+                and request.num_computed_tokens + 1 == request.num_tokens
+                and request.num_computed_tokens >= request.num_prompt_tokens
+                and not request.spec_token_ids
+                and request.request_id not in in_flight
+                and allocate_slots(request, 1)
+            ):
+                scheduled.append((request, 1))
+                budget -= 1
+                index += 1
+                num_fast += 1
+                continue
+            if request.request_id in in_flight:
                 if self._schedule_ahead(request):
                     ahead[request.request_id] = request.plain_step_tokens
                     request.plain_step_tokens = 1
@@ -259,22 +278,25 @@ class Scheduler:
                 continue
             break
 
+        num_plain = len(scheduled) if index == num_fast else -1  # all of them plain decodes
         if not preempted:
             budget = self._admit_waiting(budget, scheduled, forked, max_seqs)
 
         self.running.extend(child for child, _ in forked)
-        in_flight = self.in_flight
         for request, _ in scheduled:
             in_flight[request.request_id] = in_flight.get(request.request_id, 0) + 1
         for child, _ in forked:
             in_flight[child.request_id] = 1
         # Decodes first (stable): the runner lays a step out as decodes, then prompt chunks.
-        scheduled.sort(
-            key=lambda entry: (
-                entry[0].request_id not in ahead
-                and entry[0].num_computed_tokens < entry[0].num_prompt_tokens
+        if num_plain != len(scheduled):  # (a leading run of plain decodes stays where it is)
+            start = max(num_plain, 0)
+            scheduled[start:] = sorted(
+                scheduled[start:],
+                key=lambda entry: (
+                    entry[0].request_id not in ahead
+                    and entry[0].num_computed_tokens < entry[0].num_prompt_tokens
+                ),
             )
-        )
         self.num_scheduled_ahead += len(ahead)
         return self._message(scheduled, forked, preempted, ahead)
 
@@ -540,12 +562,13 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         num_scheduled: dict[str, int] = {}
         spec_tokens: dict[str, list[int]] = {}
+        sent_states, table_delta = self._sent, self._block_table_delta
         for request, num_new in scheduled:
             request_id = request.request_id
             num_scheduled[request_id] = num_new
             if request.spec_token_ids:
                 spec_tokens[request_id] = list(request.spec_token_ids)
-            sent = self._sent.get(request_id)
+            sent = sent_states.get(request_id)
             if sent is None:
                 block_ids = self.kv_manager.get_block_ids(request_id)
                 new_reqs.append(
@@ -560,10 +583,10 @@ class Scheduler:
                         lora_request=request.lora_request,
                     )
                 )
-                self._sent[request_id] = _SentState(request.num_tokens, block_ids)
+                sent_states[request_id] = _SentState(request.num_tokens, block_ids)
                 continue
-            start, new_block_ids = self._block_table_delta(request_id, sent)
-            num_ahead = ahead.get(request_id)
+            start, new_block_ids = table_delta(request_id, sent)
+            num_ahead = ahead.get(request_id) if ahead else None
             cached_reqs.append(
                 CachedRequestData(
                     req_id=request_id,
@@ -632,20 +655,18 @@ class Scheduler:
         Requests whose prompt's K/V arrived from a prefill instance get their first token."""
         delivered = {*output.finished_req_ids, *output.preempted_req_ids}
         self._unconfirmed_drops = [d for d in self._unconfirmed_drops if d not in delivered]
-        in_flight = self.in_flight
-        for request_id in (*output.num_scheduled_tokens, *(f.req_id for f in output.forked_reqs)):
-            count = in_flight.get(request_id, 0)
-            if count > 1:
-                in_flight[request_id] = count - 1
-            else:
-                in_flight.pop(request_id, None)
+        returned = self._step_returned
+        requests = self.requests  # less those finished (aborted) while their step was in flight
+        for request_id, num_new in output.num_scheduled_tokens.items():
+            returned(request_id)
+            request = requests.get(request_id)
+            if request is not None:
+                request.num_computed_tokens += num_new
+        for fork in output.forked_reqs:
+            returned(fork.req_id)
         updated = []
         if runner_output.kv_connector_output is not None:
             updated = self._kv_arrived(runner_output.kv_connector_output, runner_output.logprobs)
-        requests = self.requests  # less those finished (aborted) while their step was in flight
-        for request_id, num_new in output.num_scheduled_tokens.items():
-            if request_id in requests:
-                requests[request_id].num_computed_tokens += num_new
         for fork in output.forked_reqs:
             child = requests.get(fork.req_id)
             if child is not None:  # forked at its parent's count before the step
@@ -671,6 +692,14 @@ class Scheduler:
                 )
                 self.kv_manager.truncate(request, num_kept)
         return updated
+
+    def _step_returned(self, request_id: str) -> None:
+        """One step of the request's fewer in flight."""
+        count = self.in_flight.get(request_id, 0)
+        if count > 1:
+            self.in_flight[request_id] = count - 1
+        else:
+            self.in_flight.pop(request_id, None)
 
     def _append_tokens(
         self, request: Request, token_ids: list[int]

@@ -53,6 +53,7 @@ class SamplingRequest(Protocol):
     token_ids: list[int]  # prompt, then generated tokens
     spec_token_ids: list[int]  # this step's proposals
     index: int  # which of its group's completions: part of its noise's key
+    argmax_only: bool  # sampling_params.argmax_only, read once
 
     @property
     def num_prompt_tokens(self) -> int: ...
@@ -93,7 +94,11 @@ class StepSample:
 def takes_argmax(request: SamplingRequest, offset: int) -> bool:
     """Whether the request's token `offset` positions past its known ones is the argmax of the
     raw logits: greedy, unpenalized, no logprobs, nothing banned."""
-    return request.sampling_params.argmax_only and not _banned_tokens(request, offset)
+    if not request.argmax_only:
+        return False
+    if request.num_output_tokens + offset >= request.sampling_params.min_tokens:
+        return True  # past min_tokens nothing is banned
+    return not _banned_tokens(request, offset)
 
 
 def accept(rows: list[Row], token_ids: list[int]) -> dict[str, list[int]]:
@@ -102,6 +107,9 @@ def accept(rows: list[Row], token_ids: list[int]) -> dict[str, list[int]]:
     accepted: dict[str, list[int]] = {}
     done: set[str] = set()  # requests whose proposal at an earlier position was rejected
     for (s, offset), token_id in zip(rows, token_ids):
+        if not s.spec_token_ids:  # nothing proposed: its one row
+            accepted[s.req_id] = [token_id]
+            continue
         if s.req_id in done:
             continue
         accepted.setdefault(s.req_id, []).append(token_id)

@@ -36,6 +36,7 @@ class RequestState:
     returns_prompt_logprobs: bool
     spec_token_ids: list[int] = field(default_factory=list)  # this step's proposals
     lora_request: LoRARequest | None = None  # the adapter it runs
+    argmax_only: bool = False  # sampling_params.argmax_only (the params never change here)
     # The last token this worker sampled for it: async scheduling sends a step that computes it
     # before the engine has seen it (CachedRequestData.takes_sampled_token).
     last_sampled: int | None = None
@@ -138,6 +139,7 @@ class InputBatch:
             num_computed_tokens=new.num_computed_tokens,
             returns_prompt_logprobs=params.prompt_logprobs is not None and not new.output_token_ids,
             lora_request=new.lora_request,
+            argmax_only=params.argmax_only,
         )
 
     def _apply(self, cached: CachedRequestData) -> None:
@@ -166,6 +168,7 @@ class InputBatch:
             num_computed_tokens=parent.num_computed_tokens,
             returns_prompt_logprobs=False,
             lora_request=parent.lora_request,
+            argmax_only=parent.argmax_only,
         )
 
     def _remove(self, req_id: str) -> None:

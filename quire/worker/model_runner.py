@@ -303,17 +303,17 @@ def _sampled_rows(
     from its parent's row."""
     rows: list[Row] = []
     hidden_rows: list[int] = []
-    last_row: dict[str, int] = {}
     for i, (s, n) in enumerate(step):
         if s.spec_token_ids:
             rows.extend((s, j) for j in range(n))
             hidden_rows.extend(range(first_rows[i], first_rows[i] + n))
-        elif s.num_computed_tokens + n >= s.num_tokens:
-            last_row[s.req_id] = first_rows[i + 1] - 1
+        elif s.num_computed_tokens + n >= len(s.token_ids):
             rows.append((s, 0))
             hidden_rows.append(first_rows[i + 1] - 1)
-    for fork in output.forked_reqs:
-        state: RequestState = batch.requests[fork.req_id]
-        rows.append((state, 0))
-        hidden_rows.append(last_row[fork.parent_req_id])
+    if output.forked_reqs:
+        last_row = {s.req_id: first_rows[i + 1] - 1 for i, (s, _) in enumerate(step)}
+        for fork in output.forked_reqs:
+            state: RequestState = batch.requests[fork.req_id]
+            rows.append((state, 0))
+            hidden_rows.append(last_row[fork.parent_req_id])
     return rows, hidden_rows
