@@ -86,16 +86,19 @@ class RequestGroup:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_finished: int = 0  # of the sequences
+    # Whether its text is decoded as tokens arrive: for an output each step, or for stop
+    # strings to be found; else once, when the sequence finishes. (Read every step: kept.)
+    text_each_step: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        params = self.params
+        self.text_each_step = params.output_kind is RequestOutputKind.CUMULATIVE or bool(
+            params.stop
+        )
 
     @property
     def finished(self) -> bool:
         return self.num_finished == self.params.n
-
-    @property
-    def text_each_step(self) -> bool:
-        """Whether its text is decoded as tokens arrive: for an output each step, or for stop
-        strings to be found; else once, when the sequence finishes."""
-        return self.params.output_kind is RequestOutputKind.CUMULATIVE or bool(self.params.stop)
 
     @property
     def sequence_ids(self) -> list[str]:

@@ -562,7 +562,7 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         num_scheduled: dict[str, int] = {}
         spec_tokens: dict[str, list[int]] = {}
-        sent_states, table_delta = self._sent, self._block_table_delta
+        sent_states, table_end = self._sent, self.kv_manager.table_end
         for request, num_new in scheduled:
             request_id = request.request_id
             num_scheduled[request_id] = num_new
@@ -585,16 +585,26 @@ class Scheduler:
                 )
                 sent_states[request_id] = _SentState(request.num_tokens, block_ids)
                 continue
-            start, new_block_ids = table_delta(request_id, sent)
+            # Tables only grow or shrink at their end, and copy-on-write replaces their last
+            # block, so a table of the same length and last block is unchanged: most decode
+            # steps build no list.
+            num_blocks, last_block = table_end(request_id)
+            sent_blocks = sent.block_ids
+            if num_blocks == len(sent_blocks) and (
+                num_blocks == 0 or last_block == sent_blocks[-1]
+            ):
+                start, new_block_ids = num_blocks, []
+            else:
+                start, new_block_ids = self._block_table_delta(request_id, sent)
             num_ahead = ahead.get(request_id) if ahead else None
             cached_reqs.append(
-                CachedRequestData(
-                    req_id=request_id,
-                    new_token_ids=request.token_ids[sent.num_tokens :],
-                    block_ids_start=start,
-                    new_block_ids=new_block_ids,
-                    num_computed_tokens=request.num_computed_tokens + (num_ahead or 0),
-                    takes_sampled_token=num_ahead is not None,
+                CachedRequestData(  # by position: one per request and step
+                    request_id,
+                    request.token_ids[sent.num_tokens :],  # new_token_ids
+                    start,  # block_ids_start
+                    new_block_ids,
+                    request.num_computed_tokens + (num_ahead or 0),
+                    num_ahead is not None,  # takes_sampled_token
                 )
             )
             # the worker appends the token it sampled itself
@@ -631,14 +641,8 @@ class Scheduler:
         return output
 
     def _block_table_delta(self, request_id: str, sent: _SentState) -> tuple[int, list[int]]:
-        """(first changed index, the table from there on) since `sent`; updates `sent`. Tables
-        only grow or shrink at their end, and copy-on-write replaces their last block, so a table
-        of the same length and last block is unchanged: most decode steps build no list."""
-        num_blocks, last_block = self.kv_manager.table_end(request_id)
-        if num_blocks == len(sent.block_ids) and (
-            num_blocks == 0 or last_block == sent.block_ids[-1]
-        ):
-            return num_blocks, []
+        """(first changed index, the table from there on) since `sent`, a table that changed;
+        updates `sent`."""
         block_ids = self.kv_manager.get_block_ids(request_id)
         start = _first_difference(sent.block_ids, block_ids)
         sent.block_ids = block_ids

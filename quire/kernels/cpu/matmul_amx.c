@@ -15,6 +15,9 @@
 // Blocking: rows in groups of 32 (two A tiles), a panel's 32 columns as two B tiles, four C tiles;
 // a thread takes a contiguous range of panels, in chunks that fit L2 so that the later row groups
 // read the chunk from cache.
+//
+// matmul_amx_argmax_bf16 runs the same sums for the fused LM head's greedy argmax
+// (decode_layer.c): each panel's logits are searched as they leave the tiles and never stored.
 #include <stdint.h>
 #include <string.h>
 
