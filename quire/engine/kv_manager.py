@@ -121,18 +121,10 @@ class KVCacheManager:
             # is the request's own (or starts empty). No block moves; at most one fills.
             num_computed = request.num_computed_tokens
             num_end = num_computed + num_new_tokens
-            bs = self.block_size
-            if num_end + num_lookahead <= len(blocks) * bs and (
-                num_computed % bs == 0
-                or not num_new_tokens + num_lookahead
-                or blocks[num_computed // bs].ref_count == 1
+            if num_end + num_lookahead <= len(blocks) * self.block_size and (
+                not self._needs_copy_on_write(blocks, num_computed, num_new_tokens + num_lookahead)
             ):
-                if (
-                    self.enable_prefix_caching
-                    and cache
-                    and min(num_end, request.num_tokens) // bs
-                    > self.req_num_hashed_blocks.get(request.request_id, 0)
-                ):
+                if self.enable_prefix_caching and cache:
                     self._cache_full_blocks(request, blocks, num_end)
                 return True
         if blocks is None:

@@ -305,27 +305,30 @@ static int lm_head_argmax_blocked(const Projection* P, const uint16_t* x, int B,
         uint8_t* nan = best_nans + (int64_t)t * B;
         for (int b = 0; b < B; b++) id[b] = -1, nan[b] = 0, value[b] = 0.0f;
         const int64_t start = (int64_t)panels * t / nt * 32;
-        if (amx && start < end) {
-            const int s = matmul_amx_argmax_bf16(
-                x, H, (const uint16_t*)P->weight + start * H, P->bias ? P->bias + start : NULL, B,
-                (int)(end - start), H, start, value, id, nan);
+        if (amx) {
+            const int s = start < end ? matmul_amx_argmax_bf16(
+                                            x, H, (const uint16_t*)P->weight + start * H,
+                                            P->bias ? P->bias + start : NULL, B, (int)(end - start),
+                                            H, start, value, id, nan)
+                                      : 0;
             if (s) {
 #pragma omp atomic write
                 status = s;
             }
-        }
-        float* logits = amx ? NULL : blocks + (int64_t)t * B * block;
-        for (int64_t c0 = start; c0 < end && !amx; c0 += block) {
-            const int n = (int)(end - c0 < block ? end - c0 : block);
-            const int s = gemv_bf16(x, H, (const uint16_t*)P->weight + c0 * H,
-                                    P->bias ? P->bias + c0 : NULL, NULL, logits, n, B, n, H,
-                                    P->k_block, 1);
-            if (s) {
+        } else {
+            float* logits = blocks + (int64_t)t * B * block;
+            for (int64_t c0 = start; c0 < end; c0 += block) {
+                const int n = (int)(end - c0 < block ? end - c0 : block);
+                const int s = gemv_bf16(x, H, (const uint16_t*)P->weight + c0 * H,
+                                        P->bias ? P->bias + c0 : NULL, NULL, logits, n, B, n, H,
+                                        P->k_block, 1);
+                if (s) {
 #pragma omp atomic write
-                status = s;
-                break;
+                    status = s;
+                    break;
+                }
+                argmax_f32_beyond(logits, B, n, c0, value, id, nan);
             }
-            argmax_f32_beyond(logits, B, n, c0, value, id, nan);
         }
     }
     for (int b = 0; b < B && !status; b++) {

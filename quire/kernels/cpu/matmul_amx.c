@@ -163,41 +163,6 @@ int matmul_amx_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed,
     return 0;
 }
 
-// One row's best over a panel's logits v [cols] (cols <= 32, columns first..), merged into the
-// row's running best as argmax_f32_beyond does for a block: the first NaN, else the first
-// maximum, kept where an earlier column holds an equal one. A panel that cannot change the
-// answer costs a few vector operations. NaNs are told by their bits (built with -ffast-math).
-static inline void panel_argmax(const float* v, int cols, int64_t first, float* best_value,
-                                int64_t* best_id, uint8_t* best_nan) {
-    if (*best_id >= 0 && *best_nan) return;
-    const uint32_t* bits = (const uint32_t*)v;
-    int nan = 0;
-    if (cols == PANEL) {
-        const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
-        const __m512i a = _mm512_loadu_si512(v), b = _mm512_loadu_si512(v + 16);
-        const __m512i top_bits =
-            _mm512_max_epu32(_mm512_and_si512(a, abs_mask), _mm512_and_si512(b, abs_mask));
-        nan = _mm512_cmpgt_epu32_mask(top_bits, _mm512_set1_epi32(0x7F800000)) != 0;
-        if (*best_id >= 0 && !nan) {
-            const __m512 top = _mm512_max_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b));
-            if (!_mm512_cmp_ps_mask(top, _mm512_set1_ps(*best_value), _CMP_GT_OQ)) return;
-        }
-    } else {
-        for (int i = 0; i < cols; i++) nan |= (bits[i] & 0x7FFFFFFFu) > 0x7F800000u;
-    }
-    int at = 0;
-    if (nan) {
-        while ((bits[at] & 0x7FFFFFFFu) <= 0x7F800000u) at++;
-    } else {
-        for (int i = 1; i < cols; i++)
-            if (v[i] > v[at]) at = i;
-        if (*best_id >= 0 && !(v[at] > *best_value)) return;
-    }
-    *best_value = v[at];
-    *best_id = first + at;
-    *best_nan = (uint8_t)nan;
-}
-
 // One panel's sums out [rows][32] (columns n0.., `cols` of them) into the rows' running bests.
 static void panel_rows_argmax(const float* out, int rows, int cols, int n0, int64_t first,
                               const uint16_t* bias, float* best_value, int64_t* best_id,
@@ -220,7 +185,7 @@ static void panel_rows_argmax(const float* out, int rows, int cols, int n0, int6
                 continue;
         }
         store_panel(out + m * PANEL, PANEL, 1, 0, 0, cols, panel_bias, NULL, logits, PANEL);
-        panel_argmax(logits, cols, first + n0, best_value + m, best_id + m, best_nan + m);
+        argmax_f32_beyond(logits, 1, cols, first + n0, best_value + m, best_id + m, best_nan + m);
     }
 }
 
