@@ -1,4 +1,5 @@
-"""Host memory on transparent huge pages for the large CPU tensors: the weights and the KV cache.
+"""Host memory on transparent huge pages for the large CPU tensors: the weights (adapter stacks
+included) and the KV cache.
 
 A CPU decode step streams every weight and most of the KV cache once. On 4 KiB pages that is a
 TLB miss every 4 KiB, and the hardware prefetchers stop at each page boundary; Linux backs memory
@@ -26,7 +27,9 @@ logger = logging.getLogger(__name__)
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 _ALIGNMENT = 64  # of each tensor carved from an arena: a cache line, as torch's allocator gives
-_MIN_TENSOR_BYTES = 1 << 20  # smaller tensors stay where they are
+# smaller tensors stay where they are; a layer's LoRA stacks (64 KiB - 1 MiB for SmolLM2 at rank
+# 16), read every decode step as the weights are, move
+_MIN_TENSOR_BYTES = 1 << 16
 _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
