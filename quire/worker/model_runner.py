@@ -78,6 +78,9 @@ class ModelRunner:
             else LoRAManager(config.lora, model.architecture, self.target.model)
         )
         self.lora_ops = None if config.lora is None else lora_ops(self.device, model.dtype)
+        # the last step's adapter rows, kept while the next step's slots and row counts are the
+        # same (every steady decode step)
+        self._lora_mapping: tuple[tuple, LoRAMapping] | None = None
         self.proposer = proposer if self.target.is_last_stage else None  # it needs the tokens
         self.kv_connector = kv_connector
         self.async_scheduling = config.scheduler.async_scheduling
@@ -240,8 +243,11 @@ class ModelRunner:
         slots = [
             -1 if s.lora_request is None else slot_of[s.lora_request.lora_name] for s, _ in step
         ]
-        mapping = LoRAMapping.from_requests(slots, [n for _, n in step], self.device)
-        return lora_context(mapping, self.lora_ops)
+        key = (tuple(slots), tuple(n for _, n in step))
+        if self._lora_mapping is None or self._lora_mapping[0] != key:
+            mapping = LoRAMapping.from_requests(*key, self.device)
+            self._lora_mapping = key, mapping
+        return lora_context(self._lora_mapping[1], self.lora_ops)
 
     def _sampled_step(
         self,
