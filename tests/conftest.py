@@ -108,22 +108,6 @@ def make_llm(model: str, **engine_args) -> LLM:
     return LLM(model, **{"num_kv_blocks": SMALL_POOL, **engine_args})
 
 
-LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def make_lora_adapter(base: str, path: str, seed: int, **lora) -> str:
-    """A peft adapter on checkpoint `base` with random (non-zero) A and B, saved at `path`;
-    `lora` are LoraConfig fields (every module of LORA_MODULES unless `target_modules`)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    torch.manual_seed(seed)
-    config = LoraConfig(init_lora_weights=False, **{"target_modules": LORA_MODULES, **lora})
-    get_peft_model(model, config).save_pretrained(path)
-    return path
-
-
 def assert_idle(*engines, timeout: float = 10.0) -> None:
     """The idle invariant on each engine (an LLM, LLMEngine or AsyncLLM), via its
     `check_invariants`: nothing running or waiting, every KV block free with ref count 0, no

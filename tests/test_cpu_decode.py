@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import greedy, in_process_model, make_llm, make_lora_adapter, token_prompts
+from conftest import greedy, in_process_model, make_adapter, make_llm, token_prompts
 
 from quire import LLM, LoRARequest, SamplingParams
 from quire.attention.forward_context import forward_context
@@ -317,8 +317,8 @@ def lora_llms(tiny_models, tmp_path_factory) -> dict[str, tuple[LLM, list[LoRARe
     result = {}
     for arch in ARCHS:
         paths = [
-            make_lora_adapter(tiny_models[arch], str(root / f"{arch}-all"), 1, r=8, lora_alpha=16),
-            make_lora_adapter(
+            make_adapter(tiny_models[arch], str(root / f"{arch}-all"), 1, r=8, lora_alpha=16),
+            make_adapter(
                 tiny_models[arch],
                 str(root / f"{arch}-q-down"),
                 2,

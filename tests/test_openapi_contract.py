@@ -14,7 +14,7 @@ import sys
 
 import httpx
 import pytest
-from conftest import make_lora_adapter
+from conftest import make_adapter
 from server_utils import ServerThread
 
 from quire.config import EngineConfig
@@ -30,7 +30,7 @@ MAX_MODEL_LEN = 32
 
 @pytest.fixture(scope="module")
 def contract_adapter(tiny_llama, tmp_path_factory) -> str:
-    return make_lora_adapter(tiny_llama, str(tmp_path_factory.mktemp("lora")), 1, r=4)
+    return make_adapter(tiny_llama, str(tmp_path_factory.mktemp("lora")), 1, r=4)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import traceback
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import in_process_model, make_llm, make_lora_adapter, token_prompts
+from conftest import in_process_model, make_adapter, make_llm, token_prompts
 from test_quantized_gguf import TINY_LLAMA
 
 from quire import LoRARequest, SamplingParams
@@ -107,8 +107,8 @@ def rank_results(build_model, tokenizer_dir, tmp_path_factory) -> dict[tuple[int
     path = str(root / "llama-q4_1.gguf")
     models["gguf_q4_1"] = gguf_files.write_random(path, "Q4_1", ("llama", TINY_LLAMA))
     models["llama_int8"] = models["llama_lora"] = models["llama"]
-    every = make_lora_adapter(models["llama"], str(root / "every"), 1, r=8, lora_alpha=16)
-    q_down = make_lora_adapter(
+    every = make_adapter(models["llama"], str(root / "every"), 1, r=8, lora_alpha=16)
+    q_down = make_adapter(
         models["llama"], str(root / "q_down"), 2, r=4, target_modules=["q_proj", "down_proj"]
     )
     loras = {"llama_lora": [LoRARequest("every", 1, every), None, LoRARequest("q", 2, q_down)]}
