@@ -590,6 +590,39 @@ def test_the_c_kernel_adds_what_the_torch_ops_add(dtype, tolerance):
     torch.testing.assert_close(step(CpuLoRAOps), step(TorchLoRAOps), **tolerance)
 
 
+@pytest.mark.skipif(not qmatmul.available(), reason="the C kernels are off")
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("slots", [[0], [1, -1, 0], [2, 2, -1, 1, 0], [-1, 3] + [1] * 14])
+def test_a_quantized_projection_adds_lora_adds_bits_in_one_region(qtype, slots):
+    """qmatmul_lora (the C decode step's projection with adapters) is qmatmul then lora_add, bit
+    for bit, whatever its threads: 1 to 5 split 5 panels of 32 columns so that a thread's
+    columns start inside a module, inside one of lora_add's pieces of 64 columns and inside a
+    vector of 16 (module widths 96, 40 and 24: pieces of 64 + 32, and 40 = 16 + 16 + 8)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    generator = torch.Generator().manual_seed(1)
+    out_slices = torch.tensor([[0, 96], [96, 40], [136, 24]], dtype=torch.int32)
+    out_features, in_features, rank = 160, 96, 8
+    weight = torch.randn(out_features, in_features, generator=generator).numpy()
+    packed = qmatmul.pack(quantize(weight, GGMLQuantizationType[qtype]), qtype, in_features)
+    bias = torch.randn(out_features, generator=generator).bfloat16()
+    lora_a = (torch.randn(4, 3 * rank, in_features, generator=generator) / 4).bfloat16()
+    lora_b = (torch.randn(4, rank, out_features, generator=generator) / 4).bfloat16()
+    x = torch.randn(len(slots), in_features, generator=generator).bfloat16()
+    token_slots = torch.tensor(slots, dtype=torch.int32)
+    expected = qmatmul.qmatmul(x, packed, qtype, bias, out_features)
+    base = expected.clone()
+    lora_kernel.lora_add(expected, x, lora_a, lora_b, token_slots, out_slices)
+    assert not torch.equal(expected[token_slots >= 0], base[token_slots >= 0])
+    assert torch.equal(expected[token_slots < 0], base[token_slots < 0])
+    for threads in range(1, 6):
+        fused = lora_kernel.qmatmul_lora(
+            x, packed, qtype, bias, out_features, lora_a, lora_b, token_slots, out_slices, threads
+        )
+        assert torch.equal(fused, expected), threads
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_adapter_stacks_are_in_the_models_dtype(adapted, dtype):
     model, model_config = quire_model(adapted["base"], dtype)

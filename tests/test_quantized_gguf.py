@@ -10,7 +10,7 @@ import logging
 import os
 
 import pytest
-from conftest import greedy, in_process_model, make_llm, token_prompts
+from conftest import greedy, in_process_model, make_adapter, make_llm, token_prompts
 from test_cpu_decode import check_each_fused_step
 
 from quire import LLM, SamplingParams
@@ -20,6 +20,7 @@ from quire.bench.perplexity import PROSE, perplexity
 from quire.kernels.cpu import qmatmul
 from quire.layers.linear import packed_linear_supported
 from quire.layers.quantized_linear import QuantizedLinear
+from quire.lora import LoRARequest
 
 pytestmark = pytest.mark.skipif(
     not (qmatmul.available() and packed_linear_supported("cpu", __import__("torch").bfloat16)),
@@ -124,6 +125,44 @@ def test_decode_steps_equal_the_module_path_bit_for_bit(
     outputs = llm.generate(token_prompts(lengths), greedy(8), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [8] * 3
     assert steps == [3] * 7
+
+
+@pytest.fixture(scope="module")
+def tiny_adapters(tmp_path_factory) -> list[LoRARequest]:
+    """Two peft adapters of TINY_LLAMA's shape (made on a random checkpoint of it): every module
+    at rank 8, and q and down alone at rank 4."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("gguf_lora")
+    LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).save_pretrained(root / "base")
+    paths = [
+        make_adapter(str(root / "base"), str(root / "every"), 1, r=8, lora_alpha=16),
+        make_adapter(
+            str(root / "base"), str(root / "q-down"), 2, r=4, lora_alpha=32,
+            target_modules=["q_proj", "down_proj"],
+        ),
+    ]  # fmt: skip
+    return [LoRARequest(f"adapter-{i}", i + 1, path) for i, path in enumerate(paths)]
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_decode_steps_with_adapters_equal_the_module_path_bit_for_bit(
+    tiny_files, tiny_adapters, tokenizer_dir, qtype, monkeypatch
+) -> None:
+    """The C step adds a few rows' deltas inside each projection's parallel region
+    (qmatmul_lora_bf16): a request alone and beside a base row and another adapter."""
+    llm = make_llm(tiny_files[qtype], tokenizer=tokenizer_dir, enable_lora=True, max_loras=2)
+    every, q_down = tiny_adapters
+    steps = check_each_fused_step(in_process_model(llm), monkeypatch)
+    prompts = token_prompts([3, 17, 40, 9])
+    alone = llm.generate(prompts[:1], greedy(8), use_tqdm=False, lora_request=every)
+    loras = [every, None, q_down, every]
+    mixed = llm.generate(prompts, greedy(8), use_tqdm=False, lora_request=loras)
+    base = llm.generate(prompts, greedy(8), use_tqdm=False)
+    assert steps == [1] * 7 + [4] * 14
+    assert mixed[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    assert mixed[1].outputs[0].token_ids == base[1].outputs[0].token_ids
+    assert [o.outputs[0].token_ids for o in mixed] != [o.outputs[0].token_ids for o in base]
 
 
 def run(llm: LLM, batch: list[dict]) -> list[tuple[list[int], list[float]]]:

@@ -89,6 +89,9 @@ _SIGNATURES = {
     # is_bf16, x, x row stride, out, out row stride, lora_a, lora_b, token slots, out slices;
     # modules, tokens, in, out, max_rank, num_threads (lora.c).
     "lora_add": [_I32, _P, _I64, _P, _I64] + [_P] * 4 + [_I32, _I64] + [_I32] * 4,
+    # format, x, x row stride, packed weight, bias, y (bf16), y row stride; M, N, K; lora_a,
+    # lora_b, token slots, out slices; modules, max_rank, num_threads (lora.c).
+    "qmatmul_lora_bf16": [_I32, _P, _I64, _P, _P, _P, _I64] + [_I32] * 3 + [_P] * 4 + [_I32] * 3,
     # DecodeModel*, DecodeStep*, token ids, positions, hidden, residual, out.
     "decode_step_bf16": [_P] * 7,
     # The same, then logits (float32) and the argmax ids (int64).

@@ -19,6 +19,8 @@
 // its adapter's delta from lora_add (lora.c), the kernel the module path's LoRA ops run, under
 // the module's rule (every row with a slot, when any of the step's rows has one this projection
 // uses; none otherwise), so a row's bits are the module path's, alone or beside other adapters.
+// A projection on GGUF blocks at a few rows adds them inside its own parallel region
+// (qmatmul_lora_bf16), with lora_add's bits.
 //
 // Under tensor parallelism each rank runs its shard of every layer (its heads of q|k|v and the
 // attention, its rows of gate|up, its columns of o and down) and the all-reduces the modules run
@@ -71,26 +73,36 @@ static int project(const Projection* P, const uint16_t* x, int64_t x_stride, uin
                         N, K, threads);
 }
 
-// y += each row's adapter delta, as LoRALinear.forward adds it: lora_add over every row when
-// any row's slot is one this projection uses (`slots`: the step's, NULL without adapter rows).
-static int add_lora(const LoRASlots* L, const int32_t* slots, const uint16_t* x,
-                    int64_t x_stride, uint16_t* y, int64_t y_stride, int M, int N, int K,
-                    int threads) {
+// Whether the rows' adapter deltas apply, as LoRALinear.forward adds them: to every row with a
+// slot when any row's slot is one this projection uses (`slots`: the step's, NULL without
+// adapter rows).
+static int lora_applies(const LoRASlots* L, const int32_t* slots, int M) {
     if (!L->a || !slots) return 0;
     int used = 0;
     for (int b = 0; b < M && !used; b++) used = slots[b] >= 0 && L->slot_used[slots[b]];
-    if (!used) return 0;
-    return lora_add(1, x, x_stride, y, y_stride, L->a, L->b, slots, L->out_slices, L->modules, M,
-                    K, N, L->max_rank, threads);
+    return used;
 }
+
+// Up to this many rows, a projection on GGUF blocks adds the adapter deltas in its own parallel
+// region (qmatmul_lora_bf16): no second region and no barrier of its own, which at batch 1 cost
+// more than reading the adapter. Above it (many rows of one adapter), lora_add's row split.
+#define LORA_FUSED_ROWS 16
 
 // project into bf16 rows, then the rows' adapter deltas.
 static int project_rows(const Projection* P, const int32_t* slots, const uint16_t* x,
                         int64_t x_stride, uint16_t* y, int64_t y_stride, int M, int N, int K,
                         int threads) {
+    const LoRASlots* L = &P->lora;
+    if (!lora_applies(L, slots, M))
+        return project(P, x, x_stride, y, NULL, y_stride, M, N, K, threads);
+    if (M <= LORA_FUSED_ROWS && P->format >= 1 && P->format <= 3)  // Q8_0, Q4_0, Q4_1
+        return qmatmul_lora_bf16(P->format, x, x_stride, P->weight, P->bias, y, y_stride, M, N,
+                                 K, L->a, L->b, slots, L->out_slices, L->modules, L->max_rank,
+                                 threads);
     const int status = project(P, x, x_stride, y, NULL, y_stride, M, N, K, threads);
     if (status) return status;
-    return add_lora(&P->lora, slots, x, x_stride, y, y_stride, M, N, K, threads);
+    return lora_add(1, x, x_stride, y, y_stride, L->a, L->b, slots, L->out_slices, L->modules, M,
+                    K, N, L->max_rank, threads);
 }
 
 // A layer's weights (packed projections) and KV cache; built once, in Python.

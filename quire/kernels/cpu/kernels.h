@@ -34,6 +34,19 @@ int matmul_amx_argmax_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* 
 int matmul_amx_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed,
                     const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M,
                     int N, int K, int num_threads);
+// Work a matmul runs inside its parallel region, with the barrier it has anyway: `before`, split
+// by each thread's index t of nt, ahead of the barrier that precedes the matmul's columns; then
+// `after`, each thread on the output columns [c0, c1) it has just written (every row), which no
+// other thread touches.
+typedef struct {
+    void (*before)(const void* ctx, int t, int nt);
+    void (*after)(const void* ctx, int c0, int c1);
+    const void* ctx;
+} ColumnEpilogue;
+
+int qmatmul_bf16_then(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
+                      const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride,
+                      int M, int N, int K, int num_threads, const ColumnEpilogue* then);
 int qmatmul_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
                  const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M,
                  int N, int K, int num_threads);
@@ -46,6 +59,11 @@ int lora_add(int is_bf16, const void* x, int64_t x_stride, void* out, int64_t ou
              const void* lora_a, const void* lora_b, const int32_t* token_slots,
              const int32_t* out_slices, int modules, int64_t tokens, int in, int out_features,
              int max_rank, int num_threads);
+
+int qmatmul_lora_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
+                      const uint16_t* bias, uint16_t* y, int64_t y_stride, int M, int N, int K,
+                      const uint16_t* lora_a, const uint16_t* lora_b, const int32_t* token_slots,
+                      const int32_t* out_slices, int modules, int max_rank, int num_threads);
 int argmax_f32(const float* x, int64_t rows, int64_t cols, int64_t* out, int num_threads);
 void argmax_f32_beyond(const float* x, int64_t rows, int64_t cols, int64_t first,
                        float* best_value, int64_t* best_id, uint8_t* best_nan);

@@ -16,6 +16,10 @@
 // streams its adapter on every thread. Blocks of ROWS rows by RANKS ranks (shrink) or VECS
 // column vectors (expand) share each load and keep independent sums in registers; a leftover
 // row or rank goes through the same sums alone. One barrier between the two phases.
+//
+// At a few rows a decode step's projection on GGUF blocks runs its deltas in its own parallel
+// region (qmatmul_lora_bf16): the same shrink and expand, split as here, with no region or
+// barrier of their own.
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -38,6 +42,10 @@ typedef float f32x4 __attribute__((vector_size(16)));
 // 16 values at p[i..i+16) of a bf16 (is_bf16) or float32 array, as float32 (exactly).
 static inline f32x16 load_16(const void* p, int64_t i, int is_bf16) {
     f32x16 v;
+#if defined(__AVX512F__)
+    // one zero-extension and a shift (the generic conversion below compiles to five steps)
+    if (is_bf16) return (f32x16)widen_16((const uint16_t*)p + i);
+#endif
     if (is_bf16) {
         u16x16 h;
         memcpy(&h, (const uint16_t*)p + i, sizeof h);
@@ -164,10 +172,11 @@ static int group_rows(const int32_t* token_slots, int64_t tokens, int64_t* order
 }
 
 // The expand of `n` rows (ROWS at a time) by one column piece: delta[i] = u_i B[:, cols] for
-// u_i = u + i * ranks + module's ranks, added to out row order[i] (rounded once).
+// u_i = u + i * ranks + module's ranks, its columns [lo, hi) added to out row order[i] (rounded
+// once; a column's delta does not depend on lo and hi).
 static void expand_rows(const float* u, int ranks, int max_rank, const void* b, int64_t b_stride,
-                        int b_bf16, int cols, const int64_t* order, int64_t n, void* out,
-                        int64_t out_stride, int first, int is_bf16) {
+                        int b_bf16, int cols, int lo, int hi, const int64_t* order, int64_t n,
+                        void* out, int64_t out_stride, int first, int is_bf16) {
     const size_t elem = is_bf16 ? 2 : 4, b_elem = b_bf16 ? 2 : 4;
     for (int64_t i = 0; i < n;) {
         const int rows = i + ROWS <= n ? ROWS : 1;
@@ -199,8 +208,8 @@ static void expand_rows(const float* u, int ranks, int max_rank, const void* b, 
                 delta[k][o] = acc;
             }
         for (int k = 0; k < rows; k++)
-            add_rounded((char*)out + (order[i + k] * out_stride + first) * elem, delta[k], cols,
-                        is_bf16);
+            add_rounded((char*)out + (order[i + k] * out_stride + first + lo) * elem,
+                        delta[k] + lo, hi - lo, is_bf16);
         i += rows;
     }
 }
@@ -358,9 +367,9 @@ int lora_add(int is_bf16, const void* x, int64_t x_stride, void* out, int64_t ou
                 for (int q = 0; q < items; q++) {
                     const int mod = item_module[q], first = item_first[q];
                     const int end = out_slices[2 * mod] + out_slices[2 * mod + 1];
+                    const int cols = end - first < COLS ? end - first : COLS;
                     expand_rows(ur + mod * max_rank, ranks, max_rank, bw + first, out_features,
-                                0, end - first < COLS ? end - first : COLS, order + r, m, out,
-                                out_stride, first, is_bf16);
+                                0, cols, 0, cols, order + r, m, out, out_stride, first, is_bf16);
                 }
             }
         }
@@ -375,12 +384,122 @@ int lora_add(int is_bf16, const void* x, int64_t x_stride, void* out, int64_t ou
             const void* b = (const char*)lora_b +
                             ((int64_t)group_slot[g] * max_rank * out_features + first) * elem;
             const int64_t g0 = group_start[g];
+            const int cols = end - first < COLS ? end - first : COLS;
             expand_rows(u + g0 * ranks + m * max_rank, ranks, max_rank, b, out_features, is_bf16,
-                        end - first < COLS ? end - first : COLS, order + g0,
-                        group_start[g + 1] - g0, out, out_stride, first, is_bf16);
+                        cols, 0, cols, order + g0, group_start[g + 1] - g0, out, out_stride,
+                        first, is_bf16);
         }
     }
     free(u), free(order), free(group_start), free(group_slot), free(small);
     free(item_module), free(item_first);
     return failed ? -1 : 0;
+}
+
+// lora_add's deltas as the ColumnEpilogue of the projection they sit beside: its arguments, the
+// rows grouped by slot once, and the rows' shrink.
+typedef struct {
+    const void *x, *lora_a, *lora_b;
+    void* out;
+    const int32_t* out_slices;
+    int64_t x_stride, out_stride;
+    int64_t* order;  // [rows] the rows with a slot, grouped by slot
+    int64_t* group_start;  // [groups + 1]
+    int32_t* group_slot;  // [groups]
+    float* u;  // [rows, modules * max_rank], the shrink
+    int is_bf16, modules, in, out_features, max_rank, groups;
+} LoRAColumns;
+
+static void lora_columns_free(LoRAColumns* L) {
+    free(L->order), free(L->group_start), free(L->group_slot), free(L->u);
+    L->order = L->group_start = NULL, L->group_slot = NULL, L->u = NULL;
+}
+
+// lora_add's grouping and shrink buffer for lora_shrink_part and lora_expand_columns. Returns 0,
+// or -1 for shapes lora_add does not take or no memory.
+static int lora_columns_init(LoRAColumns* L, int is_bf16, const void* x, int64_t x_stride,
+                             void* out, int64_t out_stride, const void* lora_a,
+                             const void* lora_b, const int32_t* token_slots,
+                             const int32_t* out_slices, int modules, int64_t tokens, int in,
+                             int out_features, int max_rank) {
+    const int ranks = modules * max_rank;
+    *L = (LoRAColumns){.x = x, .lora_a = lora_a, .lora_b = lora_b, .out = out,
+                       .out_slices = out_slices, .x_stride = x_stride, .out_stride = out_stride,
+                       .is_bf16 = is_bf16, .modules = modules, .in = in,
+                       .out_features = out_features, .max_rank = max_rank};
+    if (in < 1 || out_features < 1 || ranks < 1 || tokens < 0) return -1;
+    L->order = malloc(sizeof(int64_t) * (tokens + 1));
+    L->group_start = malloc(sizeof(int64_t) * (tokens + 1));
+    L->group_slot = malloc(sizeof(int32_t) * (tokens + 1));
+    if (!L->order || !L->group_start || !L->group_slot) return lora_columns_free(L), -1;
+    L->groups = group_rows(token_slots, tokens, L->order, L->group_start, L->group_slot);
+    L->u = aligned_floats(L->group_start[L->groups] * ranks);
+    if (!L->u) return lora_columns_free(L), -1;
+    return 0;
+}
+
+// Thread t of nt's share of the shrink, as lora_add splits a small group's: (group, rank) pairs.
+static void lora_shrink_part(const void* ctx, int t, int nt) {
+    const LoRAColumns* L = ctx;
+    const int ranks = L->modules * L->max_rank;
+    const size_t elem = L->is_bf16 ? 2 : 4;
+    const int64_t pairs = (int64_t)L->groups * ranks;
+    const int64_t p1 = pairs * (t + 1) / nt;
+    for (int64_t p = pairs * t / nt; p < p1;) {
+        const int g = (int)(p / ranks), j = (int)(p % ranks);
+        const int j1 = (int)(j + (p1 - p) < ranks ? j + (p1 - p) : ranks);
+        const int64_t g0 = L->group_start[g];
+        shrink_rows(L->x, L->x_stride, L->order + g0, L->group_start[g + 1] - g0,
+                    (const char*)L->lora_a + L->group_slot[g] * (int64_t)ranks * L->in * elem,
+                    L->in, L->is_bf16, j, j1, L->u + g0 * ranks, ranks);
+        p += j1 - j;
+    }
+}
+
+// The expand of lora_add for the output columns [c0, c1) alone, on the calling thread, once
+// every part of the shrink is done: each piece is lora_add's piece, computed as lora_add
+// computes it, and only its columns in [c0, c1) added, so the bits are lora_add's whatever the
+// columns.
+static void lora_expand_columns(const void* ctx, int c0, int c1) {
+    const LoRAColumns* L = ctx;
+    const int ranks = L->modules * L->max_rank, max_rank = L->max_rank;
+    const size_t elem = L->is_bf16 ? 2 : 4;
+    for (int m = 0; m < L->modules; m++) {
+        const int first = L->out_slices[2 * m], end = first + L->out_slices[2 * m + 1];
+        if (end <= c0 || first >= c1) continue;
+        const int piece0 = first + (c0 > first ? (c0 - first) / COLS * COLS : 0);
+        for (int g = 0; g < L->groups; g++) {
+            const int64_t g0 = L->group_start[g], n = L->group_start[g + 1] - g0;
+            const int64_t slot = L->group_slot[g];
+            for (int p = piece0; p < end && p < c1; p += COLS) {
+                const int cols = end - p < COLS ? end - p : COLS;
+                const int lo = c0 > p ? c0 - p : 0, hi = c1 - p < cols ? c1 - p : cols;
+                const void* b =
+                    (const char*)L->lora_b + (slot * max_rank * L->out_features + p) * elem;
+                expand_rows(L->u + g0 * ranks + m * max_rank, ranks, max_rank, b,
+                            L->out_features, L->is_bf16, cols, lo, hi, L->order + g0, n, L->out,
+                            L->out_stride, p, L->is_bf16);
+            }
+        }
+    }
+}
+
+// A projection on GGUF blocks (qmatmul_bf16: Q8_0, Q4_0, Q4_1) with its rows' adapter deltas
+// (lora_add's arguments) in one parallel region: the shrink split between the threads before
+// the barrier the matmul has anyway, then each thread's expand on the columns it has just
+// written. y = x W^T (+ b) + each row's delta, with lora_add's bits whatever the threads. Where
+// rows of one adapter are many, lora_add (its row split, on widened stacks) does more per byte.
+// Returns 0, -3 out of memory, or qmatmul_bf16_then's failure.
+int qmatmul_lora_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
+                      const uint16_t* bias, uint16_t* y, int64_t y_stride, int M, int N, int K,
+                      const uint16_t* lora_a, const uint16_t* lora_b, const int32_t* token_slots,
+                      const int32_t* out_slices, int modules, int max_rank, int num_threads) {
+    LoRAColumns deltas;
+    if (lora_columns_init(&deltas, 1, x, x_stride, y, y_stride, lora_a, lora_b, token_slots,
+                          out_slices, modules, M, K, N, max_rank))
+        return -3;
+    const ColumnEpilogue then = {lora_shrink_part, lora_expand_columns, &deltas};
+    const int status = qmatmul_bf16_then(format, x, x_stride, packed, bias, y, NULL, y_stride, M,
+                                         N, K, num_threads, &then);
+    lora_columns_free(&deltas);
+    return status;
 }

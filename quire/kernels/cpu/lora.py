@@ -1,5 +1,7 @@
 """ctypes wrapper of lora.c: each token row's LoRA delta added to a linear's output on CPU, bf16
-or float32, one call for a step's rows of every adapter (quire/lora/ops.py's CpuLoRAOps)."""
+or float32, one call for a step's rows of every adapter (quire/lora/ops.py's CpuLoRAOps); and a
+projection on GGUF blocks with its rows' deltas in one parallel region, as the C decode step
+runs it."""
 
 from __future__ import annotations
 
@@ -46,3 +48,46 @@ def lora_add(
     )
     if status != 0:
         raise RuntimeError("lora_add: out of memory, or shapes the kernel does not take")
+
+
+def qmatmul_lora(
+    x: torch.Tensor,  # [tokens, in] bf16, rows contiguous
+    packed: torch.Tensor,  # qmatmul.pack's blocks (Q8_0, Q4_0 or Q4_1)
+    qtype: str,
+    bias: torch.Tensor | None,  # [out] bf16
+    out_features: int,
+    lora_a: torch.Tensor,  # as lora_add's, bf16
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    out_slices: torch.Tensor,
+    num_threads: int | None = None,  # default: torch's
+) -> torch.Tensor:  # [tokens, out] bf16
+    """x W^T (+ b) on GGUF blocks with each row's adapter delta, in one parallel region (the C
+    decode step's projection with adapters at a few rows): qmatmul, then lora_add, bit for bit."""
+    from quire.kernels.cpu import qmatmul
+
+    assert x.dtype == lora_a.dtype == lora_b.dtype == torch.bfloat16 and x.stride(1) == 1
+    assert lora_a.is_contiguous() and lora_b.is_contiguous() and token_slots.dtype == torch.int32
+    out = torch.empty(x.shape[0], out_features, dtype=torch.bfloat16)
+    status = load_library().qmatmul_lora_bf16(
+        qmatmul.format_of(qtype),
+        x.data_ptr(),
+        x.stride(0),
+        packed.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        out_features,
+        x.shape[0],
+        out_features,
+        x.shape[1],
+        lora_a.data_ptr(),
+        lora_b.data_ptr(),
+        token_slots.data_ptr(),
+        out_slices.data_ptr(),
+        out_slices.shape[0],
+        lora_b.shape[1],
+        num_threads or torch.get_num_threads(),
+    )
+    if status != 0:
+        raise RuntimeError(f"qmatmul_lora: status {status} for {tuple(x.shape)} x {qtype}")
+    return out

@@ -21,6 +21,7 @@
 // d dx; Q4_1 then adds m times dx sx with a second FMA), then the bias, then one rounding to
 // bf16. Rows of x, threads and the number of rows do not change any of this, so a row's result
 // does not depend on the rest of the batch: prompt and generated tokens can share a step.
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -368,9 +369,19 @@ static void run_panel(int format, int MB, const int8_t* xq, const float* xd, con
 int qmatmul_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
                  const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M,
                  int N, int K, int num_threads) {
+    return qmatmul_bf16_then(format, x, x_stride, packed, bias, y_bf16, y_f32, y_stride, M, N, K,
+                             num_threads, NULL);
+}
+
+// qmatmul_bf16 with `then` (NULL: nothing) in its parallel region. The K-quants (qmatmul_k.c)
+// take none: -1.
+int qmatmul_bf16_then(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
+                      const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride,
+                      int M, int N, int K, int num_threads, const ColumnEpilogue* then) {
     if (format >= Q4_K)  // the K-quants: qmatmul_k.c
-        return qmatmul_k_bf16(format, x, x_stride, packed, bias, y_bf16, y_f32, y_stride, M, N, K,
-                              num_threads);
+        return then ? -1
+                    : qmatmul_k_bf16(format, x, x_stride, packed, bias, y_bf16, y_f32, y_stride,
+                                     M, N, K, num_threads);
     if (M < 1 || N < 1 || K < QBLOCK || K % QBLOCK || qmatmul_record_bytes(format) < 0) return -1;
     const int nb = K / QBLOCK, panels = (N + QPANEL - 1) / QPANEL;
     const int64_t panel_bytes = (int64_t)nb * qmatmul_record_bytes(format);
@@ -385,13 +396,16 @@ int qmatmul_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t*
     const int groups = (M + QGROUP - 1) / QGROUP;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-#pragma omp for schedule(static)
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+#pragma omp for schedule(static) nowait
         for (int m = 0; m < M; m++)
             quantize_row(x + m * x_stride, K, xq + (int64_t)m * K, xd + (int64_t)m * nb,
                          xs + (int64_t)m * nb);
+        if (then) then->before(then->ctx, t, nt);
+#pragma omp barrier
         float out[QGROUP * QPANEL];
-#pragma omp for schedule(static)
-        for (int pi = 0; pi < panels; pi++) {
+        const int p0 = (int)((int64_t)panels * t / nt), p1 = (int)((int64_t)panels * (t + 1) / nt);
+        for (int pi = p0; pi < p1; pi++) {
             const uint8_t* p = packed + pi * panel_bytes;
             const int n0 = pi * QPANEL;
             for (int g = 0; g < groups; g++) {
@@ -402,6 +416,8 @@ int qmatmul_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t*
                 store_panel(out, QPANEL, MB, m0, n0, N, bias, y_bf16, y_f32, y_stride);
             }
         }
+        if (then && p1 > p0)
+            then->after(then->ctx, p0 * QPANEL, p1 * QPANEL < N ? p1 * QPANEL : N);
     }
     free(xq), free(xd), free(xs);
     return 0;
