@@ -593,7 +593,7 @@ def test_the_c_kernel_adds_what_the_torch_ops_add(dtype, tolerance):
 @pytest.mark.skipif(not qmatmul.available(), reason="the C kernels are off")
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
 @pytest.mark.parametrize("slots", [[0], [1, -1, 0], [2, 2, -1, 1, 0], [-1, 3] + [1] * 14])
-def test_a_quantized_projection_adds_lora_adds_bits_in_one_region(qtype, slots):
+def test_a_quantized_projection_with_adapters_gives_lora_adds_bits(qtype, slots):
     """qmatmul_lora (the C decode step's projection with adapters) is qmatmul then lora_add, bit
     for bit, whatever its threads: 1 to 5 split 5 panels of 32 columns so that a thread's
     columns start inside a module, inside one of lora_add's pieces of 64 columns and inside a
