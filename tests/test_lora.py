@@ -590,22 +590,40 @@ def test_the_c_kernel_adds_what_the_torch_ops_add(dtype, tolerance):
     torch.testing.assert_close(step(CpuLoRAOps), step(TorchLoRAOps), **tolerance)
 
 
+def quantized_weight(qtype: str, weight: np.ndarray) -> torch.Tensor:
+    """`weight` [N, K] float32 in GGUF blocks of `qtype` (or row parts "A+B": rows 0-135 in A,
+    the rest in B), packed for qmatmul."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from quire.bench.kquants import quantize_k
+
+    def blocks(rows: np.ndarray, qtype: str) -> np.ndarray:
+        if qtype.endswith("_K"):
+            return quantize_k(rows, qtype)
+        return quantize(rows, GGMLQuantizationType[qtype])
+
+    if "+" in qtype:
+        first, second = qtype.split("+")
+        parts = [(blocks(weight[:136], first), first), (blocks(weight[136:], second), second)]
+        return qmatmul.pack_parts(parts, weight.shape[1])
+    return qmatmul.pack(blocks(weight, qtype), qtype, weight.shape[1])
+
+
 @pytest.mark.skipif(not qmatmul.available(), reason="the C kernels are off")
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q4_K", "Q4_K+Q6_K"])
 @pytest.mark.parametrize("slots", [[0], [1, -1, 0], [2, 2, -1, 1, 0], [-1, 3] + [1] * 14])
 def test_a_quantized_projection_with_adapters_gives_lora_adds_bits(qtype, slots):
     """qmatmul_lora (the C decode step's projection with adapters) is qmatmul then lora_add, bit
     for bit, whatever its threads: 1 to 5 split 5 panels of 32 columns so that a thread's
     columns start inside a module, inside one of lora_add's pieces of 64 columns and inside a
-    vector of 16 (module widths 96, 40 and 24: pieces of 64 + 32, and 40 = 16 + 16 + 8)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
-
+    vector of 16 (module widths 96, 40 and 24: pieces of 64 + 32, and 40 = 16 + 16 + 8); a
+    weight in parts runs the shrink with its first part and each part's columns after it."""
     generator = torch.Generator().manual_seed(1)
     out_slices = torch.tensor([[0, 96], [96, 40], [136, 24]], dtype=torch.int32)
-    out_features, in_features, rank = 160, 96, 8
+    out_features, in_features, rank = 160, 256 if "_K" in qtype else 96, 8
     weight = torch.randn(out_features, in_features, generator=generator).numpy()
-    packed = qmatmul.pack(quantize(weight, GGMLQuantizationType[qtype]), qtype, in_features)
+    packed = quantized_weight(qtype, weight)
     bias = torch.randn(out_features, generator=generator).bfloat16()
     lora_a = (torch.randn(4, 3 * rank, in_features, generator=generator) / 4).bfloat16()
     lora_b = (torch.randn(4, rank, out_features, generator=generator) / 4).bfloat16()

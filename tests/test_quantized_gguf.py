@@ -128,31 +128,36 @@ def test_decode_steps_equal_the_module_path_bit_for_bit(
 
 
 @pytest.fixture(scope="module")
-def tiny_adapters(tmp_path_factory) -> list[LoRARequest]:
-    """Two peft adapters of TINY_LLAMA's shape (made on a random checkpoint of it): every module
-    at rank 8, and q and down alone at rank 4."""
+def tiny_adapters(tmp_path_factory) -> dict[str, list[LoRARequest]]:
+    """Per tiny file shape (TINY_LLAMA's, and TINY_K_LLAMA's for the K-quants), two peft
+    adapters made on a random checkpoint of it: every module at rank 8, and q and down alone at
+    rank 4."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    root = tmp_path_factory.mktemp("gguf_lora")
-    LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).save_pretrained(root / "base")
-    paths = [
-        make_adapter(str(root / "base"), str(root / "every"), 1, r=8, lora_alpha=16),
-        make_adapter(
-            str(root / "base"), str(root / "q-down"), 2, r=4, lora_alpha=32,
-            target_modules=["q_proj", "down_proj"],
-        ),
-    ]  # fmt: skip
-    return [LoRARequest(f"adapter-{i}", i + 1, path) for i, path in enumerate(paths)]
+    result = {}
+    for name, shape in [("blocks", TINY_LLAMA), ("k-quants", TINY_K_LLAMA)]:
+        root = tmp_path_factory.mktemp(f"gguf_lora_{name}")
+        LlamaForCausalLM(LlamaConfig(**shape)).save_pretrained(root / "base")
+        paths = [
+            make_adapter(str(root / "base"), str(root / "every"), 1, r=8, lora_alpha=16),
+            make_adapter(
+                str(root / "base"), str(root / "q-down"), 2, r=4, lora_alpha=32,
+                target_modules=["q_proj", "down_proj"],
+            ),
+        ]  # fmt: skip
+        result[name] = [LoRARequest(f"{name}-{i}", i + 1, p) for i, p in enumerate(paths)]
+    return result
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q4_K_M"])
 def test_decode_steps_with_adapters_equal_the_module_path_bit_for_bit(
     tiny_files, tiny_adapters, tokenizer_dir, qtype, monkeypatch
 ) -> None:
     """The C step adds a few rows' deltas inside each projection's parallel region
-    (qmatmul_lora_bf16): a request alone and beside a base row and another adapter."""
+    (qmatmul_lora_bf16; Q4_K_M's q|k|v in parts): a request alone and beside a base row and
+    another adapter."""
     llm = make_llm(tiny_files[qtype], tokenizer=tokenizer_dir, enable_lora=True, max_loras=2)
-    every, q_down = tiny_adapters
+    every, q_down = tiny_adapters["k-quants" if "_K" in qtype else "blocks"]
     steps = check_each_fused_step(in_process_model(llm), monkeypatch)
     prompts = token_prompts([3, 17, 40, 9])
     alone = llm.generate(prompts[:1], greedy(8), use_tqdm=False, lora_request=every)

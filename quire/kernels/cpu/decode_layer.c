@@ -95,7 +95,7 @@ static int project_rows(const Projection* P, const int32_t* slots, const uint16_
     const LoRASlots* L = &P->lora;
     if (!lora_applies(L, slots, M))
         return project(P, x, x_stride, y, NULL, y_stride, M, N, K, threads);
-    if (M <= LORA_FUSED_ROWS && P->format >= 1 && P->format <= 3)  // Q8_0, Q4_0, Q4_1
+    if (M <= LORA_FUSED_ROWS && P->format >= 1)  // GGUF blocks (qmatmul.c, qmatmul_k.c)
         return qmatmul_lora_bf16(P->format, x, x_stride, P->weight, P->bias, y, y_stride, M, N,
                                  K, L->a, L->b, slots, L->out_slices, L->modules, L->max_rank,
                                  threads);

@@ -34,10 +34,10 @@ int matmul_amx_argmax_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* 
 int matmul_amx_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed,
                     const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M,
                     int N, int K, int num_threads);
-// Work a matmul runs inside its parallel region, with the barrier it has anyway: `before`, split
-// by each thread's index t of nt, ahead of the barrier that precedes the matmul's columns; then
-// `after`, each thread on the output columns [c0, c1) it has just written (every row), which no
-// other thread touches.
+// Work a matmul runs inside its parallel region, with the barrier it has anyway: `before` (or
+// NULL), split by each thread's index t of nt, ahead of the barrier that precedes the matmul's
+// columns; then `after`, each thread on the output columns [c0, c1) it has just written (every
+// row), which no other thread touches.
 typedef struct {
     void (*before)(const void* ctx, int t, int nt);
     void (*after)(const void* ctx, int c0, int c1);
@@ -50,6 +50,9 @@ int qmatmul_bf16_then(int format, const uint16_t* x, int64_t x_stride, const uin
 int qmatmul_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
                  const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M,
                  int N, int K, int num_threads);
+int qmatmul_k_bf16_then(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
+                        const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride,
+                        int M, int N, int K, int num_threads, const ColumnEpilogue* then);
 int qmatmul_k_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
                    const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M,
                    int N, int K, int num_threads);

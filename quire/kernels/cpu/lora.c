@@ -483,12 +483,12 @@ static void lora_expand_columns(const void* ctx, int c0, int c1) {
     }
 }
 
-// A projection on GGUF blocks (qmatmul_bf16: Q8_0, Q4_0, Q4_1) with its rows' adapter deltas
-// (lora_add's arguments) in one parallel region: the shrink split between the threads before
-// the barrier the matmul has anyway, then each thread's expand on the columns it has just
-// written. y = x W^T (+ b) + each row's delta, with lora_add's bits whatever the threads. Where
-// rows of one adapter are many, lora_add (its row split, on widened stacks) does more per byte.
-// Returns 0, -3 out of memory, or qmatmul_bf16_then's failure.
+// A projection on GGUF blocks (qmatmul_bf16_then: every format, in parts too) with its rows'
+// adapter deltas (lora_add's arguments) in one parallel region: the shrink split between the
+// threads before the barrier the matmul has anyway, then each thread's expand on the columns it
+// has just written. y = x W^T (+ b) + each row's delta, with lora_add's bits whatever the
+// threads. Where rows of one adapter are many, lora_add (its row split, on widened stacks) does
+// more per byte. Returns 0, -3 out of memory, or qmatmul_bf16_then's failure.
 int qmatmul_lora_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
                       const uint16_t* bias, uint16_t* y, int64_t y_stride, int M, int N, int K,
                       const uint16_t* lora_a, const uint16_t* lora_b, const int32_t* token_slots,

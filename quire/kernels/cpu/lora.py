@@ -52,8 +52,8 @@ def lora_add(
 
 def qmatmul_lora(
     x: torch.Tensor,  # [tokens, in] bf16, rows contiguous
-    packed: torch.Tensor,  # qmatmul.pack's blocks (Q8_0, Q4_0 or Q4_1)
-    qtype: str,
+    packed: torch.Tensor,  # qmatmul.pack's (or pack_parts') blocks
+    qtype: str,  # a qmatmul format, or parts' joined by "+"
     bias: torch.Tensor | None,  # [out] bf16
     out_features: int,
     lora_a: torch.Tensor,  # as lora_add's, bf16

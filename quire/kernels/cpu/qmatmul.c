@@ -373,15 +373,13 @@ int qmatmul_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t*
                              num_threads, NULL);
 }
 
-// qmatmul_bf16 with `then` (NULL: nothing) in its parallel region. The K-quants (qmatmul_k.c)
-// take none: -1.
+// qmatmul_bf16 with `then` (NULL: nothing) in its parallel region.
 int qmatmul_bf16_then(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
                       const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride,
                       int M, int N, int K, int num_threads, const ColumnEpilogue* then) {
-    if (format >= Q4_K)  // the K-quants: qmatmul_k.c
-        return then ? -1
-                    : qmatmul_k_bf16(format, x, x_stride, packed, bias, y_bf16, y_f32, y_stride,
-                                     M, N, K, num_threads);
+    if (format >= Q4_K)  // the K-quants, and weights in parts: qmatmul_k.c
+        return qmatmul_k_bf16_then(format, x, x_stride, packed, bias, y_bf16, y_f32, y_stride, M,
+                                   N, K, num_threads, then);
     if (M < 1 || N < 1 || K < QBLOCK || K % QBLOCK || qmatmul_record_bytes(format) < 0) return -1;
     const int nb = K / QBLOCK, panels = (N + QPANEL - 1) / QPANEL;
     const int64_t panel_bytes = (int64_t)nb * qmatmul_record_bytes(format);
@@ -401,7 +399,7 @@ int qmatmul_bf16_then(int format, const uint16_t* x, int64_t x_stride, const uin
         for (int m = 0; m < M; m++)
             quantize_row(x + m * x_stride, K, xq + (int64_t)m * K, xd + (int64_t)m * nb,
                          xs + (int64_t)m * nb);
-        if (then) then->before(then->ctx, t, nt);
+        if (then && then->before) then->before(then->ctx, t, nt);
 #pragma omp barrier
         float out[QGROUP * QPANEL];
         const int p0 = (int)((int64_t)panels * t / nt), p1 = (int)((int64_t)panels * (t + 1) / nt);

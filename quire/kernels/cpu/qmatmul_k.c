@@ -26,6 +26,7 @@
 // 2^24, so their conversion to float32 is exact; per output the sub-blocks are added in order of
 // k in float32, one FMA each (Q4_K / Q5_K a second one for the mins, with -dmin dx), then the
 // bias, then one rounding to bf16. Nothing depends on the rows, the threads or the batch.
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -382,13 +383,31 @@ static void run_kpanel(int format, int MB, const int8_t* xq, const float* xd, co
 }
 #endif
 
+// A part's view of its weight's epilogue: its columns shifted by the part's first column.
+typedef struct {
+    const ColumnEpilogue* whole;
+    int first;
+} PartEpilogue;
+
+static void part_before(const void* ctx, int t, int nt) {
+    const PartEpilogue* e = ctx;
+    e->whole->before(e->whole->ctx, t, nt);
+}
+
+static void part_after(const void* ctx, int c0, int c1) {
+    const PartEpilogue* e = ctx;
+    e->whole->after(e->whole->ctx, e->first + c0, e->first + c1);
+}
+
 // A fused linear whose row blocks (q | k | v) came in different types, as Q4_K_M files give
 // q and k in Q4_K and v in Q6_K: `packed` starts with int64 words [number of parts P, then per
 // part its format, its rows and the byte offset of its packed weight from `packed`], and each
 // part writes its columns of y. A row's bits are each part's, so still the batch's no concern.
+// `then` (or NULL): its `before` with the first part, its `after` on each part's columns.
 static int qmatmul_parts_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* packed,
                               const uint16_t* bias, uint16_t* y_bf16, float* y_f32,
-                              int64_t y_stride, int M, int N, int K, int num_threads) {
+                              int64_t y_stride, int M, int N, int K, int num_threads,
+                              const ColumnEpilogue* then) {
     int64_t header[1 + 3 * 8];
     memcpy(header, packed, sizeof(int64_t));
     const int64_t parts = header[0];
@@ -398,10 +417,13 @@ static int qmatmul_parts_bf16(const uint16_t* x, int64_t x_stride, const uint8_t
     for (int64_t i = 0; i < parts; i++) {
         const int64_t format = header[1 + 3 * i], rows = header[2 + 3 * i];
         if (format < 1 || format >= PARTS || rows < 1 || n0 + rows > N) return -1;
-        const int status = qmatmul_bf16(
+        const PartEpilogue part = {then, (int)n0};
+        const ColumnEpilogue part_then = {i == 0 && then && then->before ? part_before : NULL,
+                                          part_after, &part};
+        const int status = qmatmul_bf16_then(
             (int)format, x, x_stride, packed + header[3 + 3 * i], bias ? bias + n0 : NULL,
             y_bf16 ? y_bf16 + n0 : NULL, y_bf16 ? NULL : y_f32 + n0, y_stride, M, (int)rows, K,
-            num_threads);
+            num_threads, then ? &part_then : NULL);
         if (status != 0) return status;
         n0 += rows;
     }
@@ -413,9 +435,17 @@ static int qmatmul_parts_bf16(const uint16_t* x, int64_t x_stride, const uint8_t
 int qmatmul_k_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
                    const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M,
                    int N, int K, int num_threads) {
+    return qmatmul_k_bf16_then(format, x, x_stride, packed, bias, y_bf16, y_f32, y_stride, M, N,
+                               K, num_threads, NULL);
+}
+
+// qmatmul_k_bf16 with `then` (NULL: nothing) in its parallel region, as qmatmul_bf16_then.
+int qmatmul_k_bf16_then(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
+                        const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride,
+                        int M, int N, int K, int num_threads, const ColumnEpilogue* then) {
     if (format == PARTS)
         return qmatmul_parts_bf16(x, x_stride, packed, bias, y_bf16, y_f32, y_stride, M, N, K,
-                                  num_threads);
+                                  num_threads, then);
     if (M < 1 || N < 1 || K < KSUPER || K % KSUPER || qmatmul_k_record_bytes(format) < 0) return -1;
     const int nb = K / KSUB, panels = (N + KPANEL - 1) / KPANEL;
     const int64_t panel_bytes = (int64_t)(K / KSUPER) * qmatmul_k_record_bytes(format);
@@ -431,7 +461,8 @@ int qmatmul_k_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_
     const int groups = (M + KGROUP - 1) / KGROUP;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-#pragma omp for schedule(static)
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+#pragma omp for schedule(static) nowait
         for (int m = 0; m < M; m++) {
             int8_t* q = xq + (int64_t)m * K;
             quantize_rows_q8_bf16(x + m * x_stride, x_stride, 1, K, q, xd + (int64_t)m * nb,
@@ -442,9 +473,11 @@ int qmatmul_k_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_
                 xlo[(int64_t)m * nb + b] = lo;
             }
         }
+        if (then && then->before) then->before(then->ctx, t, nt);
+#pragma omp barrier
         float out[KGROUP * KPANEL];
-#pragma omp for schedule(static)
-        for (int pi = 0; pi < panels; pi++) {
+        const int p0 = (int)((int64_t)panels * t / nt), p1 = (int)((int64_t)panels * (t + 1) / nt);
+        for (int pi = p0; pi < p1; pi++) {
             const uint8_t* p = packed + pi * panel_bytes;
             for (int g = 0; g < groups; g++) {
                 const int m0 = (int)((int64_t)M * g / groups);
@@ -454,6 +487,8 @@ int qmatmul_k_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_
                 store_panel(out, KPANEL, MB, m0, pi * KPANEL, N, bias, y_bf16, y_f32, y_stride);
             }
         }
+        if (then && p1 > p0)
+            then->after(then->ctx, p0 * KPANEL, p1 * KPANEL < N ? p1 * KPANEL : N);
     }
     free(xq), free(xd), free(xs), free(xlo);
     return 0;
