@@ -26,6 +26,7 @@ SMALL_POOL = 64  # KV blocks of `make_llm`'s engines: a default-sized pool takes
 def pytest_terminal_summary(terminalreporter) -> None:
     """Names the CPU and the matmul paths this run covered, after the results (also under -q):
     they depend on both (AMX tiles or AVX-512 for bf16; VNNI, AVX2 or plain C for GGUF blocks)."""
+    from quire.kernels import cpu as cpu_kernels
     from quire.kernels.cpu import gemv, qmatmul
 
     cpu = "unknown CPU"
@@ -34,7 +35,8 @@ def pytest_terminal_summary(terminalreporter) -> None:
             names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
         cpu = names[0] if names else cpu
     terminalreporter.write_line(
-        f"quire kernels: {cpu}; bf16 matmul {gemv.path()}, GGUF blocks {qmatmul.path()}"
+        f"quire kernels: {cpu}; bf16 matmul {gemv.path()}, GGUF blocks {qmatmul.path()}, "
+        f"prefill attention {cpu_kernels.prefill_attention_path()}"
     )
 
 

@@ -1,4 +1,6 @@
-"""The C prefill-attention kernel equals SDPA over the gathered cache (`gathered_prefill`)."""
+"""The C prefill-attention kernel equals SDPA over the gathered cache (`gathered_prefill`), in
+each order it runs in on this CPU (AVX-512 BF16; AMX tiles where the bf16 matmul uses them), and
+a query row's bits depend on nothing but the row and its context."""
 
 from __future__ import annotations
 
@@ -8,11 +10,23 @@ import torch
 from quire.attention.backend import AttentionMetadata
 from quire.attention.torch_backend import TorchAttentionBackend, gathered_prefill
 from quire.kernels import cpu as cpu_kernels
+from quire.kernels.cpu import gemv
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.supports_prefill_attention(torch.bfloat16, 8, 2, 64),
     reason="no C compiler or no AVX-512 BF16",
 )
+
+
+@pytest.fixture(params=["avx512-bf16", "amx"])
+def order(request, kernel_settings) -> str:
+    """Each loop the kernel runs in here, set as EngineConfig.cpu_amx sets it."""
+    amx = request.param == "amx"
+    if amx and not gemv.amx_available():
+        pytest.skip("this CPU (or its kernel) has no AMX tiles")
+    cpu_kernels.configure(cpu_kernels.KernelSettings(enabled=True, gemv_fma=None, amx=amx))
+    assert cpu_kernels.prefill_attention_path() == request.param
+    return request.param
 
 
 def make_step(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, seed=0):
@@ -74,7 +88,7 @@ def run_kernel(query, k_cache, v_cache, metadata, scale) -> torch.Tensor:
 )
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_prompts_and_chunks_over_cached_prefixes_match_sdpa(
-    num_heads, num_kv_heads, head_dim, block_size
+    order, num_heads, num_kv_heads, head_dim, block_size
 ):
     # Several requests in one call: whole prompts (prefix 0) and chunks after prefixes that are
     # not multiples of the block size, query_len from 1 to 300.
@@ -89,7 +103,7 @@ def test_prompts_and_chunks_over_cached_prefixes_match_sdpa(
 
 
 @pytest.mark.parametrize("head_dim", [32, 256])
-def test_other_head_dims(head_dim):
+def test_other_head_dims(order, head_dim):
     q, k, v, meta = make_step([40, 7], [40, 90], 4, 1, head_dim, 16, seed=1)
     out = run_kernel(q, k, v, meta, 0.1)
     assert (out.float() - reference(q, k, v, meta, 0.1)).abs().max().item() <= 2e-2
@@ -107,7 +121,7 @@ def test_backend_prefill_after_decodes_in_a_mixed_step():
     assert not out[:2].any()  # the decode rows are not the prefill path's
 
 
-def test_results_do_not_depend_on_the_thread_count():
+def test_results_do_not_depend_on_the_thread_count(order):
     # Fewer threads, longer query tiles per task (32 tokens on one thread, 8 on two here): the
     # rows are independent, so the results are bit for bit the same.
     q, k, v, meta = make_step([100], [130], 4, 1, 64, 16, seed=3)
@@ -118,6 +132,34 @@ def test_results_do_not_depend_on_the_thread_count():
     finally:
         torch.set_num_threads(threads)
     torch.testing.assert_close(run_kernel(q, k, v, meta, 0.125), one, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_rows_bits_do_not_depend_on_its_chunk(order, head_dim):
+    """The same query rows computed as part of a whole prompt, as a chunk after a cached prefix
+    (other row blocks, other key counts per block), and beside another request give the same
+    bits: the key tiles start at position 0 whatever the chunk, and a row adds nothing for the
+    keys it does not see."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, meta = make_step([203], [203], 6, 2, head_dim, 16, seed=4)
+    whole = run_kernel(q, k, v, meta, 0.1)
+    for start in (1, 37, 64, 150, 202):
+        _, _, _, chunk = make_step([203 - start], [203], 6, 2, head_dim, 16, seed=4)
+        chunk.block_tables = meta.block_tables  # the same cache
+        out = run_kernel(q[start:].contiguous(), k, v, chunk, 0.1)
+        assert torch.equal(out, whole[start:]), start
+    other = torch.randn(40, 6, head_dim, generator=gen).bfloat16()
+    mixed = make_step([40, 203 - 90], [60, 203], 6, 2, head_dim, 16, seed=4)[3]
+    mixed.block_tables = torch.cat([meta.block_tables.flip(1), meta.block_tables])
+    out = run_kernel(torch.cat([other, q[90:]]).contiguous(), k, v, mixed, 0.1)
+    assert torch.equal(out[40:], whole[90:])
+
+
+def test_the_amx_order_runs_where_the_matmul_uses_amx(kernel_settings):
+    for amx in (False, True):
+        cpu_kernels.configure(cpu_kernels.KernelSettings(enabled=True, gemv_fma=None, amx=amx))
+        expected = "amx" if amx and gemv.amx_available() else "avx512-bf16"
+        assert cpu_kernels.prefill_attention_path() == expected
 
 
 def test_unsupported_cases_fall_back():

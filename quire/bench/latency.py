@@ -37,6 +37,7 @@ from quire.bench.models import add_model_dir_arg, resolve_model
 from quire.bench.perplexity import prose_perplexity
 from quire.bench.speculative import describe_spec_decoding, spec_decoding_report
 from quire.bench.throughput import parse_lora_mix
+from quire.kernels import cpu as cpu_kernels
 from quire.kernels import kv_format
 from quire.kernels.cpu import gemv, qmatmul
 from quire.model import gguf_loader, loader
@@ -378,7 +379,8 @@ def main(args: argparse.Namespace) -> int:
             else ""
         )
         + (
-            f"quire's kernels: bf16 matmul {gemv.path()}, GGUF blocks {qmatmul.path()}\n"
+            f"quire's kernels: bf16 matmul {gemv.path()}, GGUF blocks {qmatmul.path()}, "
+            f"prefill attention {cpu_kernels.prefill_attention_path()}\n"
             if device == "cpu"
             else ""
         )

@@ -55,6 +55,7 @@ _SIGNATURES = {
     # num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks; scale, num_threads.
     "prefill_attention_bf16": [_P] * 7 + [_I64] * 2 + [_I32] * 6 + [_F32, _I32, _I32],
     "prefill_attention_bf16_available": [],
+    "prefill_attention_uses_amx": [],
     # x, x row stride, residual, weight, out; rows, dim, eps, num_threads.
     "add_rms_norm_bf16": [_P, _I64, _P, _P, _P, _I32, _I32, _F32, _I32],
     # x, x row stride, cos, sin; tokens, heads, head_dim, num_threads.
@@ -340,6 +341,14 @@ def _has_prefill_kernel() -> bool:
 @functools.cache
 def _prefill_kernel_built(lib: ctypes.CDLL) -> bool:
     return lib.prefill_attention_bf16_available() == 1
+
+
+def prefill_attention_path() -> str:
+    """The prefill-attention kernel's loop here: "amx" (S and O on AMX tiles, where the bf16
+    matmul runs on them: EngineConfig.cpu_amx), "avx512-bf16", or "off" (no kernel: PyTorch)."""
+    if not _has_prefill_kernel():
+        return "off"
+    return "amx" if load_library().prefill_attention_uses_amx() == 1 else "avx512-bf16"
 
 
 def supports_prefill_attention(

@@ -4,6 +4,15 @@
 #define QUIRE_KERNELS_H
 #include <stdint.h>
 
+// The AMX tile configuration _tile_loadconfig reads (palette 1: 8 tiles of up to 16 rows x 64
+// bytes), for the kernels that run on AMX tiles (matmul_amx.c, prefill_attention.c).
+typedef struct {
+    uint8_t palette, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
 int add_rms_norm_bf16(const uint16_t* x, int64_t x_stride, uint16_t* residual,
                       const uint16_t* weight, uint16_t* out, int rows, int dim, float eps,
                       int num_threads);
@@ -27,6 +36,7 @@ int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const
               uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M, int N, int K, int k_block,
               int num_threads);
 int gemv_bf16_uses_amx(void);
+int prefill_attention_uses_amx(void);
 int matmul_amx_available(void);
 int matmul_amx_argmax_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed,
                            const uint16_t* bias, int M, int N, int K, int64_t first,

@@ -37,13 +37,6 @@
 #define ROW_GROUP 32
 #define CHUNK_BYTES (1 << 20)  // panels a thread streams through its row groups: half an L2
 
-typedef struct {
-    uint8_t palette, start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
 // Linux hands out AMX's tile state only to a process that asks (once, for all its threads).
 int matmul_amx_available(void) {
     static int available = -1;

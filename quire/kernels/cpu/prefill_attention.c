@@ -40,11 +40,21 @@
 //       O^T += V^T P^T  kernel 8 dims x 32 rows: per key pair, two P zmm times 8 broadcast V
 //                    pairs, O^T rescaled as it is loaded.
 //     Tasks are sorted by work (causal tiles differ) and scheduled dynamically.
+//
+// On AMX tiles (where the bf16 matmul runs on them, prefill_attention_uses_amx) the two products
+// are tdpbf16ps instead, on the same layouts: S^T = K Q^T per 16 keys with K rows as the A tile
+// and the Q^T pairs as B (one float32 tile a lane group, the head's dims 32 at a time in order);
+// O^T += V^T P^T per 16 dims with V packed transposed ([head_dim][key], the A tile) and the P^T
+// pairs as B, 32 keys at a time in order, P^T zero past the block's keys. The tile unit sums each
+// output by itself, so a row's bits still depend on nothing but its own query and context (not
+// on the chunk, the other rows or the threads); they are not the AVX-512 loop's bits.
+// QUIRE_CPU_AMX=0 (EngineConfig.cpu_amx) keeps the AVX-512 loop everywhere.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "kv_quant.h"
 
 #if defined(__AVX512BF16__)
@@ -75,6 +85,7 @@ typedef struct {
     uint16_t *k_pack, *v_pack;
     const int64_t* pack_offset;  // [num_seqs]: first element of request s's packs (KV head 0)
     const int* padded_len;       // [num_seqs]: context length rounded up to KEY_TILE
+    int amx;  // S^T and O^T on AMX tiles (qk_tiles, pv_tiles), V packed transposed
 } Problem;
 
 typedef struct {  // per-thread scratch, one task at a time
@@ -210,6 +221,67 @@ static inline __m512 softmax_lanes(const float* s, uint32_t* p, int n, int k0, f
     return alpha;
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define QUIRE_PREFILL_AMX 1
+
+// Tiles 0-4, all 16 rows of 64 bytes: 0, 1 float32 sums of lane groups 0 and 1; 2 the A operand
+// (16 keys x 32 dims of K, or 16 dims x 32 keys of V^T); 3, 4 the B operands of lane groups 0
+// and 1 (16 dim pairs of Q^T, or 16 key pairs of P^T, x 16 lanes).
+static void configure_tiles(void) {
+    TileConfig c;
+    memset(&c, 0, sizeof(c));
+    c.palette = 1;
+    for (int t = 0; t < 5; t++) c.colsb[t] = 64, c.rows[t] = 16;
+    _tile_loadconfig(&c);
+}
+
+// S^T[16 kb .. 16 kb + 16 keys][32 rows] for kb < key_blocks, times scale_log2: per 16 keys, one
+// float32 tile a lane group, summed over the head's dims 32 at a time in order (tdpbf16ps).
+static inline void qk_tiles(const uint32_t* q, const uint16_t* k, float* s, float scale_log2,
+                            int key_blocks, const int D) {
+    for (int kb = 0; kb < key_blocks; kb++) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int h = 0; h < D / 32; h++) {
+            _tile_loadd(2, k + (int64_t)kb * 16 * D + h * 32, D * sizeof(uint16_t));
+            _tile_loadd(3, q + h * 16 * 16, 16 * sizeof(uint32_t));
+            _tile_loadd(4, q + (D / 2 + h * 16) * 16, 16 * sizeof(uint32_t));
+            _tile_dpbf16ps(0, 2, 3);
+            _tile_dpbf16ps(1, 2, 4);
+        }
+        _tile_stored(0, s + kb * 16 * BLOCK_ROWS, BLOCK_ROWS * sizeof(float));
+        _tile_stored(1, s + kb * 16 * BLOCK_ROWS + 16, BLOCK_ROWS * sizeof(float));
+    }
+    const __m512 c = _mm512_set1_ps(scale_log2);
+    for (int i = 0; i < key_blocks * 16 * BLOCK_ROWS; i += 16)
+        _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), c));
+}
+
+// O^T[D][32 rows] = O^T * alpha (per lane) + V^T . P^T over the keys of `key_pairs` pairs (a
+// multiple of 16; P^T zero past the block's keys): per 16 dims, one float32 tile a lane group,
+// summed 32 keys at a time in order. vt: V^T rows of the tile's first key, vt_stride apart.
+static inline void pv_tiles(const uint32_t* p, const uint16_t* vt, int64_t vt_stride, float* o,
+                            const __m512 alpha[2], int key_pairs, const int D) {
+    for (int g = 0; g < 2; g++)
+        for (int d = 0; d < D; d++)
+            _mm512_storeu_ps(o + (g * D + d) * 16,
+                             _mm512_mul_ps(_mm512_loadu_ps(o + (g * D + d) * 16), alpha[g]));
+    for (int d0 = 0; d0 < D; d0 += 16) {
+        _tile_loadd(0, o + d0 * 16, 16 * sizeof(float));
+        _tile_loadd(1, o + (D + d0) * 16, 16 * sizeof(float));
+        for (int kp = 0; kp < key_pairs; kp += 16) {
+            _tile_loadd(2, vt + d0 * vt_stride + 2 * kp, vt_stride * sizeof(uint16_t));
+            _tile_loadd(3, p + kp * BLOCK_ROWS, BLOCK_ROWS * sizeof(uint32_t));
+            _tile_loadd(4, p + kp * BLOCK_ROWS + 16, BLOCK_ROWS * sizeof(uint32_t));
+            _tile_dpbf16ps(0, 2, 3);
+            _tile_dpbf16ps(1, 2, 4);
+        }
+        _tile_stored(0, o + d0 * 16, 16 * sizeof(float));
+        _tile_stored(1, o + (D + d0) * 16, 16 * sizeof(float));
+    }
+}
+#endif
+
 static inline __attribute__((always_inline)) void attend(const Problem* pb, const Task* task,
                                                          Scratch* w, const int D) {
     const int s = task->seq, nt = task->num_tokens, group = pb->num_heads / pb->num_kv_heads;
@@ -247,13 +319,30 @@ static inline __attribute__((always_inline)) void attend(const Problem* pb, cons
             int n = last - k0 + 1;
             n = n > KEY_TILE ? KEY_TILE : (n + 7) / 8 * 8;
             const uint32_t* q = w->q + r0 / 16 * (D / 2) * 16;
-            for (int c = 0; c < n; c += 8)
-                qk_kernel(q, k_pack + (int64_t)(k0 + c) * D, w->s + c * BLOCK_ROWS,
-                          pb->scale_log2, D);
+#if defined(QUIRE_PREFILL_AMX)
+            if (pb->amx) {
+                qk_tiles(q, k_pack + (int64_t)k0 * D, w->s, pb->scale_log2, (n + 15) / 16, D);
+            } else
+#endif
+            {
+                for (int c = 0; c < n; c += 8)
+                    qk_kernel(q, k_pack + (int64_t)(k0 + c) * D, w->s + c * BLOCK_ROWS,
+                              pb->scale_log2, D);
+            }
             __m512 alpha[2];
             for (int g = 0; g < 2; g++)
                 alpha[g] = softmax_lanes(w->s + g * 16, w->p + g * 16, n, k0, w->m + r0 + g * 16,
                                          w->l + r0 + g * 16, w->last + r0 + g * 16);
+#if defined(QUIRE_PREFILL_AMX)
+            if (pb->amx) {  // keys past n up to the next 32 weigh nothing
+                const int pairs = (n + 31) / 32 * 16;
+                memset(w->p + n / 2 * BLOCK_ROWS, 0,
+                       (size_t)(pairs - n / 2) * BLOCK_ROWS * sizeof(uint32_t));
+                pv_tiles(w->p, v_pack + k0, pb->padded_len[s], w->o + r0 / 16 * D * 16, alpha,
+                         pairs, D);
+                continue;
+            }
+#endif
             pv_kernel(w->p, v_pack + (int64_t)k0 * D, w->o + r0 / 16 * D * 16, alpha, n, D);
         }
     }
@@ -334,6 +423,13 @@ static void pack_tile(const Problem* pb, int s, int kv_head, int k0) {
                 v_rows[e] = (const uint16_t*)(pb->v_cache + at);
             }
         }
+        if (pb->amx) {  // V^T [D][padded_len]: row d holds every key's dim d
+            uint16_t* vt = pb->v_pack + pack + k0 + j;
+            const int64_t stride = pb->padded_len[s];
+            for (int d = 0; d < D; d++)
+                for (int e = 0; e < 2; e++) vt[d * stride + e] = v_rows[e] ? v_rows[e][d] : 0;
+            continue;
+        }
         const __m512i zero = _mm512_setzero_si512();
         for (int d = 0; d < D; d += 32) {
             const __m512i a = v_rows[0] ? _mm512_loadu_si512(v_rows[0] + d) : zero;
@@ -360,6 +456,16 @@ static int by_work_descending(const void* a, const void* b) {
 
 static void* alloc64(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
 #endif
+
+// 1 where S^T and O^T run on AMX tiles: where gemv_bf16 runs on them (the AMX order, gemv.c),
+// so that switching AMX off (QUIRE_CPU_AMX=0) gives the AVX-512 BF16 kernels everywhere.
+int prefill_attention_uses_amx(void) {
+#if defined(QUIRE_PREFILL_AMX)
+    return gemv_bf16_uses_amx();
+#else
+    return 0;
+#endif
+}
 
 int prefill_attention_bf16_available(void) {
 #if defined(__AVX512BF16__)
@@ -429,7 +535,7 @@ int prefill_attention_bf16(const uint16_t* q, const void* k_cache, const void* v
     Problem pb = {q, k_cache, v_cache, kv_kind, block_tables, query_start_loc, seq_lens, out, q_stride,
                   out_stride, num_heads, num_kv_heads, head_dim, block_size, max_blocks,
                   scale * 1.4426950408889634f, alloc64(pack_elems * 2), alloc64(pack_elems * 2),
-                  pack_offset, padded_len};
+                  pack_offset, padded_len, prefill_attention_uses_amx()};
     Scratch* scratch = calloc(num_threads, sizeof *scratch);
     int status = pb.k_pack && pb.v_pack && scratch ? 0 : -3;
     for (int i = 0; status == 0 && i < num_threads; i++) {
@@ -452,8 +558,14 @@ int prefill_attention_bf16(const uint16_t* q, const void* k_cache, const void* v
                 pack_tile(&pb, s, item / tiles, item % tiles * KEY_TILE);
             }
             Scratch* w = &scratch[omp_get_thread_num()];
+#if defined(QUIRE_PREFILL_AMX)
+            if (pb.amx) configure_tiles();
+#endif
 #pragma omp for schedule(dynamic, 1)
             for (int64_t i = 0; i < num_tasks; i++) run_task(&pb, &tasks[i], w);
+#if defined(QUIRE_PREFILL_AMX)
+            if (pb.amx) _tile_release();
+#endif
         }
     }
     for (int i = 0; scratch && i < num_threads; i++) free(scratch[i].q), free(scratch[i].o);
