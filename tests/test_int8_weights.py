@@ -7,6 +7,7 @@ validation of the option."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -40,6 +41,20 @@ def test_weights_quantize_as_ggufs_q8_0() -> None:
     want = quantize(weight.float().numpy(), GGMLQuantizationType.Q8_0)
     assert got.qtype == "Q8_0" and got.shape == (4099, 96)
     assert np.array_equal(got.raw, want)
+
+
+def test_read_only_q8_0_blocks_dequantize_without_a_warning() -> None:
+    """A GGUF file's blocks come as a read-only memory map (`--quantization none` dequantizes
+    them at load); torch must not warn that it was handed a read-only array."""
+    weight = torch.randn(64, 96, generator=torch.Generator().manual_seed(1))
+    blocks = QuantizedWeight.from_float(weight)
+    raw = blocks.raw.copy()
+    raw.flags.writeable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = QuantizedWeight(raw, "Q8_0", blocks.shape).dequantize()
+    assert torch.equal(got, blocks.dequantize())
+    assert (got - weight).abs().max().item() <= weight.abs().max().item() / 127
 
 
 @needs_kernels

@@ -50,7 +50,8 @@ KERNEL_TYPES = frozenset(qmatmul.FORMATS)
 def _dequantize_q8_0(raw: np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
     """Q8_0 blocks [N, K / 32 * 34] (a float16 scale, then 32 int8 codes) -> [N, K] float32,
     each weight scale x code as gguf computes it."""
-    blocks = torch.from_numpy(np.ascontiguousarray(raw)).view(shape[0], -1, 34)
+    blocks = torch.from_numpy(np.require(raw, np.uint8, ["C_CONTIGUOUS", "WRITEABLE"]))
+    blocks = blocks.view(shape[0], -1, 34)
     scales = blocks[..., :2].contiguous().view(torch.float16).float()
     codes = blocks[..., 2:].contiguous().view(torch.int8)
     return (codes * scales).reshape(shape)
