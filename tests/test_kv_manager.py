@@ -303,10 +303,10 @@ def test_a_cache_hit_takes_its_block_out_of_the_free_list():
     first = make_request("a", tokens(100, 5))
     admit(kv, first)
     kv.free(first)
-    assert list(kv.free_blocks) == [2, 3, 1, 0]
+    assert list(kv.free_blocks) == [1, 2, 3, 0]  # the partial block 1 first, cached 0 last
     admit(kv, make_request("b", tokens(100, 5)))
-    assert kv.get_block_ids("b") == [0, 2]
-    assert list(kv.free_blocks) == [3, 1]
+    assert kv.get_block_ids("b") == [0, 1]
+    assert list(kv.free_blocks) == [2, 3]
 
 
 def test_a_block_freed_again_after_a_hit_moves_to_the_back_of_the_lru():
@@ -319,7 +319,7 @@ def test_a_block_freed_again_after_a_hit_moves_to_the_back_of_the_lru():
     reuse = make_request("a2", tokens(100, 4) + [7])
     admit(kv, reuse)  # hits block 0, takes block 2
     kv.free(reuse)
-    assert list(kv.free_blocks) == [1, 2, 0]
+    assert list(kv.free_blocks) == [2, 1, 0]  # 2 holds a partial block: reused first
 
 
 def test_a_freed_request_loses_its_tail_blocks_before_its_head():
@@ -332,6 +332,26 @@ def test_a_freed_request_loses_its_tail_blocks_before_its_head():
     assert kv.get_block_ids("b") == [2]
     again = make_request("a2", tokens(100, 13))
     assert [b.block_id for b in kv.get_computed_blocks(again)] == [0, 1]
+
+
+def test_blocks_the_cache_cannot_hit_are_reused_before_blocks_never_written():
+    """On CPU a block's pages are faulted in the first time it is written: a pool that hands out
+    every block once before reusing any pays that across its whole size. Blocks that hold
+    nothing the prefix cache can hit go back to the head of the free list."""
+    kv = KVCacheManager(num_blocks=16, block_size=BS, enable_prefix_caching=False)
+    for i in range(5):
+        request = make_request(f"r{i}", tokens(100 * i, 10))
+        admit(kv, request)
+        assert kv.get_block_ids(f"r{i}") == [0, 1, 2]  # the same warm blocks, in order
+        kv.free(request)
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    first = make_request("a", tokens(100, 10))  # blocks 0 and 1 cached, 2 partial
+    admit(kv, first)
+    kv.free(first)
+    assert list(kv.free_blocks)[:2] == [2, 3] and list(kv.free_blocks)[-2:] == [1, 0]
+    admit(kv, make_request("b", tokens(900, 3)))
+    assert kv.get_block_ids("b") == [2]
+    kv.check_invariants()
 
 
 def test_reset_prefix_cache_forgets_free_blocks():

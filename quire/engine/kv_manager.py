@@ -170,8 +170,20 @@ class KVCacheManager:
         for block in reversed(blocks[keep:]):
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free_blocks[block.block_id] = block
+                self._release(block)
         del blocks[keep:]
+
+    def _release(self, block: KVBlock) -> None:
+        """A block nobody holds back into the free list. One the prefix cache can hit goes to the
+        tail (the least recently freed is evicted first); one it cannot (a partial block, any
+        block with prefix caching off, a rejected speculative one) to the head, so that the next
+        allocation takes it before a block never written: on CPU the KV pool's pages are faulted
+        in (zeroed by the kernel, and on some VMs backed by the hypervisor) the first time they
+        are written, and a pool that cycles through every block pays that across its whole size
+        however little of it the load needs."""
+        self.free_blocks[block.block_id] = block
+        if block.block_hash is None:
+            self.free_blocks.move_to_end(block.block_id, last=False)
 
     def _demand(
         self,
@@ -229,12 +241,13 @@ class KVCacheManager:
 
     # ---- release and sharing -------------------------------------------------------------
     def free(self, request: Request) -> None:
-        """Drops `request`'s hold on its blocks; blocks nobody holds go to the free list's tail,
-        the request's last block first so that its prefix stays cached longest."""
+        """Drops `request`'s hold on its blocks; blocks nobody holds go back to the free list:
+        cached ones to its tail, the request's last block first so that its prefix stays cached
+        longest; uncached ones (`_release`) to its head."""
         for block in reversed(self.req_blocks.pop(request.request_id, [])):
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free_blocks[block.block_id] = block
+                self._release(block)
         self.req_block_hashes.pop(request.request_id, None)
         self.req_num_hashed_blocks.pop(request.request_id, None)
 
