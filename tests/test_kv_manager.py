@@ -354,6 +354,20 @@ def test_blocks_the_cache_cannot_hit_are_reused_before_blocks_never_written():
     kv.check_invariants()
 
 
+def test_a_copy_of_a_cached_block_is_reused_before_blocks_never_written():
+    """Two running requests with the same prompt compute the same full block twice; only the
+    first is in the cache, so the second, freed, can never be hit."""
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    a, b = make_request("a", tokens(100, 5)), make_request("b", tokens(100, 5))
+    admit(kv, a)  # blocks 0 (cached) and 1
+    assert kv.allocate_slots(b, 5)  # no hit looked up: blocks 2 and 3, 2 a copy of 0
+    b.num_computed_tokens = 5
+    kv.free(b)
+    kv.free(a)
+    assert list(kv.free_blocks)[:3] == [1, 2, 3] and list(kv.free_blocks)[-1] == 0
+    kv.check_invariants()
+
+
 def test_reset_prefix_cache_forgets_free_blocks():
     kv = KVCacheManager(num_blocks=4, block_size=BS)
     first = make_request("a", tokens(100, 9))

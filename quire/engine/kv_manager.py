@@ -176,13 +176,13 @@ class KVCacheManager:
     def _release(self, block: KVBlock) -> None:
         """A block nobody holds back into the free list. One the prefix cache can hit goes to the
         tail (the least recently freed is evicted first); one it cannot (a partial block, any
-        block with prefix caching off, a rejected speculative one) to the head, so that the next
-        allocation takes it before a block never written: on CPU the KV pool's pages are faulted
-        in (zeroed by the kernel, and on some VMs backed by the hypervisor) the first time they
-        are written, and a pool that cycles through every block pays that across its whole size
-        however little of it the load needs."""
+        block with prefix caching off, a rejected speculative one, a copy of a block cached
+        already) to the head, so that the next allocation takes it before a block never written:
+        on CPU the KV pool's pages are faulted in (zeroed by the kernel, and on some VMs backed by
+        the hypervisor) the first time they are written, and a pool that cycles through every
+        block pays that across its whole size however little of it the load needs."""
         self.free_blocks[block.block_id] = block
-        if block.block_hash is None:
+        if block.block_hash is None or self.cached_blocks.get(block.block_hash) is not block:
             self.free_blocks.move_to_end(block.block_id, last=False)
 
     def _demand(
