@@ -241,6 +241,17 @@ def tiny_llama(tiny_models) -> str:
     return tiny_models["llama"]
 
 
+def use_amx_order(amx: bool) -> None:
+    """The C kernels' AMX order on or off, as EngineConfig.cpu_amx sets it (restore it with the
+    `kernel_settings` fixture); skips the test when asked for AMX tiles where they cannot run."""
+    from quire.kernels import cpu as cpu_kernels
+    from quire.kernels.cpu import gemv
+
+    if amx and not gemv.amx_available():
+        pytest.skip("this CPU (or its kernel) has no AMX tiles")
+    cpu_kernels.configure(cpu_kernels.KernelSettings(enabled=True, gemv_fma=None, amx=amx))
+
+
 @pytest.fixture
 def kernel_settings():
     """Restores the process's C kernel choices (quire/kernels/cpu `configure`) after a test that

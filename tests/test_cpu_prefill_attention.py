@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import use_amx_order
 
 from quire.attention.backend import AttentionMetadata
 from quire.attention.torch_backend import TorchAttentionBackend, gathered_prefill
@@ -21,10 +22,7 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(params=["avx512-bf16", "amx"])
 def order(request, kernel_settings) -> str:
     """Each loop the kernel runs in here, set as EngineConfig.cpu_amx sets it."""
-    amx = request.param == "amx"
-    if amx and not gemv.amx_available():
-        pytest.skip("this CPU (or its kernel) has no AMX tiles")
-    cpu_kernels.configure(cpu_kernels.KernelSettings(enabled=True, gemv_fma=None, amx=amx))
+    use_amx_order(request.param == "amx")
     assert cpu_kernels.prefill_attention_path() == request.param
     return request.param
 

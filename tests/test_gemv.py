@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import use_amx_order
 
 from quire.kernels import cpu as cpu_kernels
 from quire.kernels.cpu import gemv
@@ -34,9 +35,7 @@ def order(request, kernel_settings) -> str:
     """Each order the kernel sums in on this CPU, set as EngineConfig.cpu_amx sets it: "avx512"
     everywhere the kernel runs, "amx" where AMX tiles run too."""
     amx = request.param == "amx"
-    if amx and not gemv.amx_available():
-        pytest.skip("this CPU (or its kernel) has no AMX tiles")
-    cpu_kernels.configure(cpu_kernels.KernelSettings(enabled=True, gemv_fma=None, amx=amx))
+    use_amx_order(amx)
     assert gemv.uses_amx() == amx
     return request.param
 
@@ -44,9 +43,7 @@ def order(request, kernel_settings) -> str:
 @pytest.fixture
 def amx_order(kernel_settings) -> None:
     """The kernel on AMX tiles, on CPUs that have them."""
-    if not gemv.amx_available():
-        pytest.skip("this CPU (or its kernel) has no AMX tiles")
-    cpu_kernels.configure(cpu_kernels.KernelSettings(enabled=True, gemv_fma=None, amx=True))
+    use_amx_order(True)
 
 
 def onednn_order_reproducible() -> bool:
