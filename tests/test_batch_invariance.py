@@ -138,3 +138,17 @@ def test_without_the_prefill_kernel_prompts_run_as_decodes_and_keep_their_bits(
     llm = LLM(model_dir, dtype="bfloat16", max_num_batched_tokens=24, max_num_seqs=8)
     assert run(llm, prompts) == alone
     assert run(llm, prompts[::-1]) == alone[::-1]  # every full block is a prefix-cache hit now
+
+
+def test_a_prompt_holding_an_earlier_output_computes_it_as_prompt(model_dir):
+    """A chat's next turn: the prompt holds the tokens an earlier request generated. Their cached
+    KV came from the decode kernels, so the new prompt recomputes them and keeps its bits alone
+    (it hits the blocks that earlier request computed as prompt)."""
+    llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory=KV_MEMORY)
+    first = token_prompts([40])[0]
+    generated = run(llm, [first], max_tokens=40)[0][0]
+    next_turn = {"prompt_token_ids": first["prompt_token_ids"] + generated + [11, 12, 13]}
+    with_cache = run(llm, [next_turn])[0]
+    fresh = LLM(model_dir, dtype="bfloat16", kv_cache_memory=KV_MEMORY, enable_prefix_caching=False)
+    assert with_cache == run(fresh, [next_turn])[0]
+    assert llm.stats().prefix_cache_hits == 32  # the first prompt's two full blocks

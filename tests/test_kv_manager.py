@@ -222,6 +222,29 @@ def test_block_hash_is_stable_across_calls_and_processes():
     assert hash_block(None, (1, 2, 3, 4)) == first
 
 
+def test_generated_tokens_are_found_by_their_request_not_by_a_prompt_holding_them():
+    """Generated tokens' KV comes from the decode kernels: a later prompt made of the same tokens
+    (a chat's next turn) hits only the blocks its first request computed as prompt, while the
+    request itself, resumed after preemption, finds all of its full blocks."""
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    first = make_request("a", tokens(100, 6))  # blocks: 4 prompt | 2 prompt + 2 generated | 4
+    admit(kv, first)
+    for token_id in tokens(900, 7):
+        decode(kv, first, token_id)
+    assert first.num_computed_tokens == 13
+    next_turn = make_request("b", first.token_ids + [7, 7])
+    assert [b.block_id for b in kv.get_computed_blocks(next_turn)] == [0]
+    kv.free(first)  # preempted: its blocks stay cached
+    resumed = make_request("a", tokens(100, 6))
+    for token_id in tokens(900, 7):
+        resumed.append_token(token_id)
+    assert [b.block_id for b in kv.get_computed_blocks(resumed)] == [0, 1, 2]
+    later_start = make_request("d", tokens(100, 7))  # generation starts one token later
+    for token_id in tokens(901, 6):
+        later_start.append_token(token_id)
+    assert [b.block_id for b in kv.get_computed_blocks(later_start)] == [0]
+
+
 def test_prompt_of_exactly_k_full_blocks_reuses_only_k_minus_1():
     kv = KVCacheManager(num_blocks=8, block_size=BS)
     admit(kv, make_request("a", tokens(100, 12)))
@@ -241,16 +264,6 @@ def test_a_partial_block_is_not_cached():
     admit(kv, make_request("a", tokens(100, 6)))
     longer = make_request("b", tokens(100, 9))
     assert [b.block_id for b in kv.get_computed_blocks(longer)] == [0]
-
-
-def test_a_block_filled_by_decoding_is_cached():
-    kv = KVCacheManager(num_blocks=8, block_size=BS)
-    first = make_request("a", tokens(100, 6))
-    admit(kv, first)
-    decode(kv, first, 106)
-    decode(kv, first, 107)
-    longer = make_request("b", tokens(100, 9))
-    assert [b.block_id for b in kv.get_computed_blocks(longer)] == [0, 1]
 
 
 def test_a_chunk_caches_only_the_blocks_it_fills():
@@ -585,7 +598,12 @@ class KVManagerMachine(RuleBasedStateMachine):
                 if (i + 1) * bs > request.num_computed_tokens:
                     assert block.block_hash is None  # partial blocks are never hashed
                     break
-                parent = hash_block(parent, request.token_ids[i * bs : (i + 1) * bs])
+                offset = request.num_prompt_tokens - i * bs
+                parent = hash_block(
+                    parent,
+                    request.token_ids[i * bs : (i + 1) * bs],
+                    offset if 0 <= offset < bs else None,
+                )
                 if block.block_hash is not None:
                     assert block.block_hash == parent
                     self.block_tokens[parent] = tuple(request.token_ids[i * bs : (i + 1) * bs])

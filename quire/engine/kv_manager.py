@@ -6,6 +6,10 @@ It owns all block bookkeeping; the physical tensors live in the worker (worker/k
 - A full block gets a hash chained from its parent block's hash and its token ids. Prefix caching
   maps hash -> block, so a new request reuses every leading full block of its prompt that is
   cached, except the block holding the prompt's last token (that token is computed for logits).
+  The block where a request's generated tokens start also hashes where they start: their KV came
+  from the decode kernels, whose bits are not the prompt kernels', so a later prompt holding the
+  same tokens (the next turn of a chat) computes them again rather than take other bits; the
+  request itself, replaying after preemption, still finds them.
 - A freed block (ref count 0) keeps its hash and stays findable until the allocator reuses it:
   the free list is in LRU order, allocation evicts from its head, a cache hit takes it back out.
 - `fork` shares a request's blocks with a child (ref count + 1). The first write into a shared,
@@ -31,11 +35,16 @@ class KVBlock:
     block_hash: int | None = None
 
 
-def hash_block(parent_hash: int | None, token_ids: list[int]) -> int:
-    """128-bit hash of a full block's tokens chained with its parent's hash."""
+def hash_block(
+    parent_hash: int | None, token_ids: list[int], generated_from: int | None = None
+) -> int:
+    """128-bit hash of a full block's tokens chained with its parent's hash; `generated_from`:
+    the offset of the request's first generated token, in the block that holds it."""
     hasher = xxhash.xxh3_128()
     hasher.update((parent_hash or 0).to_bytes(16, "little"))
     hasher.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    if generated_from is not None:
+        hasher.update(b"generated from %d" % generated_from)
     return hasher.intdigest()
 
 
@@ -80,9 +89,17 @@ class KVCacheManager:
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
         hashes = self.req_block_hashes.setdefault(request.request_id, [])
         bs = self.block_size
+        first_generated = request.num_prompt_tokens
         for i in range(len(hashes), num_full_blocks):
             parent = hashes[-1] if hashes else request.prefix_key
-            hashes.append(hash_block(parent, request.token_ids[i * bs : (i + 1) * bs]))
+            offset = first_generated - i * bs
+            hashes.append(
+                hash_block(
+                    parent,
+                    request.token_ids[i * bs : (i + 1) * bs],
+                    offset if 0 <= offset < bs else None,
+                )
+            )
         return hashes
 
     def get_computed_blocks(self, request: Request) -> list[KVBlock]:
