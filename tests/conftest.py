@@ -35,7 +35,8 @@ def pytest_terminal_summary(terminalreporter) -> None:
             names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
         cpu = names[0] if names else cpu
     terminalreporter.write_line(
-        f"quire kernels: {cpu}; bf16 matmul {gemv.path()}, GGUF blocks {qmatmul.path()}, "
+        f"quire kernels: {cpu}; bf16 matmul {gemv.path()}, GGUF blocks {qmatmul.path()} "
+        f"(prompt rows {qmatmul.prompt_path('Q4_1')}), "
         f"prefill attention {cpu_kernels.prefill_attention_path()}"
     )
 

@@ -80,15 +80,18 @@ def test_a_batch_gives_each_request_its_bits_alone(
     assert run(llm, token_prompts(LENGTHS)[::-1]) == alone[::-1]
 
 
-def test_preemption_by_recompute_keeps_each_request_its_bits(model_dir, monkeypatch):
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_preemption_by_recompute_keeps_each_request_its_bits(model_dir, quantization, monkeypatch):
     """A pool too small for the batch preempts requests that have generated tokens already. A
     resumed request replays them in a chunk that the runner runs as one decode per token, so its
     later tokens and logprobs are its bits alone (recomputed as part of a prompt chunk, they went
-    through the prefill kernel and drifted)."""
+    through the prefill kernel and drifted). With int8 weights the replayed rows also keep the
+    generated tokens' int8 sums where prompt rows take AMX tiles (qmatmul.prompt_path)."""
     from quire.engine.scheduler import Scheduler
 
     prompts = token_prompts(LENGTHS)
-    llm = LLM(model_dir, dtype="bfloat16", enable_prefix_caching=False)
+    kwargs = dict(dtype="bfloat16", quantization=quantization)
+    llm = LLM(model_dir, enable_prefix_caching=False, **kwargs)
     alone = [run(llm, [p], max_tokens=40)[0] for p in prompts]
 
     preempted_outputs, replayed = [], []
@@ -109,7 +112,7 @@ def test_preemption_by_recompute_keeps_each_request_its_bits(model_dir, monkeypa
 
     monkeypatch.setattr(Scheduler, "_preempt", record_preemption)
     monkeypatch.setattr(Scheduler, "schedule", record_replays)
-    llm = LLM(model_dir, dtype="bfloat16", num_kv_blocks=24, max_num_batched_tokens=64)
+    llm = LLM(model_dir, num_kv_blocks=24, max_num_batched_tokens=64, **kwargs)
     assert run(llm, prompts, max_tokens=40) == alone
     assert sum(n > 0 for n in preempted_outputs) >= 2, preempted_outputs
     assert max(replayed) > 1  # a replay of several generated tokens in one step

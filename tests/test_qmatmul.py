@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import use_amx_order
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
@@ -121,6 +122,70 @@ def test_a_rows_bits_do_not_depend_on_the_batch_or_the_threads(qtype) -> None:
         assert torch.equal(qmatmul.qmatmul(x, packed, qtype, None, 70), batch)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_prompt_rows_on_amx_tiles_multiply_the_weight_rounded_to_bf16(
+    qtype, kernel_settings
+) -> None:
+    """Where the bf16 matmul runs on AMX tiles, a step's prompt rows take the weight dequantized
+    to bf16 (each weight gguf's float value, rounded once) times the rows as they are, summed in
+    float32 (tdpbf16ps); the rows before `first_prompt_row` keep the int8 sums."""
+    use_amx_order(True)
+    assert qmatmul.prompt_path(qtype) == "amx-bf16"
+    for out_features, in_features in SHAPES:
+        x, raw, dequantized = make_case(qtype, 40, out_features, in_features)
+        packed = qmatmul.pack(raw, qtype, in_features)
+        weight = qmatmul.dequantize_bf16(packed, qtype, out_features, in_features)
+        assert torch.equal(weight, torch.from_numpy(dequantized).bfloat16())
+        out = qmatmul.qmatmul(x, packed, qtype, None, out_features, torch.float32, 9)
+        exact = x[9:].double().numpy() @ weight.double().numpy().T
+        magnitude = np.abs(x[9:].double().numpy()) @ np.abs(weight.double().numpy()).T
+        error = np.abs(out[9:].double().numpy() - exact)
+        assert (error <= 2.0**-8 * np.abs(exact) + 2.0**-20 * magnitude).all()
+        int8 = qmatmul.qmatmul(x, packed, qtype, None, out_features, torch.float32)
+        assert torch.equal(out[:9], int8[:9])
+        assert not torch.equal(out[9:], int8[9:])  # the other numerics ran
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_a_prompt_rows_bits_do_not_depend_on_the_batch_the_split_or_the_threads(
+    qtype, kernel_settings
+) -> None:
+    use_amx_order(True)
+    x, raw, _ = make_case(qtype, 45, 200, 576)
+    packed = qmatmul.pack(raw, qtype, 576)
+    prompt = qmatmul.qmatmul(x, packed, qtype, None, 200, first_prompt_row=0)
+    for first in (1, 17, 33, 44):  # row groups of 32 cut at other rows
+        assert torch.equal(
+            qmatmul.qmatmul(x, packed, qtype, None, 200, first_prompt_row=first)[first:],
+            prompt[first:],
+        )
+    for i in (0, 16, 31, 44):
+        alone = qmatmul.qmatmul(x[i : i + 1], packed, qtype, None, 200, first_prompt_row=0)
+        assert torch.equal(alone, prompt[i : i + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(qmatmul.qmatmul(x, packed, qtype, None, 200, first_prompt_row=0), prompt)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K"])
+def test_prompt_rows_keep_the_int8_sums_off_amx(qtype, kernel_settings) -> None:
+    """Without the AMX order (no AMX, or EngineConfig.cpu_amx off), and for the K-quants, the
+    prompt rows' numerics are the generated rows'."""
+    if qtype == "Q4_1":
+        use_amx_order(False)
+    assert qmatmul.prompt_path(qtype) == qmatmul.path()
+    in_features = 512
+    x, raw, _ = make_case(qtype, 20, 70, in_features)
+    packed = qmatmul.pack(raw, qtype, in_features)
+    assert torch.equal(
+        qmatmul.qmatmul(x, packed, qtype, None, 70, first_prompt_row=5),
+        qmatmul.qmatmul(x, packed, qtype, None, 70),
+    )
 
 
 def test_strided_rows_give_the_contiguous_result() -> None:

@@ -1,14 +1,17 @@
 """GGUF weights kept in their blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) end to end: SmolLM2's
 real weights (the default Q4_1 file, and re-quantized to Q8_0, Q4_0 and llama.cpp's Q4_K_M mix)
-give a perplexity within 1% of the same file dequantized to float32; the C decode step gives the
+give a perplexity within 1% of the same file dequantized to float32, and each token's logprob
+close to it; the C decode step gives the
 module path's bits, a q|k|v of two types included; a request's bits do not depend on the batch,
 its chunking or prefix hits; other types are dequantized."""
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 
+import numpy as np
 import pytest
 from conftest import greedy, in_process_model, make_adapter, make_llm, token_prompts
 from test_cpu_decode import check_each_fused_step
@@ -16,7 +19,7 @@ from test_cpu_decode import check_each_fused_step
 from quire import LLM, SamplingParams
 from quire.bench import gguf_files
 from quire.bench.models import CACHE_DIR
-from quire.bench.perplexity import PROSE, perplexity
+from quire.bench.perplexity import PROSE
 from quire.kernels.cpu import qmatmul
 from quire.layers.linear import packed_linear_supported
 from quire.layers.quantized_linear import QuantizedLinear
@@ -40,6 +43,41 @@ def smollm2_file(default_model: str, qtype: str) -> str:
     )
 
 
+# PROSE and three more paragraphs: ~600 tokens, where the bf16 model's own perplexity moves
+# 0.1-0.3% from float32's (on PROSE alone, ~200 tokens, 0.4-0.7%).
+SCORED = PROSE + (
+    " The oldest building in the town is the church, which was begun in the twelfth century and "
+    "finished almost three hundred years later, so that its nave and its tower belong to different "
+    "ages. Inside, the walls were once covered with paintings of saints and harvests; most of them "
+    "were whitewashed during the Reformation and uncovered again in the nineteen-sixties, when a "
+    "restorer noticed a painted hand beneath a crack in the plaster. The work took eleven years. "
+    "Now the paintings are lit at night, and the church is one of the few places in the region "
+    "where visitors queue on a weekday morning."
+    " Beyond the church, a narrow street climbs towards the old town wall. Only two of its gates "
+    "survive, and the northern one houses a small museum of local history. Its rooms are crowded "
+    "with objects that families gave away when they moved or cleared an attic: a baker's scales, "
+    "a school desk with an inkwell, a wedding dress from eighteen ninety, photographs of floods "
+    "and frozen winters, and a model of the bridge that stood before the present one. The museum "
+    "is run by volunteers, most of them retired teachers, who are happy to explain each object "
+    "and will often add a story about the person who owned it."
+    " The rivers still shape the life of the town, even if no barges stop at the quay. Every few "
+    "years a spring flood covers the meadows to the south, and the lower streets are closed while "
+    "the water rises and falls. The flood brings fresh soil to the fields, and the farmers say "
+    "that the best asparagus grows where the water stood longest. In summer, children swim at a "
+    "beach of pebbles below the bridge, anglers sit on the banks from dawn, and in the evening "
+    "the cafes along the promenade put their tables out under the lime trees. When the light "
+    "fades, swallows fly low over the water, and the bells of the church ring the hour across "
+    "both rivers."
+)
+
+
+def prompt_logprobs(llm: LLM, token_ids: list[int]) -> np.ndarray:
+    """The logprob of each token after the first, given the ones before it."""
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    out = llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False)[0]
+    return np.array([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], token_ids[1:])])
+
+
 def linear_types(llm: LLM) -> set[str]:
     model = in_process_model(llm).model
     return {m.qtype for m in model.modules() if isinstance(m, QuantizedLinear)}
@@ -59,19 +97,28 @@ def linear_types(llm: LLM) -> set[str]:
 def test_perplexity_is_within_one_percent_of_the_dequantized_file(
     default_model, tokenizer_dir, qtype, types
 ) -> None:
+    """Prompt rows take bf16 numerics on AMX hosts (qmatmul.prompt_path) and int8 sums on others:
+    both within 1% in perplexity, and within 0.1 of each token's float32 logprob on average
+    (measured on an Intel Xeon with AMX: 0.041-0.050 bf16, 0.061-0.070 int8)."""
     path = smollm2_file(default_model, qtype)
-    quantized = LLM(path, tokenizer=tokenizer_dir, num_kv_blocks=32)
-    token_ids = quantized.get_tokenizer()(PROSE)["input_ids"]
+    quantized = LLM(path, tokenizer=tokenizer_dir, num_kv_blocks=48, enable_prefix_caching=False)
+    token_ids = quantized.get_tokenizer()(SCORED)["input_ids"]
     assert linear_types(quantized) == types
     assert quantized.stats().c_decode_step
-    ppl = perplexity(quantized.engine, token_ids)
+    logprobs = prompt_logprobs(quantized, token_ids)
     del quantized
     reference = LLM(
-        path, tokenizer=tokenizer_dir, num_kv_blocks=32, quantization="none", dtype="float32"
+        path,
+        tokenizer=tokenizer_dir,
+        num_kv_blocks=48,
+        quantization="none",
+        dtype="float32",
+        enable_prefix_caching=False,
     )
     assert linear_types(reference) == set()
-    expected = perplexity(reference.engine, token_ids)
-    assert abs(ppl / expected - 1) < 0.01, (ppl, expected)
+    expected = prompt_logprobs(reference, token_ids)
+    assert abs(math.exp(expected.mean() - logprobs.mean()) - 1) < 0.01
+    assert np.abs(logprobs - expected).mean() < 0.1
 
 
 TINY_LLAMA = dict(

@@ -42,6 +42,16 @@ def forward_context(
         _current = previous
 
 
+def first_prompt_row(num_rows: int) -> int | None:
+    """Where the step's prompt tokens start among its `num_rows` token rows, for an op that gives
+    prompt rows numerics of their own (quantized_linear.py): the generated tokens' rows (decodes,
+    replays after preemption, speculative tokens to verify) come first. None outside a forward,
+    or for rows that are not the step's tokens (the LM head's, one a sequence)."""
+    if _current is None or _current.metadata.slot_mapping.shape[0] != num_rows:
+        return None
+    return _current.metadata.num_decode_tokens
+
+
 def get_forward_context() -> ForwardContext:
     if _current is None:
         raise RuntimeError("The model runs inside forward_context(...): it holds the KV cache.")

@@ -6,10 +6,13 @@ features) instead of dequantizing it; `LlamaForCausalLM.load_weights` keeps it b
 `quantize_linear_layers` then replaces each such linear with a `QuantizedLinear`: the blocks
 repacked once for the int8 kernel (quire/kernels/cpu/qmatmul.c, qmatmul_k.c for the K-quants),
 which quantizes each row of x to int8 in blocks of 32 and sums every row in one order whatever
-the number of rows, prompt and
-generated tokens alike, so a request's bits do not depend on the batch. A decode step then
-reads 4.5-8.5 bits a weight instead of bf16's 16. A fused linear whose shards come in different
-types (Q4_K_M files give q and k in Q4_K, v in Q6_K) keeps each run of one type as a part.
+the number of rows, so a request's bits do not depend on the batch. A decode step then reads
+4.5-8.5 bits a weight instead of bf16's 16. Where the bf16 matmul runs on AMX tiles, a step's
+prompt rows (`first_prompt_row` of the forward context) take the kernel's bf16 loop instead
+(`qmatmul.prompt_path`), as attention gives them a kernel of their own: a token's numerics follow
+from whether it is a prompt or a generated token, never from the batch. A fused linear whose
+shards come in different types (Q4_K_M files give q and k in Q4_K, v in Q6_K) keeps each run of
+one type as a part.
 
 Under tensor parallelism each rank keeps its shard's blocks, cut as the parallel layers cut a
 float tensor (`Shard`): whole rows for column-parallel, q|k|v, gate|up and LM-head shards; whole
@@ -30,6 +33,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 from torch import nn
 
+from quire.attention.forward_context import first_prompt_row
 from quire.distributed.parallel_state import all_reduce, tp_size
 from quire.kernels.cpu import qmatmul
 from quire.layers.parallel_linear import (
@@ -152,7 +156,13 @@ class QuantizedLinear(nn.Module):
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
         out = qmatmul.qmatmul(
-            rows, self.packed, self.qtype, self.bias, self.out_features, out_dtype or x.dtype
+            rows,
+            self.packed,
+            self.qtype,
+            self.bias,
+            self.out_features,
+            out_dtype or x.dtype,
+            first_prompt_row(rows.shape[0]),
         )
         return out.view(*lead, self.out_features)
 

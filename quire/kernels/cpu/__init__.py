@@ -69,6 +69,10 @@ _SIGNATURES = {
     # format, x, x row stride, packed weight, bias, y (bf16) or y (float32), y row stride; M, N,
     # K, threads (qmatmul.c).
     "qmatmul_bf16": [_I32, _P, _I64] + [_P] * 4 + [_I64] + [_I32] * 4,
+    # qmatmul_bf16's arguments with the step's first prompt row before the threads.
+    "qmatmul_rows_bf16": [_I32, _P, _I64] + [_P] * 4 + [_I64] + [_I32] * 5,
+    # format, packed weight, K, first panel, end panel, out (bf16, gemv.c's packed layout).
+    "qmatmul_dequantize_bf16": [_I32, _P] + [_I32] * 3 + [_P],
     # x, x row stride, rows, K, codes, scales, sums.
     "quantize_rows_q8_bf16": [_P, _I64, _I32, _I32, _P, _P, _P],
     "qmatmul_record_bytes": [_I32],

@@ -19,6 +19,7 @@
 // matmul_amx_argmax_bf16 runs the same sums for the fused LM head's greedy argmax
 // (decode_layer.c): each panel's logits are searched as they leave the tiles and never stored.
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
@@ -156,6 +157,54 @@ int matmul_amx_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed,
     return 0;
 }
 
+// y = x W^T (+ bias) for the prompt rows of a step (qmatmul.c's qmatmul_rows_bf16), W in
+// qmatmul.c's blocks (Q8_0 / Q4_0 / Q4_1): each thread dequantizes a chunk of its panels to bf16
+// (qmatmul_dequantize_bf16), then runs every row group over the chunk as matmul_amx_bf16 does, so
+// a row's bits are matmul_amx_bf16's on the dequantized weight. Returns 0, -1 for a shape it
+// does not take, -2 where AMX cannot run, -3 out of memory.
+int qmatmul_amx_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
+                     const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride,
+                     int M, int N, int K, int num_threads) {
+    if (!matmul_amx_available()) return -2;
+    const int record = qmatmul_record_bytes(format);
+    if (M < 1 || N < 1 || K < 32 || K % 32 || record < 0) return -1;
+    const int panels = (N + PANEL - 1) / PANEL;
+    const int threads = panels < 2 * num_threads ? 1 : num_threads;
+    const int64_t panel_bytes = (int64_t)K * PANEL * sizeof(uint16_t);
+    const int chunk = panel_bytes >= CHUNK_BYTES ? 1 : (int)(CHUNK_BYTES / panel_bytes);
+    uint16_t* buffers = aligned_alloc(64, (size_t)(threads * chunk * panel_bytes));
+    if (!buffers) return -3;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int p0 = (int)((int64_t)panels * t / nt);
+        const int p1 = (int)((int64_t)panels * (t + 1) / nt);
+        uint16_t* w = buffers + (int64_t)t * chunk * K * PANEL;
+        float out[ROW_GROUP * PANEL];
+        int configured = 0;
+        for (int c0 = p0; c0 < p1; c0 += chunk) {
+            const int c1 = c0 + chunk < p1 ? c0 + chunk : p1;
+            qmatmul_dequantize_bf16(format, packed, K, c0, c1, w);
+            for (int m0 = 0; m0 < M; m0 += ROW_GROUP) {
+                const int rows = M - m0 < ROW_GROUP ? M - m0 : ROW_GROUP;
+                if (rows != configured) {
+                    configure_tiles(rows);
+                    configured = rows;
+                }
+                for (int pi = c0; pi < c1; pi++) {
+                    amx_panel(rows, x + (int64_t)m0 * x_stride, x_stride,
+                              w + (int64_t)(pi - c0) * PANEL * K, K, out);
+                    store_panel(out, PANEL, rows, m0, pi * PANEL, N, bias, y_bf16, y_f32,
+                                y_stride);
+                }
+            }
+        }
+        if (configured) _tile_release();
+    }
+    free(buffers);
+    return 0;
+}
+
 // One panel's sums out [rows][32] (columns n0.., `cols` of them) into the rows' running bests.
 static void panel_rows_argmax(const float* out, int rows, int cols, int n0, int64_t first,
                               const uint16_t* bias, float* best_value, int64_t* best_id,
@@ -234,6 +283,14 @@ int matmul_amx_argmax_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* 
     (void)x, (void)x_stride, (void)packed, (void)bias, (void)M, (void)N, (void)K, (void)first;
     (void)best_value, (void)best_id, (void)best_nan;
     return -2;  // built without AMX-BF16
+}
+
+int qmatmul_amx_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
+                     const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride,
+                     int M, int N, int K, int num_threads) {
+    (void)format, (void)x, (void)x_stride, (void)packed, (void)bias, (void)y_bf16, (void)y_f32;
+    (void)y_stride, (void)M, (void)N, (void)K, (void)num_threads;
+    return -2;
 }
 
 int matmul_amx_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed,

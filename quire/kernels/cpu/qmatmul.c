@@ -361,6 +361,145 @@ static void run_panel(int format, int MB, const int8_t* xq, const float* xd, con
 }
 #endif
 
+// Prompt rows on AMX tiles (qmatmul_rows_bf16): panels [p0, p1) of `packed` (Q8_0 / Q4_0 /
+// Q4_1) as bf16 weights in gemv.c's packed layout, out [p1 - p0][K / 2][32][2] (for column c,
+// weights k and k + 1 side by side). Each weight is d (u - 128), d (q - 8) or d q + m (one FMA)
+// in float32, rounded once to bf16, to nearest with ties to even: bits of the weight alone.
+static inline float dequantize_one(int format, int u, float d, float m) {
+    if (format == Q8_0) return (float)(u - 128) * d;
+    if (format == Q4_0) return (float)(u - 8) * d;
+    return __builtin_fmaf(d, (float)u, m);
+}
+
+static inline uint16_t f32_to_bf16_rne(float f) {  // finite f: the weights of a GGUF block
+    uint32_t u;
+    memcpy(&u, &f, sizeof(u));
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+// 16 columns' weights k (codes in `a`) and k + 1 (in `b`), as int32 lanes of bf16 pairs.
+static inline __m512i bf16_pairs(int format, __m512i a, __m512i b, __m512 d, __m512 m) {
+    __m512 wa, wb;
+    if (format == Q4_1) {
+        wa = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(a), m);
+        wb = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(b), m);
+    } else {
+        const __m512i zero = _mm512_set1_epi32(format == Q8_0 ? 128 : 8);
+        wa = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a, zero)), d);
+        wb = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(b, zero)), d);
+    }
+    // [wa 0..15 | wb 0..15] as bf16, then interleaved: lane 2j takes wa j, lane 2j + 1 wb j
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                           16, 0);
+    return _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(wb, wa));
+}
+
+// One block (32 values of k) of 16 columns (half h of the panel) into its 16 pair rows.
+static void dequantize_block_half(int format, const uint8_t* r, int h, uint16_t* out) {
+    const uint8_t* sc = r + codes_bytes(format);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sc + 32 * h)));
+    const __m512 m = format == Q4_1
+                         ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sc + 64 + 32 * h)))
+                         : _mm512_setzero_ps();
+    const __m512i byte = _mm512_set1_epi32(0xFF), nibble = _mm512_set1_epi32(0x0F);
+    uint16_t* o = out + 32 * h;  // pair row j: o + 64 j
+    if (format == Q8_0) {
+        for (int g = 0; g < 8; g++) {  // codes 4g .. 4g + 3: pair rows 2g, 2g + 1
+            const __m512i v = _mm512_loadu_si512(r + g * 128 + 64 * h);
+            const __m512i c0 = _mm512_and_si512(v, byte);
+            const __m512i c1 = _mm512_and_si512(_mm512_srli_epi32(v, 8), byte);
+            const __m512i c2 = _mm512_and_si512(_mm512_srli_epi32(v, 16), byte);
+            const __m512i c3 = _mm512_srli_epi32(v, 24);
+            _mm512_storeu_si512(o + 64 * (2 * g), bf16_pairs(format, c0, c1, d, m));
+            _mm512_storeu_si512(o + 64 * (2 * g + 1), bf16_pairs(format, c2, c3, d, m));
+        }
+        return;
+    }
+    for (int g = 0; g < 4; g++) {  // low nibbles: codes 4g ..; high nibbles: codes 16 + 4g ..
+        const __m512i v = _mm512_loadu_si512(r + g * 128 + 64 * h);
+        __m512i c[8];
+        for (int i = 0; i < 8; i++) c[i] = _mm512_and_si512(_mm512_srli_epi32(v, 4 * i), nibble);
+        // c[2i]: byte i's low nibble (code 4g + i), c[2i + 1]: its high one (16 + 4g + i)
+        _mm512_storeu_si512(o + 64 * (2 * g), bf16_pairs(format, c[0], c[2], d, m));
+        _mm512_storeu_si512(o + 64 * (2 * g + 1), bf16_pairs(format, c[4], c[6], d, m));
+        _mm512_storeu_si512(o + 64 * (8 + 2 * g), bf16_pairs(format, c[1], c[3], d, m));
+        _mm512_storeu_si512(o + 64 * (9 + 2 * g), bf16_pairs(format, c[5], c[7], d, m));
+    }
+}
+#endif
+
+int qmatmul_dequantize_bf16(int format, const uint8_t* packed, int K, int p0, int p1,
+                            uint16_t* out) {
+    if (format < Q8_0 || format > Q4_1 || K < QBLOCK || K % QBLOCK) return -1;
+    const int nb = K / QBLOCK, record = qmatmul_record_bytes(format), cb = codes_bytes(format);
+    for (int pi = p0; pi < p1; pi++) {
+        const uint8_t* p = packed + (int64_t)pi * nb * record;
+        uint16_t* o = out + (int64_t)(pi - p0) * K * QPANEL;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t* r = p + (int64_t)b * record;
+            uint16_t* ob = o + (int64_t)b * QBLOCK * QPANEL;  // 16 pair rows of 64
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+            (void)cb;
+            dequantize_block_half(format, r, 0, ob);
+            dequantize_block_half(format, r, 1, ob);
+#else
+            for (int c = 0; c < QPANEL; c++) {
+                uint16_t h;
+                memcpy(&h, r + cb + 2 * c, sizeof(h));
+                const float d = f16_to_f32(h);
+                float m = 0.0f;
+                if (format == Q4_1) {
+                    memcpy(&h, r + cb + 64 + 2 * c, sizeof(h));
+                    m = f16_to_f32(h);
+                }
+                for (int k = 0; k < QBLOCK; k++) {
+                    int u;
+                    if (format == Q8_0)
+                        u = r[(k / 4) * 128 + c * 4 + k % 4];
+                    else if (k < 16)
+                        u = r[(k / 4) * 128 + c * 4 + k % 4] & 0x0F;
+                    else
+                        u = r[((k - 16) / 4) * 128 + c * 4 + k % 4] >> 4;
+                    ob[(k / 2) * 2 * QPANEL + 2 * c + k % 2] =
+                        f32_to_bf16_rne(dequantize_one(format, u, d, m));
+                }
+            }
+#endif
+        }
+    }
+    return 0;
+}
+
+// A step's rows, those from `first_prompt` on its prompt tokens: where the bf16 matmul runs on
+// AMX tiles (gemv_bf16_uses_amx) and the weight is Q8_0 / Q4_0 / Q4_1, the prompt rows take
+// qmatmul_amx_bf16 (the weight dequantized to bf16 a chunk of panels at a time, bf16 rows on
+// the tiles: prefill is compute-bound, and AMX's bf16 rate is 8x VNNI's int8 here), and the rows
+// before it (generated tokens) this file's int8 sums. Each row's bits depend on its kind and its
+// values only, so a request's bits do not depend on the batch or on how its prompt is chunked.
+// Elsewhere, every row takes qmatmul_bf16_then. Arguments as qmatmul_bf16's.
+int qmatmul_rows_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
+                      const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride,
+                      int M, int N, int K, int first_prompt, int num_threads) {
+    if (first_prompt < 0 || first_prompt > M) return -1;
+    const int prompt_rows = M - first_prompt;
+    if (prompt_rows > 0 && format >= Q8_0 && format <= Q4_1 && gemv_bf16_uses_amx()) {
+        const int64_t at = (int64_t)first_prompt * y_stride;
+        const int status = qmatmul_amx_bf16(
+            format, x + (int64_t)first_prompt * x_stride, x_stride, packed, bias,
+            y_bf16 ? y_bf16 + at : NULL, y_bf16 ? NULL : y_f32 + at, y_stride, prompt_rows, N, K,
+            num_threads);
+        if (status != 0) return status;
+        if (first_prompt == 0) return 0;
+        M = first_prompt;
+    }
+    return qmatmul_bf16(format, x, x_stride, packed, bias, y_bf16, y_f32, y_stride, M, N, K,
+                        num_threads);
+}
+
 // x [M, x_stride] bf16 (first K columns used, K a multiple of 32); packed as above, `format` one
 // of Q8_0 / Q4_0 / Q4_1 (Q4_K / Q5_K / Q6_K: qmatmul_k.c, K a multiple of 256); bias [N] bf16
 // or NULL. Output row m: y_bf16 + m * y_stride (bf16), or

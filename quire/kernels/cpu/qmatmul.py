@@ -3,6 +3,12 @@ Q4_K, Q5_K or Q6_K super-blocks (qmatmul_k.c), x bf16 quantized per row to int8 
 inside the call, for any number of rows (every row summed
 in one order, so a row's bits do not depend on the batch). `pack` repacks a GGUF tensor's blocks
 once at load time into the kernel's panels (layout: the top of qmatmul.c).
+
+Where the bf16 matmul runs on AMX tiles (`prompt_path`), a step's prompt rows
+(`first_prompt_row` on) of a Q8_0 / Q4_0 / Q4_1 weight take bf16 numerics instead: the weight
+dequantized to bf16 a chunk of panels at a time and multiplied on the tiles with the rows as
+they are (qmatmul_amx_bf16 in matmul_amx.c). Prefill is compute-bound, and AMX's bf16 rate is
+far above VNNI's int8; decode rows stay int8, reading 4.5-8.5 bits a weight.
 """
 
 from __future__ import annotations
@@ -49,6 +55,36 @@ def simd_types() -> frozenset[str]:
     a plain C build."""
     lib = load_library()
     return frozenset(FORMATS) if lib is not None and lib.qmatmul_path() >= 1 else frozenset()
+
+
+PROMPT_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1"})  # the types whose prompt rows can go to AMX
+
+
+def prompt_path(qtype: str) -> str:
+    """The loop a step's prompt rows of a `qtype` weight take here: "amx-bf16" (dequantized to
+    bf16, on AMX tiles: where the bf16 matmul runs on them, EngineConfig.cpu_amx), else `path()`
+    (the int8 sums of every row)."""
+    lib = load_library()
+    if lib is not None and qtype in PROMPT_TYPES and lib.gemv_bf16_uses_amx() == 1:
+        return "amx-bf16"
+    return path()
+
+
+def dequantize_bf16(packed: torch.Tensor, qtype: str, out_features: int, in_features: int):
+    """`packed`'s weight as the AMX prompt loop multiplies it: [out_features, in_features] bf16,
+    each weight rounded once from float32 (d q + m, d (q - 8) or d q). For tests."""
+    if qtype not in PROMPT_TYPES:
+        raise ValueError(f"dequantize_bf16: {qtype} is not one of {sorted(PROMPT_TYPES)}")
+    _check_packed(packed, qtype, in_features, out_features)
+    panels = packed.shape[0]
+    out = torch.empty(panels, in_features // 2, QPANEL, 2, dtype=torch.bfloat16)
+    status = load_library().qmatmul_dequantize_bf16(
+        format_of(qtype), packed.data_ptr(), in_features, 0, panels, out.data_ptr()
+    )
+    if status != 0:
+        raise ValueError(f"dequantize_bf16: status {status}")
+    # [panel][k pair][column][2] -> [panel * 32 + column][k]
+    return out.permute(0, 2, 1, 3).reshape(panels * QPANEL, in_features)[:out_features]
 
 
 def packed_bytes(qtype: str, out_features: int, in_features: int) -> int:
@@ -159,6 +195,7 @@ def qmatmul(
     bias: torch.Tensor | None,  # [N] bf16
     out_features: int,
     out_dtype: torch.dtype = torch.bfloat16,  # float32: the bf16-rounded result, widened
+    first_prompt_row: int | None = None,  # rows from it on are prompt tokens (`prompt_path`)
 ) -> torch.Tensor:  # [M, N]
     rows, in_features = x.shape
     if x.dtype != torch.bfloat16:
@@ -169,7 +206,8 @@ def qmatmul(
         x = x.contiguous()
     out = torch.empty(rows, out_features, dtype=out_dtype)
     bf16_out = out_dtype == torch.bfloat16
-    status = load_library().qmatmul_bf16(
+    first_prompt = rows if first_prompt_row is None else first_prompt_row
+    status = load_library().qmatmul_rows_bf16(
         format_of(qtype),
         x.data_ptr(),
         x.stride(0),
@@ -181,10 +219,11 @@ def qmatmul(
         rows,
         out_features,
         in_features,
+        first_prompt,
         torch.get_num_threads(),
     )
     if status == -3:
-        raise MemoryError(f"qmatmul: out of memory quantizing {rows} rows of x")
+        raise MemoryError(f"qmatmul: out of memory for {rows} rows of x")
     if status != 0:
         raise ValueError(f"qmatmul: {rows} rows x {in_features} columns is not supported")
     return out
