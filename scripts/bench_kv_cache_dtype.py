@@ -176,7 +176,7 @@ def kernel_speed(args: argparse.Namespace) -> None:
         cache = KVCache.allocate(args.layers, num_blocks, block, kv_heads, head_dim, dtype, "cpu")
         for k_cache, v_cache in cache.layers:
             if kv_format.is_quantized(dtype):
-                cpu_kernels.store_kv_quant(k, v, k_cache, v_cache, slots)
+                cpu_kernels.store_kv(k, v, k_cache, v_cache, slots)
             else:
                 k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots] = k, v
         caches[name] = cache

@@ -198,3 +198,17 @@ def test_an_engine_with_cpu_kernels_off_runs_without_the_library(tiny_llama, ker
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     (output,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
     assert len(output.outputs[0].token_ids) == 4
+
+
+def test_bf16_rows_are_stored_at_their_slots_as_index_copy_stores_them():
+    """The C store (kv_quant.c) takes K and V as the qkv buffer holds them: strided tokens, one
+    contiguous run of heads each; slots anywhere in the pool, in any order."""
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(7, 4 + 2 * 2, 64, generator=gen).bfloat16()  # 4 query, 2 KV heads
+    key, value = qkv[:, 4:6], qkv[:, 6:8]
+    slots = torch.tensor([33, 0, 17, 5, 63, 40, 18])
+    caches = [torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16) for _ in range(4)]
+    cpu_kernels.store_kv(key, value, caches[0], caches[1], slots)
+    for cache, rows in ((caches[2], key), (caches[3], value)):
+        cache.view(64, 2, 64).index_copy_(0, slots, rows)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])

@@ -44,7 +44,7 @@ def stored(name: str, k: torch.Tensor, v: torch.Tensor, slots: list[int]) -> KVC
     num_blocks = max(slots) // BLOCK + 1
     cache = KVCache.allocate(1, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, QUANTIZED[name], "cpu")
     k_cache, v_cache = cache.layers[0]
-    cpu_kernels.store_kv_quant(k, v, k_cache, v_cache, torch.tensor(slots))
+    cpu_kernels.store_kv(k, v, k_cache, v_cache, torch.tensor(slots))
     return cache
 
 
@@ -130,7 +130,7 @@ def test_decode_kernel_is_attention_over_the_dequantized_rows(name):
     flat = [
         int(tables[s, p // BLOCK]) * BLOCK + p % BLOCK for s in range(3) for p in range(40 * BLOCK)
     ]
-    cpu_kernels.store_kv_quant(k, v, k_cache, v_cache, torch.tensor(flat))
+    cpu_kernels.store_kv(k, v, k_cache, v_cache, torch.tensor(flat))
     lens = [1, 37, 40 * BLOCK - 3]
     q = torch.randn(3, HEADS, HEAD_DIM, generator=gen).bfloat16()
     out = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, torch.tensor(lens).int(), 0.125)

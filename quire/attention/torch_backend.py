@@ -34,8 +34,15 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> None:
-    if kv_format.is_quantized(k_cache.dtype):
-        cpu_kernels.store_kv_quant(key, value, k_cache, v_cache, slot_mapping)
+    if kv_format.is_quantized(k_cache.dtype) or (
+        k_cache.device.type == "cpu"
+        and k_cache.dtype == key.dtype == torch.bfloat16
+        and key.stride(1) == key.shape[2]
+        and value.stride(1) == value.shape[2]
+        and key.stride(2) == value.stride(2) == 1
+        and cpu_kernels.load_library() is not None
+    ):
+        cpu_kernels.store_kv(key, value, k_cache, v_cache, slot_mapping)
         return
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     k_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)

@@ -50,7 +50,7 @@ _SIGNATURES = {
     "paged_decode_quant": [_I32, *_PAGED_DECODE],
     # kind, key, value, their token strides, k_cache, v_cache, slots; tokens, num_kv_heads,
     # head_dim, num_threads.
-    "store_kv_quant": [_I32, _P, _P, _I64, _I64, _P, _P, _P] + [_I32] * 4,
+    "store_kv_rows": [_I32, _P, _P, _I64, _I64, _P, _P, _P] + [_I32] * 4,
     # q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out; q and out token strides;
     # num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks; scale, num_threads.
     "prefill_attention_bf16": [_P] * 7 + [_I64] * 2 + [_I32] * 6 + [_F32, _I32, _I32],
@@ -283,22 +283,25 @@ def paged_decode(
     return out
 
 
-def store_kv_quant(
+def store_kv(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim] bf16, heads and dims contiguous
     value: torch.Tensor,
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim + 4], quantized
-    v_cache: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim (+ 4 quantized)]
+    v_cache: torch.Tensor,  # bf16, or a quantized cache (kv_format)
     slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> None:
-    """Quantizes each token's K and V rows (per KV head, a scale each) into their slots
-    (kv_quant.c)."""
+    """Writes each token's K and V rows into their slots (kv_quant.c): bf16 rows copied, or
+    quantized per KV head with a scale each."""
     num_tokens, num_kv_heads, head_dim = key.shape
     for x in (key, value):
         if x.dtype != torch.bfloat16 or x.stride(2) != 1 or x.stride(1) != head_dim:
-            raise ValueError("store_kv_quant: K/V must be bf16 with heads and dims contiguous")
+            raise ValueError("store_kv: K/V must be bf16 with heads and dims contiguous")
+    quantized = kv_format.is_quantized(k_cache.dtype)
+    if not quantized and k_cache.dtype != torch.bfloat16:
+        raise ValueError(f"store_kv: a bf16 or quantized cache, not {k_cache.dtype}")
     slots = slot_mapping.to(torch.int64).contiguous()
-    status = load_library().store_kv_quant(
-        kv_format.kind(k_cache.dtype),
+    status = load_library().store_kv_rows(
+        kv_format.kind(k_cache.dtype) if quantized else 0,
         key.data_ptr(),
         value.data_ptr(),
         key.stride(0),

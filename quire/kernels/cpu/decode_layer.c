@@ -8,7 +8,7 @@
 //   qkv = x Wqkv^T (+ b)                              gemv_bf16 or qmatmul_bf16
 //   q, k = RMSNorm per head (Qwen3); rotary           add_rms_norm_bf16, rotary_bf16
 //   K/V stored at the step's slots; paged attention   paged_decode_bf16 (or, quantized cache,
-//                                                     store_kv_quant, paged_decode_quant)
+//                                                     store_kv_rows, paged_decode_quant)
 //   hidden = attn Wo^T; residual += hidden; x = RMSNorm(residual)
 //   hidden = (silu(x Wg^T) * x Wu^T) Wd^T
 // so a request's tokens are the module path's with the GEMV kernel for the bf16 projections and
@@ -173,8 +173,8 @@ static int decode_layer_bf16(const DecodeLayer* L, const DecodeStep* S, const Sh
                (size_t)KV * sizeof(uint16_t));
     }
     if (L->kv_kind) {
-        status = store_kv_quant(L->kv_kind, S->qkv + Q, S->qkv + Q + KV, W, W, L->k_cache,
-                                L->v_cache, S->slots, B, L->num_kv_heads, D, threads);
+        status = store_kv_rows(L->kv_kind, S->qkv + Q, S->qkv + Q + KV, W, W, L->k_cache,
+                               L->v_cache, S->slots, B, L->num_kv_heads, D, threads);
         if (status) return status;
         status = paged_decode_quant(L->kv_kind, S->q, L->k_cache, L->v_cache, S->block_tables,
                                     S->seq_lens, S->attn, B, L->num_heads, L->num_kv_heads, D,

@@ -28,10 +28,9 @@ int paged_decode_quant(int kind, const uint16_t* q, const uint8_t* k_cache, cons
                        const int32_t* block_tables, const int32_t* seq_lens, uint16_t* out,
                        int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
                        int max_blocks, float scale, int num_threads);
-int store_kv_quant(int kind, const uint16_t* key, const uint16_t* value, int64_t key_stride,
-                   int64_t value_stride, uint8_t* k_cache, uint8_t* v_cache,
-                   const int64_t* slots, int num_tokens, int num_kv_heads, int head_dim,
-                   int num_threads);
+int store_kv_rows(int kind, const uint16_t* key, const uint16_t* value, int64_t key_stride,
+                  int64_t value_stride, uint8_t* k_cache, uint8_t* v_cache, const int64_t* slots,
+                  int num_tokens, int num_kv_heads, int head_dim, int num_threads);
 int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const uint16_t* bias,
               uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M, int N, int K, int k_block,
               int num_threads);

@@ -1,7 +1,8 @@
-// Writing K/V into a quantized cache (kv_quant.h): each token's row per KV head is quantized
-// alone with its own scale, so a token's bytes depend only on its K/V, never on the batch or the
-// chunk it came in.
+// Writing a step's K/V rows into the paged cache at their slots: bf16 rows are copied; into a
+// quantized cache (kv_quant.h) each token's row per KV head is quantized alone with its own
+// scale, so a token's bytes depend only on its K/V, never on the batch or the chunk it came in.
 #include <stdint.h>
+#include <string.h>
 
 #include "bf16.h"
 #include "kernels.h"
@@ -20,12 +21,21 @@ static void quantize_row(int kind, const uint16_t* x, int head_dim, uint8_t* row
 }
 
 // key, value [num_tokens, num_kv_heads, head_dim] bf16 (heads contiguous, tokens `stride`
-// elements apart) into the caches' rows at slots[t] ([num_slots, num_kv_heads, head_dim + 4]).
-int store_kv_quant(int kind, const uint16_t* key, const uint16_t* value, int64_t key_stride,
-                   int64_t value_stride, uint8_t* k_cache, uint8_t* v_cache,
-                   const int64_t* slots, int num_tokens, int num_kv_heads, int head_dim,
-                   int num_threads) {
-    if (kind < KV_INT8 || kind > KV_FP8_E5M2) return -1;
+// elements apart) into the caches' rows at slots[t]: [num_slots, num_kv_heads, head_dim] bf16
+// (kind 0), or [num_slots, num_kv_heads, head_dim + 4] quantized (kind: kv_quant.h).
+int store_kv_rows(int kind, const uint16_t* key, const uint16_t* value, int64_t key_stride,
+                  int64_t value_stride, uint8_t* k_cache, uint8_t* v_cache, const int64_t* slots,
+                  int num_tokens, int num_kv_heads, int head_dim, int num_threads) {
+    if (kind < 0 || kind > KV_FP8_E5M2) return -1;
+    if (kind == 0) {  // a token's heads are one contiguous run in the step and in its slot
+        const size_t bytes = (size_t)num_kv_heads * head_dim * sizeof(uint16_t);
+#pragma omp parallel for num_threads(num_threads) if (num_tokens >= 64) schedule(static)
+        for (int t = 0; t < num_tokens; t++) {
+            memcpy(k_cache + slots[t] * bytes, key + t * key_stride, bytes);
+            memcpy(v_cache + slots[t] * bytes, value + t * value_stride, bytes);
+        }
+        return 0;
+    }
     const int64_t row_bytes = head_dim + KV_SCALE_BYTES;
 #pragma omp parallel for num_threads(num_threads) if (num_tokens >= 8) schedule(static)
     for (int t = 0; t < num_tokens; t++) {
