@@ -25,6 +25,25 @@
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 bf16 values from memory, as float32 bit patterns.
+static inline __m512i load_bf16_bits(const uint16_t* p) {
+    return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
+}
+
+// f rounded to bf16 (nearest even, as f32_to_bf16), still as float32 bit patterns.
+static inline __m512i round_to_bf16_bits(__m512i f) {
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(f, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(f, _mm512_set1_epi32(0x7FFF)), lsb);
+    return _mm512_and_si512(rounded, _mm512_set1_epi32((int)0xFFFF0000u));
+}
+
+// The float32 values of 16 bf16 bit patterns' rounding, as 16 bf16 values in memory.
+static inline void store_bf16_bits(uint16_t* p, __m512i bits) {
+    _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+}
+#endif
+
 // x [rows, x_stride] (first dim columns used); residual (may be NULL) and out [rows, dim]
 // contiguous. With a residual, it is updated in place to x + residual and that sum is normalized.
 int add_rms_norm_bf16(const uint16_t* x, int64_t x_stride, uint16_t* residual,
@@ -37,8 +56,27 @@ int add_rms_norm_bf16(const uint16_t* x, int64_t x_stride, uint16_t* residual,
         float row[MAX_DIM];
         const uint16_t* x_row = x + (int64_t)r * x_stride;
         uint16_t* res_row = residual ? residual + (int64_t)r * dim : 0;
+        uint16_t* out_row = out + (int64_t)r * dim;
         float sum_sq = 0.0f;
-        for (int i = 0; i < dim; i++) {
+        int i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        // 16 lanes of squares along the row, then the lanes' sum; the tail after
+        __m512 squares = _mm512_setzero_ps();
+        for (; i + 16 <= dim; i += 16) {
+            __m512i v = load_bf16_bits(x_row + i);
+            if (res_row) {
+                const __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(v),
+                                                 _mm512_castsi512_ps(load_bf16_bits(res_row + i)));
+                v = round_to_bf16_bits(_mm512_castps_si512(sum));
+                store_bf16_bits(res_row + i, v);
+            }
+            const __m512 f = _mm512_castsi512_ps(v);
+            _mm512_storeu_ps(row + i, f);
+            squares = _mm512_add_ps(squares, _mm512_mul_ps(f, f));
+        }
+        sum_sq = _mm512_reduce_add_ps(squares);
+#endif
+        for (; i < dim; i++) {
             float v = bf16_to_f32(x_row[i]);
             if (res_row) {
                 v = round_bf16(v + bf16_to_f32(res_row[i]));
@@ -48,8 +86,18 @@ int add_rms_norm_bf16(const uint16_t* x, int64_t x_stride, uint16_t* residual,
             sum_sq += v * v;
         }
         const float rstd = 1.0f / sqrtf(sum_sq / (float)dim + eps);
-        uint16_t* out_row = out + (int64_t)r * dim;
-        for (int i = 0; i < dim; i++)
+        i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        const __m512 scale = _mm512_set1_ps(rstd);
+        for (; i + 16 <= dim; i += 16) {
+            const __m512i normed =
+                round_to_bf16_bits(_mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(row + i), scale)));
+            const __m512 weighted = _mm512_mul_ps(_mm512_castsi512_ps(normed),
+                                                  _mm512_castsi512_ps(load_bf16_bits(weight + i)));
+            store_bf16_bits(out_row + i, round_to_bf16_bits(_mm512_castps_si512(weighted)));
+        }
+#endif
+        for (; i < dim; i++)
             out_row[i] = f32_to_bf16(round_bf16(row[i] * rstd) * bf16_to_f32(weight[i]));
     }
     return 0;
@@ -71,9 +119,29 @@ int rotary_bf16(uint16_t* x, int64_t row_stride, const uint16_t* cos, const uint
         }
         for (int h = 0; h < num_heads; h++) {
             uint16_t* head = x + (int64_t)t * row_stride + (int64_t)h * head_dim;
+            int i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+            // the same products, roundings and sums, 16 lanes at a time
+            for (; i + 16 <= half; i += 16) {
+                const __m512 a = _mm512_castsi512_ps(load_bf16_bits(head + i));
+                const __m512 b = _mm512_castsi512_ps(load_bf16_bits(head + i + half));
+                const __m512 c_lo = _mm512_loadu_ps(c + i), c_hi = _mm512_loadu_ps(c + i + half);
+                const __m512 s_lo = _mm512_loadu_ps(s + i), s_hi = _mm512_loadu_ps(s + i + half);
+                const __m512 lo = _mm512_add_ps(
+                    _mm512_castsi512_ps(round_to_bf16_bits(_mm512_castps_si512(_mm512_mul_ps(a, c_lo)))),
+                    _mm512_castsi512_ps(round_to_bf16_bits(_mm512_castps_si512(
+                        _mm512_mul_ps(_mm512_xor_ps(b, _mm512_set1_ps(-0.0f)), s_lo)))));
+                const __m512 hi = _mm512_add_ps(
+                    _mm512_castsi512_ps(round_to_bf16_bits(_mm512_castps_si512(_mm512_mul_ps(b, c_hi)))),
+                    _mm512_castsi512_ps(round_to_bf16_bits(_mm512_castps_si512(_mm512_mul_ps(a, s_hi)))));
+                store_bf16_bits(head + i, round_to_bf16_bits(_mm512_castps_si512(lo)));
+                store_bf16_bits(head + i + half, round_to_bf16_bits(_mm512_castps_si512(hi)));
+            }
+            if (i == half) continue;
+#endif
             float v[MAX_HEAD_DIM];
-            for (int i = 0; i < head_dim; i++) v[i] = bf16_to_f32(head[i]);
-            for (int i = 0; i < half; i++) {
+            for (int j = 0; j < head_dim; j++) v[j] = bf16_to_f32(head[j]);
+            for (; i < half; i++) {
                 const float lo = round_bf16(v[i] * c[i]) + round_bf16(-v[i + half] * s[i]);
                 const float hi = round_bf16(v[i + half] * c[i + half]) + round_bf16(v[i] * s[i + half]);
                 head[i] = f32_to_bf16(lo);
@@ -100,18 +168,6 @@ int rotary_bf16(uint16_t* x, int64_t row_stride, const uint16_t* cos, const uint
 #define SILU_TABLE_ROWS 64
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-// 16 bf16 values from memory, as float32 bit patterns.
-static inline __m512i load_bf16_bits(const uint16_t* p) {
-    return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
-}
-
-// f rounded to bf16 (nearest even, as f32_to_bf16), still as float32 bit patterns.
-static inline __m512i round_to_bf16_bits(__m512i f) {
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(f, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(f, _mm512_set1_epi32(0x7FFF)), lsb);
-    return _mm512_and_si512(rounded, _mm512_set1_epi32((int)0xFFFF0000u));
-}
-
 // bf16(s * u) for 16 lanes, s and u bf16 values as float32 bit patterns: the product is exact in
 // float32, then rounded once.
 static inline __m256i silu_times_up(__m512i s, __m512i u) {
