@@ -71,8 +71,8 @@ _SIGNATURES = {
     "qmatmul_bf16": [_I32, _P, _I64] + [_P] * 4 + [_I64] + [_I32] * 4,
     # qmatmul_bf16's arguments with the step's first prompt row before the threads.
     "qmatmul_rows_bf16": [_I32, _P, _I64] + [_P] * 4 + [_I64] + [_I32] * 5,
-    # format, packed weight, K, first panel, end panel, out (bf16, gemv.c's packed layout).
-    "qmatmul_dequantize_bf16": [_I32, _P] + [_I32] * 3 + [_P],
+    # format, packed weight, first block, end block, out (bf16, gemv.c's packed layout).
+    "qmatmul_dequantize_bf16": [_I32, _P, _I64, _I64, _P],
     # x, x row stride, rows, K, codes, scales, sums.
     "quantize_rows_q8_bf16": [_P, _I64, _I32, _I32, _P, _P, _P],
     "qmatmul_record_bytes": [_I32],
@@ -315,7 +315,7 @@ def store_kv(
         torch.get_num_threads(),
     )
     if status != 0:
-        raise ValueError(f"store_kv_quant: not a quantized cache ({k_cache.dtype})")
+        raise ValueError(f"store_kv: not a cache it writes ({k_cache.dtype})")
 
 
 class ShmGroup(ctypes.Structure):

@@ -37,6 +37,7 @@
 #define XFEATURE_XTILEDATA 18
 #define ROW_GROUP 32
 #define CHUNK_BYTES (1 << 20)  // panels a thread streams through its row groups: half an L2
+#define DEQUANTIZED_BYTES (256 << 10)  // qmatmul_amx_bf16's chunk: two of them, in L2
 
 // Linux hands out AMX's tile state only to a process that asks (once, for all its threads).
 int matmul_amx_available(void) {
@@ -158,42 +159,63 @@ int matmul_amx_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed,
 }
 
 // y = x W^T (+ bias) for the prompt rows of a step (qmatmul.c's qmatmul_rows_bf16), W in
-// qmatmul.c's blocks (Q8_0 / Q4_0 / Q4_1): each thread dequantizes a chunk of its panels to bf16
-// (qmatmul_dequantize_bf16), then runs every row group over the chunk as matmul_amx_bf16 does, so
-// a row's bits are matmul_amx_bf16's on the dequantized weight. Returns 0, -1 for a shape it
-// does not take, -2 where AMX cannot run, -3 out of memory.
+// qmatmul.c's blocks (Q8_0 / Q4_0 / Q4_1), dequantized to bf16 (qmatmul_dequantize_bf16) a chunk
+// of a thread's panels at a time; every row group runs over the chunk as in matmul_amx_bf16, so
+// a row's bits are matmul_amx_bf16's on the dequantized weight. The next chunk is dequantized
+// into a second buffer in slices issued between a panel's tile products and their store: the
+// vector units convert weights while the tiles multiply. Returns 0, -1 for a shape it does not
+// take, -2 where AMX cannot run, -3 out of memory.
 int qmatmul_amx_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
                      const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride,
                      int M, int N, int K, int num_threads) {
     if (!matmul_amx_available()) return -2;
-    const int record = qmatmul_record_bytes(format);
-    if (M < 1 || N < 1 || K < 32 || K % 32 || record < 0) return -1;
-    const int panels = (N + PANEL - 1) / PANEL;
+    if (M < 1 || N < 1 || K < 32 || K % 32 || qmatmul_record_bytes(format) < 0) return -1;
+    const int panels = (N + PANEL - 1) / PANEL, blocks = K / 32;
     const int threads = panels < 2 * num_threads ? 1 : num_threads;
-    const int64_t panel_bytes = (int64_t)K * PANEL * sizeof(uint16_t);
-    const int chunk = panel_bytes >= CHUNK_BYTES ? 1 : (int)(CHUNK_BYTES / panel_bytes);
-    uint16_t* buffers = aligned_alloc(64, (size_t)(threads * chunk * panel_bytes));
+    const int64_t panel_elems = (int64_t)K * PANEL;  // bf16 of a dequantized panel
+    const int64_t panel_bytes = panel_elems * (int64_t)sizeof(uint16_t);
+    const int chunk = panel_bytes >= DEQUANTIZED_BYTES ? 1 : (int)(DEQUANTIZED_BYTES / panel_bytes);
+    uint16_t* buffers = aligned_alloc(64, (size_t)(threads * 2 * chunk * panel_bytes));
     if (!buffers) return -3;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
         const int p0 = (int)((int64_t)panels * t / nt);
         const int p1 = (int)((int64_t)panels * (t + 1) / nt);
-        uint16_t* w = buffers + (int64_t)t * chunk * K * PANEL;
+        uint16_t* buffer[2] = {buffers + (int64_t)t * 2 * chunk * panel_elems,
+                               buffers + ((int64_t)t * 2 + 1) * chunk * panel_elems};
         float out[ROW_GROUP * PANEL];
-        int configured = 0;
-        for (int c0 = p0; c0 < p1; c0 += chunk) {
+        int configured = 0, current = 0;
+        if (p0 < p1) {
+            const int c1 = p0 + chunk < p1 ? p0 + chunk : p1;
+            qmatmul_dequantize_bf16(format, packed, (int64_t)p0 * blocks, (int64_t)c1 * blocks,
+                                    buffer[0]);
+        }
+        for (int c0 = p0; c0 < p1; c0 += chunk, current ^= 1) {
             const int c1 = c0 + chunk < p1 ? c0 + chunk : p1;
-            qmatmul_dequantize_bf16(format, packed, K, c0, c1, w);
+            const int n1 = c1 + chunk < p1 ? c1 + chunk : p1;  // the next chunk: [c1, n1)
+            const int64_t next0 = (int64_t)c1 * blocks, next1 = (int64_t)n1 * blocks;
+            const int64_t calls = (int64_t)(M + ROW_GROUP - 1) / ROW_GROUP * (c1 - c0);
+            const int64_t slice = (next1 - next0 + calls - 1) / calls;
+            int64_t done = next0;
+            const uint16_t* w = buffer[current];
             for (int m0 = 0; m0 < M; m0 += ROW_GROUP) {
                 const int rows = M - m0 < ROW_GROUP ? M - m0 : ROW_GROUP;
                 if (rows != configured) {
                     configure_tiles(rows);
                     configured = rows;
                 }
+                const uint16_t* xg = x + (int64_t)m0 * x_stride;
                 for (int pi = c0; pi < c1; pi++) {
-                    amx_panel(rows, x + (int64_t)m0 * x_stride, x_stride,
-                              w + (int64_t)(pi - c0) * PANEL * K, K, out);
+                    const uint16_t* p = w + (int64_t)(pi - c0) * panel_elems;
+                    amx_panel_sums(rows, xg, x_stride, p, K);
+                    if (done < next1) {  // while the tiles work
+                        const int64_t end = done + slice < next1 ? done + slice : next1;
+                        qmatmul_dequantize_bf16(format, packed, done, end,
+                                                buffer[current ^ 1] + (done - next0) * 32 * PANEL);
+                        done = end;
+                    }
+                    amx_panel_store(rows, xg, x_stride, p, K, out);
                     store_panel(out, PANEL, rows, m0, pi * PANEL, N, bias, y_bf16, y_f32,
                                 y_stride);
                 }

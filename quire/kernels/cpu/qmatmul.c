@@ -361,9 +361,10 @@ static void run_panel(int format, int MB, const int8_t* xq, const float* xd, con
 }
 #endif
 
-// Prompt rows on AMX tiles (qmatmul_rows_bf16): panels [p0, p1) of `packed` (Q8_0 / Q4_0 /
-// Q4_1) as bf16 weights in gemv.c's packed layout, out [p1 - p0][K / 2][32][2] (for column c,
-// weights k and k + 1 side by side). Each weight is d (u - 128), d (q - 8) or d q + m (one FMA)
+// Prompt rows on AMX tiles (qmatmul_rows_bf16): blocks [b0, b1) of `packed` (Q8_0 / Q4_0 /
+// Q4_1; a panel's K / 32 blocks in a row, so block b of panel p is number p K / 32 + b) as bf16
+// weights in gemv.c's packed layout, each block 16 pair rows [16][32][2] (for column c, weights
+// k and k + 1 side by side): panels [p0, p1) come out as [p1 - p0][K / 2][32][2]. Each weight is d (u - 128), d (q - 8) or d q + m (one FMA)
 // in float32, rounded once to bf16, to nearest with ties to even: bits of the weight alone.
 static inline float dequantize_one(int format, int u, float d, float m) {
     if (format == Q8_0) return (float)(u - 128) * d;
@@ -379,6 +380,8 @@ static inline uint16_t f32_to_bf16_rne(float f) {  // finite f: the weights of a
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
+
+#define DEQUANTIZE_PREFETCH 4096  // bytes ahead of the block being dequantized
 
 // 16 columns' weights k (codes in `a`) and k + 1 (in `b`), as int32 lanes of bf16 pairs.
 static inline __m512i bf16_pairs(int format, __m512i a, __m512i b, __m512 d, __m512 m) {
@@ -432,44 +435,42 @@ static void dequantize_block_half(int format, const uint8_t* r, int h, uint16_t*
 }
 #endif
 
-int qmatmul_dequantize_bf16(int format, const uint8_t* packed, int K, int p0, int p1,
+int qmatmul_dequantize_bf16(int format, const uint8_t* packed, int64_t b0, int64_t b1,
                             uint16_t* out) {
-    if (format < Q8_0 || format > Q4_1 || K < QBLOCK || K % QBLOCK) return -1;
-    const int nb = K / QBLOCK, record = qmatmul_record_bytes(format), cb = codes_bytes(format);
-    for (int pi = p0; pi < p1; pi++) {
-        const uint8_t* p = packed + (int64_t)pi * nb * record;
-        uint16_t* o = out + (int64_t)(pi - p0) * K * QPANEL;
-        for (int b = 0; b < nb; b++) {
-            const uint8_t* r = p + (int64_t)b * record;
-            uint16_t* ob = o + (int64_t)b * QBLOCK * QPANEL;  // 16 pair rows of 64
+    if (format < Q8_0 || format > Q4_1 || b0 < 0 || b1 < b0) return -1;
+    const int record = qmatmul_record_bytes(format), cb = codes_bytes(format);
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t* r = packed + b * record;
+        uint16_t* ob = out + (b - b0) * QBLOCK * QPANEL;  // 16 pair rows of 64
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-            (void)cb;
-            dequantize_block_half(format, r, 0, ob);
-            dequantize_block_half(format, r, 1, ob);
+        (void)cb;
+        for (int line = 0; line < record; line += 64)  // the weights stream from memory
+            _mm_prefetch((const char*)r + DEQUANTIZE_PREFETCH + line, _MM_HINT_T0);
+        dequantize_block_half(format, r, 0, ob);
+        dequantize_block_half(format, r, 1, ob);
 #else
-            for (int c = 0; c < QPANEL; c++) {
-                uint16_t h;
-                memcpy(&h, r + cb + 2 * c, sizeof(h));
-                const float d = f16_to_f32(h);
-                float m = 0.0f;
-                if (format == Q4_1) {
-                    memcpy(&h, r + cb + 64 + 2 * c, sizeof(h));
-                    m = f16_to_f32(h);
-                }
-                for (int k = 0; k < QBLOCK; k++) {
-                    int u;
-                    if (format == Q8_0)
-                        u = r[(k / 4) * 128 + c * 4 + k % 4];
-                    else if (k < 16)
-                        u = r[(k / 4) * 128 + c * 4 + k % 4] & 0x0F;
-                    else
-                        u = r[((k - 16) / 4) * 128 + c * 4 + k % 4] >> 4;
-                    ob[(k / 2) * 2 * QPANEL + 2 * c + k % 2] =
-                        f32_to_bf16_rne(dequantize_one(format, u, d, m));
-                }
+        for (int c = 0; c < QPANEL; c++) {
+            uint16_t h;
+            memcpy(&h, r + cb + 2 * c, sizeof(h));
+            const float d = f16_to_f32(h);
+            float m = 0.0f;
+            if (format == Q4_1) {
+                memcpy(&h, r + cb + 64 + 2 * c, sizeof(h));
+                m = f16_to_f32(h);
             }
-#endif
+            for (int k = 0; k < QBLOCK; k++) {
+                int u;
+                if (format == Q8_0)
+                    u = r[(k / 4) * 128 + c * 4 + k % 4];
+                else if (k < 16)
+                    u = r[(k / 4) * 128 + c * 4 + k % 4] & 0x0F;
+                else
+                    u = r[((k - 16) / 4) * 128 + c * 4 + k % 4] >> 4;
+                ob[(k / 2) * 2 * QPANEL + 2 * c + k % 2] =
+                    f32_to_bf16_rne(dequantize_one(format, u, d, m));
+            }
         }
+#endif
     }
     return 0;
 }

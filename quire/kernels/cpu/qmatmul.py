@@ -79,7 +79,7 @@ def dequantize_bf16(packed: torch.Tensor, qtype: str, out_features: int, in_feat
     panels = packed.shape[0]
     out = torch.empty(panels, in_features // 2, QPANEL, 2, dtype=torch.bfloat16)
     status = load_library().qmatmul_dequantize_bf16(
-        format_of(qtype), packed.data_ptr(), in_features, 0, panels, out.data_ptr()
+        format_of(qtype), packed.data_ptr(), 0, panels * packed.shape[1], out.data_ptr()
     )
     if status != 0:
         raise ValueError(f"dequantize_bf16: status {status}")
