@@ -167,24 +167,53 @@ static inline __attribute__((always_inline)) void pv_kernel(const uint32_t* p, c
     }
 }
 
+// x[i][j] -> x[j][i]: at each scale h = 8, 4, 2, 1 the off-diagonal h x h blocks of every 2h x 2h
+// block swap places, two vectors a time (vpermt2ps).
+static inline void transpose_16x16(__m512 x[16]) {
+    for (int h = 8; h >= 1; h /= 2) {
+        int lo[16], hi[16];
+        for (int j = 0; j < 16; j++) {
+            lo[j] = j & h ? 16 + j - h : j;  // a's element j, or b's j - h
+            hi[j] = j & h ? 16 + j : j + h;  // a's j + h, or b's element j
+        }
+        const __m512i ilo = _mm512_loadu_si512(lo), ihi = _mm512_loadu_si512(hi);
+        for (int i = 0; i < 16; i++) {
+            if (i & h) continue;
+            const __m512 a = x[i], b = x[i + h];
+            x[i] = _mm512_permutex2var_ps(a, ilo, b);
+            x[i + h] = _mm512_permutex2var_ps(a, ihi, b);
+        }
+    }
+}
+
 // Masks of the lanes (rows) that see key position `key`.
 static inline __mmask16 sees(__m512i last, int key) {
     return _mm512_cmpge_epi32_mask(last, _mm512_set1_epi32(key));
+}
+
+// 16 scores of S^T, times c where they are stored unscaled (the AMX products): rounded once, as
+// a separate pass would store them (an explicit rounding, never fused with the next op).
+static inline __m512 load_scores(const float* s, __m512 c, const int unscaled) {
+    const __m512 x = _mm512_loadu_ps(s);
+    return unscaled ? _mm512_mul_round_ps(x, c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                    : x;
 }
 
 // P^T pairs for n tile keys of one lane group: 2^(s - m), 0 where a row does not see the key
 // (only checked when `masked`). Returns the lane-wise sum.
 static inline __attribute__((always_inline)) __m512 exp_pairs(const float* s, uint32_t* p, int n,
                                                               int k0, __m512 m, __m512i last,
-                                                              const int masked) {
+                                                              const int masked, __m512 c,
+                                                              const int unscaled) {
     // bf16 of keys k, k + 1 interleaved: lanes 0..15 of cvtne2ps hold key k, 16..31 key k + 1.
     const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10,
                                                 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
                                                 18, 2, 17, 1, 16, 0);
     __m512 sum = _mm512_setzero_ps();
     for (int k = 0; k < n; k += 2) {
-        __m512 e0 = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(s + k * BLOCK_ROWS), m));
-        __m512 e1 = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(s + (k + 1) * BLOCK_ROWS), m));
+        __m512 e0 = exp2_ps(_mm512_sub_ps(load_scores(s + k * BLOCK_ROWS, c, unscaled), m));
+        __m512 e1 =
+            exp2_ps(_mm512_sub_ps(load_scores(s + (k + 1) * BLOCK_ROWS, c, unscaled), m));
         if (masked) {
             e0 = _mm512_maskz_mov_ps(sees(last, k0 + k), e0);
             e1 = _mm512_maskz_mov_ps(sees(last, k0 + k + 1), e1);
@@ -198,23 +227,25 @@ static inline __attribute__((always_inline)) __m512 exp_pairs(const float* s, ui
 }
 
 // Online softmax of one lane group over n tile keys starting at position k0: updates the running
-// max m and sum l, writes P^T pairs and returns the rescale factor for O^T.
-static inline __m512 softmax_lanes(const float* s, uint32_t* p, int n, int k0, float* m_row,
-                                   float* l_row, const int32_t* last_row) {
+// max m and sum l, writes P^T pairs and returns the rescale factor for O^T. `unscaled`: S^T is
+// stored without the factor scale_log2 = c (qk_tiles), applied here as each score is read.
+static inline __attribute__((always_inline)) __m512 softmax_lanes(
+    const float* s, uint32_t* p, int n, int k0, float* m_row, float* l_row,
+    const int32_t* last_row, __m512 c, const int unscaled) {
     const __m512i last = _mm512_loadu_si512(last_row);
     const int masked = sees(last, k0 + n - 1) != 0xFFFF;  // the causal diagonal crosses the tile
     const __m512 m_old = _mm512_loadu_ps(m_row);
     __m512 m0 = m_old, m1 = m_old;  // two chains: vmaxps latency
     for (int k = 0; k < n; k += 2) {
-        const __m512 s0 = _mm512_loadu_ps(s + k * BLOCK_ROWS);
-        const __m512 s1 = _mm512_loadu_ps(s + (k + 1) * BLOCK_ROWS);
+        const __m512 s0 = load_scores(s + k * BLOCK_ROWS, c, unscaled);
+        const __m512 s1 = load_scores(s + (k + 1) * BLOCK_ROWS, c, unscaled);
         m0 = masked ? _mm512_mask_max_ps(m0, sees(last, k0 + k), m0, s0) : _mm512_max_ps(m0, s0);
         m1 = masked ? _mm512_mask_max_ps(m1, sees(last, k0 + k + 1), m1, s1)
                     : _mm512_max_ps(m1, s1);
     }
     const __m512 m = _mm512_max_ps(m0, m1);
-    const __m512 sum = masked ? exp_pairs(s, p, n, k0, m, last, 1)
-                              : exp_pairs(s, p, n, k0, m, last, 0);
+    const __m512 sum = masked ? exp_pairs(s, p, n, k0, m, last, 1, c, unscaled)
+                              : exp_pairs(s, p, n, k0, m, last, 0, c, unscaled);
     const __m512 alpha = exp2_ps(_mm512_sub_ps(m_old, m));
     _mm512_storeu_ps(m_row, m);
     _mm512_storeu_ps(l_row, _mm512_fmadd_ps(_mm512_loadu_ps(l_row), alpha, sum));
@@ -224,22 +255,45 @@ static inline __m512 softmax_lanes(const float* s, uint32_t* p, int n, int k0, f
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define QUIRE_PREFILL_AMX 1
 
-// Tiles 0-4, all 16 rows of 64 bytes: 0, 1 float32 sums of lane groups 0 and 1; 2 the A operand
-// (16 keys x 32 dims of K, or 16 dims x 32 keys of V^T); 3, 4 the B operands of lane groups 0
-// and 1 (16 dim pairs of Q^T, or 16 key pairs of P^T, x 16 lanes).
+// Eight tiles of 16 rows x 64 bytes. S^T: 0, 1 and 5, 6 the float32 sums of two key blocks'
+// lane groups 0 and 1; 2, 7 the A operands (16 keys x 32 dims of K, one per key block); 3, 4 the B
+// operands (16 dim pairs of Q^T x 16 lanes, lane groups 0 and 1). O^T alike with two 16-dim
+// blocks for the key blocks (A: 16 dims x 32 keys of V^T) and 16 key pairs of P^T as B. Two
+// blocks at a time keep four independent chains on the tile unit.
 static void configure_tiles(void) {
     TileConfig c;
     memset(&c, 0, sizeof(c));
     c.palette = 1;
-    for (int t = 0; t < 5; t++) c.colsb[t] = 64, c.rows[t] = 16;
+    for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = 16;
     _tile_loadconfig(&c);
 }
 
-// S^T[16 kb .. 16 kb + 16 keys][32 rows] for kb < key_blocks, times scale_log2: per 16 keys, one
-// float32 tile a lane group, summed over the head's dims 32 at a time in order (tdpbf16ps).
-static inline void qk_tiles(const uint32_t* q, const uint16_t* k, float* s, float scale_log2,
-                            int key_blocks, const int D) {
-    for (int kb = 0; kb < key_blocks; kb++) {
+// S^T[16 kb .. 16 kb + 16 keys][32 rows] for kb < key_blocks, unscaled: per 16 keys, one float32
+// tile a lane group, summed over the head's dims 32 at a time in order (tdpbf16ps).
+static inline void qk_tiles(const uint32_t* q, const uint16_t* k, float* s, int key_blocks,
+                            const int D) {
+    int kb = 0;
+    for (; kb + 2 <= key_blocks; kb += 2) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(5);
+        _tile_zero(6);
+        for (int h = 0; h < D / 32; h++) {
+            _tile_loadd(3, q + h * 16 * 16, 16 * sizeof(uint32_t));
+            _tile_loadd(4, q + (D / 2 + h * 16) * 16, 16 * sizeof(uint32_t));
+            _tile_loadd(2, k + (int64_t)kb * 16 * D + h * 32, D * sizeof(uint16_t));
+            _tile_loadd(7, k + (int64_t)(kb + 1) * 16 * D + h * 32, D * sizeof(uint16_t));
+            _tile_dpbf16ps(0, 2, 3);
+            _tile_dpbf16ps(1, 2, 4);
+            _tile_dpbf16ps(5, 7, 3);
+            _tile_dpbf16ps(6, 7, 4);
+        }
+        _tile_stored(0, s + kb * 16 * BLOCK_ROWS, BLOCK_ROWS * sizeof(float));
+        _tile_stored(1, s + kb * 16 * BLOCK_ROWS + 16, BLOCK_ROWS * sizeof(float));
+        _tile_stored(5, s + (kb + 1) * 16 * BLOCK_ROWS, BLOCK_ROWS * sizeof(float));
+        _tile_stored(6, s + (kb + 1) * 16 * BLOCK_ROWS + 16, BLOCK_ROWS * sizeof(float));
+    }
+    if (kb < key_blocks) {
         _tile_zero(0);
         _tile_zero(1);
         for (int h = 0; h < D / 32; h++) {
@@ -252,32 +306,37 @@ static inline void qk_tiles(const uint32_t* q, const uint16_t* k, float* s, floa
         _tile_stored(0, s + kb * 16 * BLOCK_ROWS, BLOCK_ROWS * sizeof(float));
         _tile_stored(1, s + kb * 16 * BLOCK_ROWS + 16, BLOCK_ROWS * sizeof(float));
     }
-    const __m512 c = _mm512_set1_ps(scale_log2);
-    for (int i = 0; i < key_blocks * 16 * BLOCK_ROWS; i += 16)
-        _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), c));
 }
 
 // O^T[D][32 rows] = O^T * alpha (per lane) + V^T . P^T over the keys of `key_pairs` pairs (a
 // multiple of 16; P^T zero past the block's keys): per 16 dims, one float32 tile a lane group,
-// summed 32 keys at a time in order. vt: V^T rows of the tile's first key, vt_stride apart.
+// summed 32 keys at a time in order, two 16-dim blocks at a time (D is a multiple of 32). vt: V^T
+// rows of the tile's first key, vt_stride apart.
 static inline void pv_tiles(const uint32_t* p, const uint16_t* vt, int64_t vt_stride, float* o,
                             const __m512 alpha[2], int key_pairs, const int D) {
     for (int g = 0; g < 2; g++)
         for (int d = 0; d < D; d++)
             _mm512_storeu_ps(o + (g * D + d) * 16,
                              _mm512_mul_ps(_mm512_loadu_ps(o + (g * D + d) * 16), alpha[g]));
-    for (int d0 = 0; d0 < D; d0 += 16) {
+    for (int d0 = 0; d0 < D; d0 += 32) {
         _tile_loadd(0, o + d0 * 16, 16 * sizeof(float));
         _tile_loadd(1, o + (D + d0) * 16, 16 * sizeof(float));
+        _tile_loadd(5, o + (d0 + 16) * 16, 16 * sizeof(float));
+        _tile_loadd(6, o + (D + d0 + 16) * 16, 16 * sizeof(float));
         for (int kp = 0; kp < key_pairs; kp += 16) {
-            _tile_loadd(2, vt + d0 * vt_stride + 2 * kp, vt_stride * sizeof(uint16_t));
             _tile_loadd(3, p + kp * BLOCK_ROWS, BLOCK_ROWS * sizeof(uint32_t));
             _tile_loadd(4, p + kp * BLOCK_ROWS + 16, BLOCK_ROWS * sizeof(uint32_t));
+            _tile_loadd(2, vt + d0 * vt_stride + 2 * kp, vt_stride * sizeof(uint16_t));
+            _tile_loadd(7, vt + (d0 + 16) * vt_stride + 2 * kp, vt_stride * sizeof(uint16_t));
             _tile_dpbf16ps(0, 2, 3);
             _tile_dpbf16ps(1, 2, 4);
+            _tile_dpbf16ps(5, 7, 3);
+            _tile_dpbf16ps(6, 7, 4);
         }
         _tile_stored(0, o + d0 * 16, 16 * sizeof(float));
         _tile_stored(1, o + (D + d0) * 16, 16 * sizeof(float));
+        _tile_stored(5, o + (d0 + 16) * 16, 16 * sizeof(float));
+        _tile_stored(6, o + (D + d0 + 16) * 16, 16 * sizeof(float));
     }
 }
 #endif
@@ -321,7 +380,7 @@ static inline __attribute__((always_inline)) void attend(const Problem* pb, cons
             const uint32_t* q = w->q + r0 / 16 * (D / 2) * 16;
 #if defined(QUIRE_PREFILL_AMX)
             if (pb->amx) {
-                qk_tiles(q, k_pack + (int64_t)k0 * D, w->s, pb->scale_log2, (n + 15) / 16, D);
+                qk_tiles(q, k_pack + (int64_t)k0 * D, w->s, (n + 15) / 16, D);
             } else
 #endif
             {
@@ -330,9 +389,15 @@ static inline __attribute__((always_inline)) void attend(const Problem* pb, cons
                               pb->scale_log2, D);
             }
             __m512 alpha[2];
-            for (int g = 0; g < 2; g++)
-                alpha[g] = softmax_lanes(w->s + g * 16, w->p + g * 16, n, k0, w->m + r0 + g * 16,
-                                         w->l + r0 + g * 16, w->last + r0 + g * 16);
+            const __m512 c = _mm512_set1_ps(pb->scale_log2);
+            for (int g = 0; g < 2; g++) {
+                float *m = w->m + r0 + g * 16, *l = w->l + r0 + g * 16;
+                const int32_t* last_row = w->last + r0 + g * 16;
+                alpha[g] = pb->amx ? softmax_lanes(w->s + g * 16, w->p + g * 16, n, k0, m, l,
+                                                   last_row, c, 1)
+                                   : softmax_lanes(w->s + g * 16, w->p + g * 16, n, k0, m, l,
+                                                   last_row, c, 0);
+            }
 #if defined(QUIRE_PREFILL_AMX)
             if (pb->amx) {  // keys past n up to the next 32 weigh nothing
                 const int pairs = (n + 31) / 32 * 16;
@@ -346,18 +411,22 @@ static inline __attribute__((always_inline)) void attend(const Problem* pb, cons
             pv_kernel(w->p, v_pack + (int64_t)k0 * D, w->o + r0 / 16 * D * 16, alpha, n, D);
         }
     }
-    // out = O / l, transposed back to rows through a [head_dim][16] bf16 buffer per lane group.
+    // out = O / l, 16 dims of a lane group at a time transposed back to rows in registers.
     for (int r0 = 0; r0 < rows; r0 += 16) {
         const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_loadu_ps(w->l + r0));
-        uint16_t lanes[256][16];
-        for (int d = 0; d < D; d++) {
-            const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(w->o + (r0 / 16 * D + d) * 16), inv);
-            _mm256_storeu_si256((__m256i*)lanes[d], (__m256i)_mm512_cvtneps_pbh(x));
-        }
-        for (int r = r0; r < r0 + 16 && r < rows; r++) {
+        uint16_t* dst[16];
+        for (int r = r0; r < r0 + 16; r++) {
             const int g = r / nt, t = r % nt;
-            uint16_t* dst = pb->out + (q0 + t) * pb->out_stride + (h0 + g) * D;
-            for (int d = 0; d < D; d++) dst[d] = lanes[d][r - r0];
+            dst[r - r0] = r < rows ? pb->out + (q0 + t) * pb->out_stride + (h0 + g) * D : NULL;
+        }
+        for (int d0 = 0; d0 < D; d0 += 16) {
+            __m512 x[16];  // x[i]: dim d0 + i of the 16 rows, then row i's dims d0 .. d0 + 15
+            for (int i = 0; i < 16; i++)
+                x[i] = _mm512_mul_ps(_mm512_loadu_ps(w->o + (r0 / 16 * D + d0 + i) * 16), inv);
+            transpose_16x16(x);
+            for (int i = 0; i < 16; i++)
+                if (dst[i]) _mm256_storeu_si256((__m256i*)(dst[i] + d0),
+                                                (__m256i)_mm512_cvtneps_pbh(x[i]));
         }
     }
 }
