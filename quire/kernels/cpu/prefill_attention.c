@@ -313,11 +313,15 @@ static inline void qk_tiles(const uint32_t* q, const uint16_t* k, float* s, int 
 // summed 32 keys at a time in order, two 16-dim blocks at a time (D is a multiple of 32). vt: V^T
 // rows of the tile's first key, vt_stride apart.
 static inline void pv_tiles(const uint32_t* p, const uint16_t* vt, int64_t vt_stride, float* o,
-                            const __m512 alpha[2], int key_pairs, const int D) {
-    for (int g = 0; g < 2; g++)
+                            const __m512 alpha[2], int key_pairs, int o_zero, const int D) {
+    // The rescale changes nothing (skipped) where O^T is still zero (`o_zero`: the block's first
+    // key tile) or every lane's max stayed put (alpha exactly 1).
+    for (int g = 0; g < 2 && !o_zero; g++) {
+        if (_mm512_cmpeq_ps_mask(alpha[g], _mm512_set1_ps(1.0f)) == 0xFFFF) continue;
         for (int d = 0; d < D; d++)
             _mm512_storeu_ps(o + (g * D + d) * 16,
                              _mm512_mul_ps(_mm512_loadu_ps(o + (g * D + d) * 16), alpha[g]));
+    }
     for (int d0 = 0; d0 < D; d0 += 32) {
         _tile_loadd(0, o + d0 * 16, 16 * sizeof(float));
         _tile_loadd(1, o + (D + d0) * 16, 16 * sizeof(float));
@@ -351,20 +355,23 @@ static inline __attribute__((always_inline)) void attend(const Problem* pb, cons
     const int padded_rows = (rows + BLOCK_ROWS - 1) / BLOCK_ROWS * BLOCK_ROWS;
     const int h0 = task->kv_head * group;
     memset(w->o, 0, (size_t)padded_rows * D * sizeof(float));
-    for (int r = 0; r < padded_rows; r++) {
-        uint32_t* qt = w->q + (r / 16) * (D / 2) * 16 + r % 16;  // + i * 16 for pair i
-        if (r < rows) {
+    for (int r0 = 0; r0 < padded_rows; r0 += 16) {  // Q^T: 16 rows' pairs transposed at a time
+        const uint16_t* src[16];
+        for (int r = r0; r < r0 + 16; r++) {
             const int g = r / nt, t = r % nt;
-            uint32_t pairs[128];
-            memcpy(pairs, pb->q + (q0 + t) * pb->q_stride + (h0 + g) * D, D * 2);
-            for (int i = 0; i < D / 2; i++) qt[i * 16] = pairs[i];
-            w->last[r] = pos0 + t;
-        } else {
-            for (int i = 0; i < D / 2; i++) qt[i * 16] = 0;
-            w->last[r] = -1;
+            src[r - r0] = r < rows ? pb->q + (q0 + t) * pb->q_stride + (h0 + g) * D : NULL;
+            w->last[r] = r < rows ? pos0 + t : -1;
+            w->m[r] = -1e30f;
+            w->l[r] = 0.0f;
         }
-        w->m[r] = -1e30f;
-        w->l[r] = 0.0f;
+        uint32_t* qt = w->q + (r0 / 16) * (D / 2) * 16;  // pair i of lane l: qt[i * 16 + l]
+        for (int i0 = 0; i0 < D / 2; i0 += 16) {
+            __m512 x[16];  // x[l]: row l's pairs i0 .. i0 + 15, then pair i0 + l of every row
+            for (int l = 0; l < 16; l++)
+                x[l] = src[l] ? _mm512_loadu_ps(src[l] + 2 * i0) : _mm512_setzero_ps();
+            transpose_16x16(x);
+            for (int l = 0; l < 16; l++) _mm512_storeu_ps(qt + (i0 + l) * 16, x[l]);
+        }
     }
     const int64_t pack = pb->pack_offset[s] + (int64_t)task->kv_head * pb->padded_len[s] * D;
     const uint16_t* k_pack = pb->k_pack + pack;
@@ -404,7 +411,7 @@ static inline __attribute__((always_inline)) void attend(const Problem* pb, cons
                 memset(w->p + n / 2 * BLOCK_ROWS, 0,
                        (size_t)(pairs - n / 2) * BLOCK_ROWS * sizeof(uint32_t));
                 pv_tiles(w->p, v_pack + k0, pb->padded_len[s], w->o + r0 / 16 * D * 16, alpha,
-                         pairs, D);
+                         pairs, k0 == 0, D);
                 continue;
             }
 #endif
@@ -456,6 +463,60 @@ static inline void dequantize_row(int kind, const char* row, int D, uint16_t* ds
     }
 }
 
+// pack_tile for the AMX loop: K rows as above, V transposed ([D][padded_len], the A tile of
+// O^T), 16 keys x 32 dims at a time through a 16 x 16 transpose of dim pairs, then each pair's
+// dims apart.
+static void pack_tile_transposed(const Problem* pb, int s, int kv_head, int k0) {
+    const int D = pb->head_dim, len = pb->seq_lens[s];
+    const int64_t row_bytes = pb->kv_kind ? D + KV_SCALE_BYTES : 2 * D;
+    const int64_t token_stride = (int64_t)pb->num_kv_heads * row_bytes;
+    const int32_t* table = pb->block_tables + (int64_t)s * pb->max_blocks;
+    const int64_t pack = pb->pack_offset[s] + (int64_t)kv_head * pb->padded_len[s] * D;
+    const int64_t stride = pb->padded_len[s];
+    uint16_t* kp = pb->k_pack + pack + (int64_t)k0 * D;
+    // 32 bf16 of 16 keys' dim pairs: the even dims (first dim of each pair), then the odd ones.
+    const __m512i apart = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3,
+                                           1, 30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4,
+                                           2, 0);
+    uint16_t v_dequantized[16][256] __attribute__((aligned(64)));  // head_dim <= 256
+    for (int g = 0; g < KEY_TILE; g += 16) {
+        const uint16_t* v_rows[16];
+        for (int e = 0; e < 16; e++) {
+            const int key = k0 + g + e;
+            v_rows[e] = NULL;
+            if (key >= len) {
+                memset(kp + (g + e) * D, 0, D * 2);
+                continue;
+            }
+            const int64_t at =
+                (int64_t)table[key / pb->block_size] * pb->block_size * token_stride +
+                (int64_t)(key % pb->block_size) * token_stride + (int64_t)kv_head * row_bytes;
+            if (pb->kv_kind) {
+                dequantize_row(pb->kv_kind, pb->k_cache + at, D, kp + (g + e) * D);
+                dequantize_row(pb->kv_kind, pb->v_cache + at, D, v_dequantized[e]);
+                v_rows[e] = v_dequantized[e];
+            } else {
+                memcpy(kp + (g + e) * D, pb->k_cache + at, D * 2);
+                v_rows[e] = (const uint16_t*)(pb->v_cache + at);
+            }
+        }
+        uint16_t* vt = pb->v_pack + pack + k0 + g;
+        for (int d = 0; d < D; d += 32) {
+            __m512 x[16];  // x[e]: key e's dims d .. d + 31 as 16 pairs; then pair c of 16 keys
+            for (int e = 0; e < 16; e++)
+                x[e] = v_rows[e] ? _mm512_loadu_ps(v_rows[e] + d) : _mm512_setzero_ps();
+            transpose_16x16(x);
+            for (int c = 0; c < 16; c++) {
+                const __m512i y = _mm512_permutexvar_epi16(apart, _mm512_castps_si512(x[c]));
+                _mm256_storeu_si256((__m256i*)(vt + (d + 2 * c) * stride),
+                                    _mm512_castsi512_si256(y));
+                _mm256_storeu_si256((__m256i*)(vt + (d + 2 * c + 1) * stride),
+                                    _mm512_extracti64x4_epi64(y, 1));
+            }
+        }
+    }
+}
+
 // Packs keys [k0, k0 + KEY_TILE) of one (request, KV head) into the layouts described above;
 // positions at or past seq_len are zeros.
 static void pack_tile(const Problem* pb, int s, int kv_head, int k0) {
@@ -471,6 +532,10 @@ static void pack_tile(const Problem* pb, int s, int kv_head, int k0) {
                                          40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
                                          32, 0);
     const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+    if (pb->amx) {  // V^T [D][padded_len]: row d holds every key's dim d
+        pack_tile_transposed(pb, s, kv_head, k0);
+        return;
+    }
     uint16_t v_dequantized[2][256] __attribute__((aligned(64)));  // head_dim <= 256
     for (int j = 0; j < KEY_TILE; j += 2) {  // a pair of keys
         const uint16_t* v_rows[2] = {NULL, NULL};
@@ -491,13 +556,6 @@ static void pack_tile(const Problem* pb, int s, int kv_head, int k0) {
                 memcpy(kp + (j + e) * D, pb->k_cache + at, D * 2);
                 v_rows[e] = (const uint16_t*)(pb->v_cache + at);
             }
-        }
-        if (pb->amx) {  // V^T [D][padded_len]: row d holds every key's dim d
-            uint16_t* vt = pb->v_pack + pack + k0 + j;
-            const int64_t stride = pb->padded_len[s];
-            for (int d = 0; d < D; d++)
-                for (int e = 0; e < 2; e++) vt[d * stride + e] = v_rows[e] ? v_rows[e][d] : 0;
-            continue;
         }
         const __m512i zero = _mm512_setzero_si512();
         for (int d = 0; d < D; d += 32) {
