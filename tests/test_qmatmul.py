@@ -188,6 +188,51 @@ def test_prompt_rows_keep_the_int8_sums_off_amx(qtype, kernel_settings) -> None:
     )
 
 
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_gate_up_prompt_rows_on_amx_tiles_give_silu_and_mul_bits_in_one_pass(
+    qtype, kernel_settings
+) -> None:
+    """amx_silu_and_mul never writes the gate|up products, and its bits are theirs rounded to
+    bf16, then pointwise.silu_and_mul's (torch's bf16 SiLU times up, rounded once)."""
+    from quire.kernels.cpu import pointwise
+
+    use_amx_order(True)
+    for rows, d, in_features in [(45, 64, 96), (1, 32, 32), (70, 160, 1056)]:
+        x, raw, _ = make_case(qtype, rows, 2 * d, in_features, seed=rows)
+        packed = qmatmul.pack(raw, qtype, in_features)
+        products = qmatmul.qmatmul(x, packed, qtype, None, 2 * d, first_prompt_row=0)
+        fused = qmatmul.amx_silu_and_mul(x, packed, qtype, d)
+        assert torch.equal(fused, pointwise.silu_and_mul(products))
+        i = rows // 2  # a row alone: its bits
+        assert torch.equal(
+            qmatmul.amx_silu_and_mul(x[i : i + 1], packed, qtype, d), fused[i : i + 1]
+        )
+
+
+@pytest.mark.parametrize("first", [0, 5, 20])
+def test_a_gate_up_layer_fuses_its_prompt_rows_and_keeps_its_bits(
+    first, kernel_settings, monkeypatch
+) -> None:
+    """QuantizedLinear.silu_and_mul: the step's generated rows (before `first`) through the
+    int8 sums and silu_and_mul, its prompt rows fused on the tiles; every row as
+    silu_and_mul(layer(x)) gives it."""
+    from quire.layers import quantized_linear
+    from quire.layers.activation import silu_and_mul
+    from quire.layers.quantized_linear import QuantizedLinear, QuantizedWeight
+
+    use_amx_order(True)
+    monkeypatch.setattr(quantized_linear, "first_prompt_row", lambda rows: first)
+    fused = []
+    amx_silu_and_mul = qmatmul.amx_silu_and_mul
+    monkeypatch.setattr(
+        qmatmul, "amx_silu_and_mul", lambda x, *a: fused.append(len(x)) or amx_silu_and_mul(x, *a)
+    )
+    x, raw, _ = make_case("Q4_1", 20, 128, 96)
+    layer = QuantizedLinear(QuantizedWeight(raw, "Q4_1", (128, 96)), None)
+    assert torch.equal(layer.silu_and_mul(x), silu_and_mul(layer(x)))
+    assert fused == ([20 - first] if first < 20 else [])
+
+
 def test_strided_rows_give_the_contiguous_result() -> None:
     x, raw, _ = make_case("Q4_0", 5, 64, 128)
     wide = torch.zeros(5, 160, dtype=torch.bfloat16)

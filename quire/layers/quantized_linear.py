@@ -36,6 +36,7 @@ from torch import nn
 from quire.attention.forward_context import first_prompt_row
 from quire.distributed.parallel_state import all_reduce, tp_size
 from quire.kernels.cpu import qmatmul
+from quire.layers.activation import silu_and_mul
 from quire.layers.parallel_linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -165,6 +166,27 @@ class QuantizedLinear(nn.Module):
             first_prompt_row(rows.shape[0]),
         )
         return out.view(*lead, self.out_features)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out / 2]
+        """silu(gate) * up of this gate|up projection's output (gate rows first), as
+        `activation.silu_and_mul(self(x))` gives it bit for bit. A step's prompt rows on AMX
+        tiles (`qmatmul.prompt_path`) take one pass that never writes the [rows, out] products."""
+        rows = x.reshape(-1, self.in_features)
+        first = first_prompt_row(rows.shape[0])
+        d = self.out_features // 2
+        if (
+            first is None
+            or first == rows.shape[0]
+            or self.bias is not None
+            or d % qmatmul.QPANEL
+            or qmatmul.prompt_path(self.qtype) != "amx-bf16"
+        ):
+            return silu_and_mul(self(x))
+        prompt = qmatmul.amx_silu_and_mul(rows[first:], self.packed, self.qtype, d)
+        if first == 0:
+            return prompt
+        generated = qmatmul.qmatmul(rows[:first], self.packed, self.qtype, None, 2 * d)
+        return torch.cat([silu_and_mul(generated), prompt])
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype}"

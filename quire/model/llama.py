@@ -43,6 +43,8 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.gate_up_proj, QuantizedLinear):  # prompt rows in one pass on AMX
+            return self.down_proj(self.gate_up_proj.silu_and_mul(x))
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 

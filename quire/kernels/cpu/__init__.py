@@ -71,6 +71,9 @@ _SIGNATURES = {
     "qmatmul_bf16": [_I32, _P, _I64] + [_P] * 4 + [_I64] + [_I32] * 4,
     # qmatmul_bf16's arguments with the step's first prompt row before the threads.
     "qmatmul_rows_bf16": [_I32, _P, _I64] + [_P] * 4 + [_I64] + [_I32] * 5,
+    # format, x, x row stride, packed gate|up weight, SiLU table, y, y row stride; M, N (y's
+    # columns), K, threads (matmul_amx.c).
+    "qmatmul_amx_silu_bf16": [_I32, _P, _I64, _P, _P, _P, _I64] + [_I32] * 4,
     # format, packed weight, first block, end block, out (bf16, gemv.c's packed layout).
     "qmatmul_dequantize_bf16": [_I32, _P, _I64, _I64, _P],
     # x, x row stride, rows, K, codes, scales, sums.

@@ -64,6 +64,9 @@ int qmatmul_dequantize_bf16(int format, const uint8_t* packed, int64_t b0, int64
 int qmatmul_amx_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
                      const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride,
                      int M, int N, int K, int num_threads);
+int qmatmul_amx_silu_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
+                          const float* silu, uint16_t* y, int64_t y_stride, int M, int N, int K,
+                          int num_threads);
 int qmatmul_rows_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
                       const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride,
                       int M, int N, int K, int first_prompt, int num_threads);

@@ -158,46 +158,88 @@ int matmul_amx_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed,
     return 0;
 }
 
+// silu(g) * u for 32 columns of `rows` rows, from the gate's and the up projection's float32
+// sums [rows][32]: each rounded to bf16 as store_panel rounds, then silu_and_mul_bf16's bits
+// (torch's bf16 SiLU from its table, times u exactly, rounded once), into y.
+static void store_gated(const float* gate, const float* up, const float* silu, int rows, int m0,
+                        int n0, uint16_t* y, int64_t y_stride) {
+    const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+    for (int m = 0; m < rows; m++) {
+        for (int c = 0; c < PANEL; c += 16) {
+            const __m512i g = _mm512_castps_si512(_mm512_loadu_ps(gate + m * PANEL + c));
+            const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(up + m * PANEL + c));
+            const __m512i g16 = _mm512_srli_epi32(
+                _mm512_add_epi32(_mm512_add_epi32(g, half),
+                                 _mm512_and_si512(_mm512_srli_epi32(g, 16), one)), 16);
+            const __m512i u32 = _mm512_slli_epi32(
+                _mm512_srli_epi32(
+                    _mm512_add_epi32(_mm512_add_epi32(u, half),
+                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), one)), 16), 16);
+            const __m512 p =
+                _mm512_mul_ps(_mm512_i32gather_ps(g16, silu, 4), _mm512_castsi512_ps(u32));
+            const __m512i pb = _mm512_castps_si512(p);
+            const __m512i r = _mm512_srli_epi32(
+                _mm512_add_epi32(_mm512_add_epi32(pb, half),
+                                 _mm512_and_si512(_mm512_srli_epi32(pb, 16), one)), 16);
+            _mm256_storeu_si256((__m256i*)(y + (int64_t)(m0 + m) * y_stride + n0 + c),
+                                _mm512_cvtepi32_epi16(r));
+        }
+    }
+}
+
 // y = x W^T (+ bias) for the prompt rows of a step (qmatmul.c's qmatmul_rows_bf16), W in
 // qmatmul.c's blocks (Q8_0 / Q4_0 / Q4_1), dequantized to bf16 (qmatmul_dequantize_bf16) a chunk
 // of a thread's panels at a time; every row group runs over the chunk as in matmul_amx_bf16, so
 // a row's bits are matmul_amx_bf16's on the dequantized weight. The next chunk is dequantized
 // into a second buffer in slices issued between a panel's tile products and their store: the
-// vector units convert weights while the tiles multiply. Returns 0, -1 for a shape it does not
-// take, -2 where AMX cannot run, -3 out of memory.
-int qmatmul_amx_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
-                     const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride,
-                     int M, int N, int K, int num_threads) {
+// vector units convert weights while the tiles multiply.
+// With `silu` (torch's bf16 SiLU table, silu_and_mul_bf16's), W is a gate|up projection of 2 N
+// rows and y [M, N] = silu(x Wg^T) * (x Wu^T), each product rounded to bf16 first: the bits of
+// qmatmul then silu_and_mul_bf16, without writing the products (a unit is gate panel i with up
+// panel N / 32 + i; N a multiple of 32, no bias). Returns 0, -1 for a shape it does not take, -2
+// where AMX cannot run, -3 out of memory.
+static int amx_dequantized(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
+                           const uint16_t* bias, const float* silu, uint16_t* y_bf16,
+                           float* y_f32, int64_t y_stride, int M, int N, int K, int num_threads) {
     if (!matmul_amx_available()) return -2;
     if (M < 1 || N < 1 || K < 32 || K % 32 || qmatmul_record_bytes(format) < 0) return -1;
-    const int panels = (N + PANEL - 1) / PANEL, blocks = K / 32;
-    const int threads = panels < 2 * num_threads ? 1 : num_threads;
+    if (silu && (N % PANEL || bias || !y_bf16)) return -1;
+    const int per_unit = silu ? 2 : 1;  // panels a unit of work multiplies
+    const int units = (N + PANEL - 1) / PANEL, blocks = K / 32;
+    const int threads = units < 2 * num_threads ? 1 : num_threads;
     const int64_t panel_elems = (int64_t)K * PANEL;  // bf16 of a dequantized panel
-    const int64_t panel_bytes = panel_elems * (int64_t)sizeof(uint16_t);
-    const int chunk = panel_bytes >= DEQUANTIZED_BYTES ? 1 : (int)(DEQUANTIZED_BYTES / panel_bytes);
-    uint16_t* buffers = aligned_alloc(64, (size_t)(threads * 2 * chunk * panel_bytes));
+    const int64_t unit_bytes = per_unit * panel_elems * (int64_t)sizeof(uint16_t);
+    const int chunk = unit_bytes >= DEQUANTIZED_BYTES ? 1 : (int)(DEQUANTIZED_BYTES / unit_bytes);
+    uint16_t* buffers =
+        aligned_alloc(64, (size_t)(threads * 2 * chunk * per_unit * panel_elems * 2));
     if (!buffers) return -3;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-        const int p0 = (int)((int64_t)panels * t / nt);
-        const int p1 = (int)((int64_t)panels * (t + 1) / nt);
-        uint16_t* buffer[2] = {buffers + (int64_t)t * 2 * chunk * panel_elems,
-                               buffers + ((int64_t)t * 2 + 1) * chunk * panel_elems};
-        float out[ROW_GROUP * PANEL];
+        const int u0 = (int)((int64_t)units * t / nt);
+        const int u1 = (int)((int64_t)units * (t + 1) / nt);
+        const int64_t buffer_elems = (int64_t)chunk * per_unit * panel_elems;
+        uint16_t* buffer[2] = {buffers + (int64_t)t * 2 * buffer_elems,
+                               buffers + ((int64_t)t * 2 + 1) * buffer_elems};
+        float out[ROW_GROUP * PANEL], up[ROW_GROUP * PANEL];
         int configured = 0, current = 0;
-        if (p0 < p1) {
-            const int c1 = p0 + chunk < p1 ? p0 + chunk : p1;
-            qmatmul_dequantize_bf16(format, packed, (int64_t)p0 * blocks, (int64_t)c1 * blocks,
-                                    buffer[0]);
-        }
-        for (int c0 = p0; c0 < p1; c0 += chunk, current ^= 1) {
-            const int c1 = c0 + chunk < p1 ? c0 + chunk : p1;
-            const int n1 = c1 + chunk < p1 ? c1 + chunk : p1;  // the next chunk: [c1, n1)
-            const int64_t next0 = (int64_t)c1 * blocks, next1 = (int64_t)n1 * blocks;
+        for (int c0 = u0; c0 < u1; c0 += chunk, current ^= 1) {
+            const int c1 = c0 + chunk < u1 ? c0 + chunk : u1;
+            if (c0 == u0) {
+                const int64_t all = (int64_t)(c1 - c0) * per_unit * blocks;
+                for (int64_t v = 0; v < all; v += blocks) {
+                    const int unit = c0 + (int)(v / blocks / per_unit);
+                    const int panel = (int)(v / blocks % per_unit) ? units + unit : unit;
+                    qmatmul_dequantize_bf16(format, packed, (int64_t)panel * blocks,
+                                            (int64_t)(panel + 1) * blocks,
+                                            buffer[current] + v * 32 * PANEL);
+                }
+            }
+            const int n1 = c1 + chunk < u1 ? c1 + chunk : u1;  // the next chunk: [c1, n1)
+            const int64_t next = (int64_t)(n1 - c1) * per_unit * blocks;
             const int64_t calls = (int64_t)(M + ROW_GROUP - 1) / ROW_GROUP * (c1 - c0);
-            const int64_t slice = (next1 - next0 + calls - 1) / calls;
-            int64_t done = next0;
+            const int64_t slice = (next + calls - 1) / calls;
+            int64_t done = 0;
             const uint16_t* w = buffer[current];
             for (int m0 = 0; m0 < M; m0 += ROW_GROUP) {
                 const int rows = M - m0 < ROW_GROUP ? M - m0 : ROW_GROUP;
@@ -206,18 +248,29 @@ int qmatmul_amx_bf16(int format, const uint16_t* x, int64_t x_stride, const uint
                     configured = rows;
                 }
                 const uint16_t* xg = x + (int64_t)m0 * x_stride;
-                for (int pi = c0; pi < c1; pi++) {
-                    const uint16_t* p = w + (int64_t)(pi - c0) * panel_elems;
+                for (int ui = c0; ui < c1; ui++) {
+                    const uint16_t* p = w + (int64_t)(ui - c0) * per_unit * panel_elems;
                     amx_panel_sums(rows, xg, x_stride, p, K);
-                    if (done < next1) {  // while the tiles work
-                        const int64_t end = done + slice < next1 ? done + slice : next1;
-                        qmatmul_dequantize_bf16(format, packed, done, end,
-                                                buffer[current ^ 1] + (done - next0) * 32 * PANEL);
-                        done = end;
+                    // while the tiles work: the next slice of the next chunk, a panel's blocks
+                    // at a time (a unit's panels are apart in `packed`)
+                    for (int64_t end = done + slice < next ? done + slice : next; done < end;) {
+                        const int unit = c1 + (int)(done / blocks / per_unit);
+                        const int panel = (int)(done / blocks % per_unit) ? units + unit : unit;
+                        const int64_t b = done % blocks;
+                        const int64_t n = blocks - b < end - done ? blocks - b : end - done;
+                        qmatmul_dequantize_bf16(format, packed, (int64_t)panel * blocks + b,
+                                                (int64_t)panel * blocks + b + n,
+                                                buffer[current ^ 1] + done * 32 * PANEL);
+                        done += n;
                     }
                     amx_panel_store(rows, xg, x_stride, p, K, out);
-                    store_panel(out, PANEL, rows, m0, pi * PANEL, N, bias, y_bf16, y_f32,
-                                y_stride);
+                    if (!silu) {
+                        store_panel(out, PANEL, rows, m0, ui * PANEL, N, bias, y_bf16, y_f32,
+                                    y_stride);
+                        continue;
+                    }
+                    amx_panel(rows, xg, x_stride, p + panel_elems, K, up);
+                    store_gated(out, up, silu, rows, m0, ui * PANEL, y_bf16, y_stride);
                 }
             }
         }
@@ -225,6 +278,21 @@ int qmatmul_amx_bf16(int format, const uint16_t* x, int64_t x_stride, const uint
     }
     free(buffers);
     return 0;
+}
+
+int qmatmul_amx_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
+                     const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride,
+                     int M, int N, int K, int num_threads) {
+    return amx_dequantized(format, x, x_stride, packed, bias, NULL, y_bf16, y_f32, y_stride, M,
+                           N, K, num_threads);
+}
+
+// y [M, N] = silu(x Wg^T) * (x Wu^T) for a gate|up weight of 2 N rows (amx_dequantized).
+int qmatmul_amx_silu_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
+                          const float* silu, uint16_t* y, int64_t y_stride, int M, int N, int K,
+                          int num_threads) {
+    return amx_dequantized(format, x, x_stride, packed, NULL, silu, y, NULL, y_stride, M, N, K,
+                           num_threads);
 }
 
 // One panel's sums out [rows][32] (columns n0.., `cols` of them) into the rows' running bests.
@@ -305,6 +373,14 @@ int matmul_amx_argmax_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* 
     (void)x, (void)x_stride, (void)packed, (void)bias, (void)M, (void)N, (void)K, (void)first;
     (void)best_value, (void)best_id, (void)best_nan;
     return -2;  // built without AMX-BF16
+}
+
+int qmatmul_amx_silu_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
+                          const float* silu, uint16_t* y, int64_t y_stride, int M, int N, int K,
+                          int num_threads) {
+    (void)format, (void)x, (void)x_stride, (void)packed, (void)silu, (void)y, (void)y_stride;
+    (void)M, (void)N, (void)K, (void)num_threads;
+    return -2;
 }
 
 int qmatmul_amx_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,

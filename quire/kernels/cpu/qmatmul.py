@@ -18,7 +18,7 @@ import functools
 import numpy as np
 import torch
 
-from quire.kernels.cpu import load_library, qmatmul_k
+from quire.kernels.cpu import load_library, pointwise, qmatmul_k
 
 QPANEL = 32  # output columns per packed panel (QPANEL in qmatmul.c)
 QBLOCK = 32  # weights per block along K in Q8_0 / Q4_x; the K-quants' super-blocks hold 256
@@ -85,6 +85,37 @@ def dequantize_bf16(packed: torch.Tensor, qtype: str, out_features: int, in_feat
         raise ValueError(f"dequantize_bf16: status {status}")
     # [panel][k pair][column][2] -> [panel * 32 + column][k]
     return out.permute(0, 2, 1, 3).reshape(panels * QPANEL, in_features)[:out_features]
+
+
+def amx_silu_and_mul(
+    x: torch.Tensor,  # [M, K] bf16 prompt rows; rows may be strided, each contiguous
+    packed: torch.Tensor,  # a gate|up weight of 2 d rows, gate first (`pack`)
+    qtype: str,  # one of PROMPT_TYPES, where prompt_path(qtype) is "amx-bf16"
+    d: int,  # a multiple of QPANEL
+) -> torch.Tensor:  # [M, d] bf16
+    """silu(x Wg^T) * (x Wu^T) on AMX tiles, as `qmatmul(..., first_prompt_row=0)` and then
+    pointwise.silu_and_mul give it bit for bit, without writing the [M, 2 d] products."""
+    rows, in_features = x.shape
+    _check_packed(packed, qtype, in_features, 2 * d)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(rows, d, dtype=torch.bfloat16)
+    status = load_library().qmatmul_amx_silu_bf16(
+        format_of(qtype),
+        x.data_ptr(),
+        x.stride(0),
+        packed.data_ptr(),
+        pointwise.silu_table().data_ptr(),
+        out.data_ptr(),
+        d,
+        rows,
+        d,
+        in_features,
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise ValueError(f"amx_silu_and_mul: status {status} for {rows} x {in_features}, d {d}")
+    return out
 
 
 def packed_bytes(qtype: str, out_features: int, in_features: int) -> int:
