@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from quire.sample.sampler import exponential_race
+from quire.sample.sampler import categorical
 
 
 def rejection_sample(
@@ -44,7 +44,7 @@ def rejection_sample(
     # Where p <= q everywhere (rounding; a rejection then has probability ~0) sample p itself.
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     residual = torch.where(empty, target_probs.view(batch * max_k, -1), residual)
-    recovered = exponential_race(residual, residual_noise_seeds).view(batch, max_k)
+    recovered = categorical(residual, residual_noise_seeds).view(batch, max_k)
 
     positions = torch.arange(max_k + 1, device=draft_token_ids.device)
     padded = torch.nn.functional.pad(draft_token_ids, (0, 1), value=-1)  # [B, K + 1]

@@ -2,9 +2,9 @@
 
 Rows of a batch have independent SamplingParams; every step is batched over rows. Per row, in order:
 banned tokens -> logit bias -> repetition penalty -> frequency and presence penalties -> greedy rows take the
-argmax; random rows divide by their temperature, then apply top-k, top-p and min-p, and draw with
-the exponential race `argmax(probs / q)`, q ~ Exp(1). A seeded row draws its noise from a generator
-seeded with a key of (seed, completion index, position of the token): the noise for a position
+argmax; random rows divide by their temperature, then apply top-k, top-p and min-p, and draw by
+inverting the distribution's running sum with one uniform (`categorical`). A seeded row draws it
+from a generator seeded with a key of (seed, completion index, position of the token): the draw
 does not depend on what else shares the batch, on how many tokens earlier steps computed, or on
 whether the token is sampled in a plain decode, after a preemption, or in a speculative
 verification (`noise_seed`).
@@ -283,7 +283,7 @@ def sample_random(
     logits: torch.Tensor,  # [S, V], penalized
     batch: SamplingBatch,
 ) -> torch.Tensor:  # [S] int64; meaningless for greedy rows
-    return exponential_race(filtered_probs(logits, batch), batch.noise_seeds)
+    return categorical(filtered_probs(logits, batch), batch.noise_seeds)
 
 
 def filtered_probs(
@@ -388,27 +388,21 @@ def _noise_generator(device: torch.device) -> torch.Generator:
     return torch.Generator(device=device)
 
 
-def exponential_race(
-    probs: torch.Tensor,  # [S, V], need not be normalized
+def categorical(
+    probs: torch.Tensor,  # [S, V] >= 0, need not be normalized; a positive entry in each row
     noise_seeds: list[int | None],
 ) -> torch.Tensor:  # [S] int64
-    """Draws token i with probability probs[i] / sum(probs): argmax(probs / q), q ~ Exp(1).
-
-    Unseeded rows share one draw from the default RNG; each seeded row draws from a generator
-    seeded with its key.
-    """
-    q = torch.empty_like(probs)
-    seeded = [(row, key) for row, key in enumerate(noise_seeds) if key is not None]
-    if len(seeded) < len(noise_seeds):
-        q.exponential_()
-    if seeded:
-        generator = _noise_generator(probs.device)
-        for row, key in seeded:
-            generator.manual_seed(key)
-            q[row].exponential_(generator=generator)
-    # q can round to 0; a tiny floor keeps 0 / 0 (a filtered token) from becoming NaN.
-    q.clamp_min_(torch.finfo(q.dtype).tiny)
-    return probs.div(q).argmax(dim=-1)
+    """Draws token i with probability probs[i] / sum(probs): the first token whose running sum
+    (float64, in token order) exceeds u times the row's sum, u one uniform draw per row
+    (`uniform_noise`: torch's default RNG, or the row's key). A token of probability 0 is never
+    drawn (the running sum does not rise there). One draw and one scan a row: an exponential a
+    token (the race argmax(probs / q), q ~ Exp(1), drawn before) cost 0.75 ms a row of a 49k
+    vocabulary on CPU, as much as a sixth of a batch-1 decode step."""
+    u = uniform_noise(noise_seeds, probs.device).to(torch.float64)
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    target = (u * cdf[:, -1]).unsqueeze(-1)  # < the sum: u < 1
+    index = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return index.clamp_max_(probs.shape[-1] - 1)
 
 
 def uniform_noise(

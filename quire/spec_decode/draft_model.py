@@ -47,7 +47,7 @@ from quire.sample.sampler import (
     STREAM_DRAFT,
     SamplingBatch,
     banned_token_ids,
-    exponential_race,
+    categorical,
     greedy,
     noise_seed,
     sampling_probs,
@@ -309,7 +309,7 @@ class DraftModelProposer:
             self.device,
         )
         probs = sampling_probs(logits, batch)  # [R, V], one-hot rows for greedy requests
-        token_ids = exponential_race(probs, batch.noise_seeds).tolist()
+        token_ids = categorical(probs, batch.noise_seeds).tolist()
         for i, r in enumerate(active):
             if not r.params.is_greedy:
                 r.probs.append(probs[i])
