@@ -59,6 +59,7 @@ int qmatmul_bf16_then(int format, const uint16_t* x, int64_t x_stride, const uin
 int qmatmul_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
                  const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M,
                  int N, int K, int num_threads);
+int qmatmul_record_bytes(int format);
 int qmatmul_dequantize_bf16(int format, const uint8_t* packed, int64_t b0, int64_t b1,
                             uint16_t* out);
 int qmatmul_amx_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,

@@ -463,14 +463,36 @@ static inline void dequantize_row(int kind, const char* row, int D, uint16_t* ds
     }
 }
 
+// Key `key` of one (request, KV head) into the pack: its K row copied (or dequantized) into k_row,
+// zeros at or past seq_len; returns its V row (dequantized into v_scratch for a quantized cache),
+// or NULL past seq_len.
+static const uint16_t* pack_key(const Problem* pb, int s, int kv_head, int key, uint16_t* k_row,
+                                uint16_t* v_scratch) {
+    const int D = pb->head_dim;
+    if (key >= pb->seq_lens[s]) {
+        memset(k_row, 0, D * 2);
+        return NULL;
+    }
+    const int64_t row_bytes = pb->kv_kind ? D + KV_SCALE_BYTES : 2 * D;
+    const int64_t token_stride = (int64_t)pb->num_kv_heads * row_bytes;
+    const int32_t* table = pb->block_tables + (int64_t)s * pb->max_blocks;
+    const int64_t at = (int64_t)table[key / pb->block_size] * pb->block_size * token_stride +
+                       (int64_t)(key % pb->block_size) * token_stride +
+                       (int64_t)kv_head * row_bytes;
+    if (pb->kv_kind) {
+        dequantize_row(pb->kv_kind, pb->k_cache + at, D, k_row);
+        dequantize_row(pb->kv_kind, pb->v_cache + at, D, v_scratch);
+        return v_scratch;
+    }
+    memcpy(k_row, pb->k_cache + at, D * 2);
+    return (const uint16_t*)(pb->v_cache + at);
+}
+
 // pack_tile for the AMX loop: K rows as above, V transposed ([D][padded_len], the A tile of
 // O^T), 16 keys x 32 dims at a time through a 16 x 16 transpose of dim pairs, then each pair's
 // dims apart.
 static void pack_tile_transposed(const Problem* pb, int s, int kv_head, int k0) {
-    const int D = pb->head_dim, len = pb->seq_lens[s];
-    const int64_t row_bytes = pb->kv_kind ? D + KV_SCALE_BYTES : 2 * D;
-    const int64_t token_stride = (int64_t)pb->num_kv_heads * row_bytes;
-    const int32_t* table = pb->block_tables + (int64_t)s * pb->max_blocks;
+    const int D = pb->head_dim;
     const int64_t pack = pb->pack_offset[s] + (int64_t)kv_head * pb->padded_len[s] * D;
     const int64_t stride = pb->padded_len[s];
     uint16_t* kp = pb->k_pack + pack + (int64_t)k0 * D;
@@ -481,25 +503,8 @@ static void pack_tile_transposed(const Problem* pb, int s, int kv_head, int k0) 
     uint16_t v_dequantized[16][256] __attribute__((aligned(64)));  // head_dim <= 256
     for (int g = 0; g < KEY_TILE; g += 16) {
         const uint16_t* v_rows[16];
-        for (int e = 0; e < 16; e++) {
-            const int key = k0 + g + e;
-            v_rows[e] = NULL;
-            if (key >= len) {
-                memset(kp + (g + e) * D, 0, D * 2);
-                continue;
-            }
-            const int64_t at =
-                (int64_t)table[key / pb->block_size] * pb->block_size * token_stride +
-                (int64_t)(key % pb->block_size) * token_stride + (int64_t)kv_head * row_bytes;
-            if (pb->kv_kind) {
-                dequantize_row(pb->kv_kind, pb->k_cache + at, D, kp + (g + e) * D);
-                dequantize_row(pb->kv_kind, pb->v_cache + at, D, v_dequantized[e]);
-                v_rows[e] = v_dequantized[e];
-            } else {
-                memcpy(kp + (g + e) * D, pb->k_cache + at, D * 2);
-                v_rows[e] = (const uint16_t*)(pb->v_cache + at);
-            }
-        }
+        for (int e = 0; e < 16; e++)
+            v_rows[e] = pack_key(pb, s, kv_head, k0 + g + e, kp + (g + e) * D, v_dequantized[e]);
         uint16_t* vt = pb->v_pack + pack + k0 + g;
         for (int d = 0; d < D; d += 32) {
             __m512 x[16];  // x[e]: key e's dims d .. d + 31 as 16 pairs; then pair c of 16 keys
@@ -520,10 +525,11 @@ static void pack_tile_transposed(const Problem* pb, int s, int kv_head, int k0) 
 // Packs keys [k0, k0 + KEY_TILE) of one (request, KV head) into the layouts described above;
 // positions at or past seq_len are zeros.
 static void pack_tile(const Problem* pb, int s, int kv_head, int k0) {
-    const int D = pb->head_dim, len = pb->seq_lens[s];
-    const int64_t row_bytes = pb->kv_kind ? D + KV_SCALE_BYTES : 2 * D;
-    const int64_t token_stride = (int64_t)pb->num_kv_heads * row_bytes;
-    const int32_t* table = pb->block_tables + (int64_t)s * pb->max_blocks;
+    if (pb->amx) {  // V^T [D][padded_len]: row d holds every key's dim d
+        pack_tile_transposed(pb, s, kv_head, k0);
+        return;
+    }
+    const int D = pb->head_dim;
     const int64_t pack = pb->pack_offset[s] + (int64_t)kv_head * pb->padded_len[s] * D;
     uint16_t* kp = pb->k_pack + pack + (int64_t)k0 * D;
     uint16_t* vp = pb->v_pack + pack + (int64_t)k0 * D;
@@ -532,31 +538,11 @@ static void pack_tile(const Problem* pb, int s, int kv_head, int k0) {
                                          40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
                                          32, 0);
     const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
-    if (pb->amx) {  // V^T [D][padded_len]: row d holds every key's dim d
-        pack_tile_transposed(pb, s, kv_head, k0);
-        return;
-    }
     uint16_t v_dequantized[2][256] __attribute__((aligned(64)));  // head_dim <= 256
     for (int j = 0; j < KEY_TILE; j += 2) {  // a pair of keys
-        const uint16_t* v_rows[2] = {NULL, NULL};
-        for (int e = 0; e < 2; e++) {
-            const int key = k0 + j + e;
-            if (key >= len) {
-                memset(kp + (j + e) * D, 0, D * 2);
-                continue;
-            }
-            const int64_t at =
-                (int64_t)table[key / pb->block_size] * pb->block_size * token_stride +
-                (int64_t)(key % pb->block_size) * token_stride + (int64_t)kv_head * row_bytes;
-            if (pb->kv_kind) {
-                dequantize_row(pb->kv_kind, pb->k_cache + at, D, kp + (j + e) * D);
-                dequantize_row(pb->kv_kind, pb->v_cache + at, D, v_dequantized[e]);
-                v_rows[e] = v_dequantized[e];
-            } else {
-                memcpy(kp + (j + e) * D, pb->k_cache + at, D * 2);
-                v_rows[e] = (const uint16_t*)(pb->v_cache + at);
-            }
-        }
+        const uint16_t* v_rows[2];
+        for (int e = 0; e < 2; e++)
+            v_rows[e] = pack_key(pb, s, kv_head, k0 + j + e, kp + (j + e) * D, v_dequantized[e]);
         const __m512i zero = _mm512_setzero_si512();
         for (int d = 0; d < D; d += 32) {
             const __m512i a = v_rows[0] ? _mm512_loadu_si512(v_rows[0] + d) : zero;

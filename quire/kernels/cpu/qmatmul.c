@@ -37,6 +37,13 @@ enum { Q8_0 = 1, Q4_0 = 2, Q4_1 = 3, Q4_K = 4 };  // Q4_K, Q5_K, Q6_K: 4..6
 
 static int codes_bytes(int format) { return format == Q8_0 ? QPANEL * QBLOCK : QPANEL * QBLOCK / 2; }
 
+// The unsigned code of weight k (0..31) of column c in a block record (the layout above).
+static inline int block_code(int format, const uint8_t* r, int c, int k) {
+    if (format == Q8_0) return r[(k / 4) * 128 + c * 4 + k % 4];
+    if (k < 16) return r[(k / 4) * 128 + c * 4 + k % 4] & 0x0F;
+    return r[((k - 16) / 4) * 128 + c * 4 + k % 4] >> 4;
+}
+
 int qmatmul_record_bytes(int format) {
     switch (format) {
         case Q8_0: return QPANEL * QBLOCK + 2 * QPANEL;
@@ -336,16 +343,7 @@ static void run_panel(int format, int MB, const int8_t* xq, const float* xd, con
                 const int8_t* xb = xq + (int64_t)m * K + b * QBLOCK;
                 const int32_t sx = xs[m * nb + b];
                 int32_t dot = format == Q8_0 ? -128 * sx : format == Q4_0 ? -8 * sx : 0;
-                for (int k = 0; k < QBLOCK; k++) {
-                    int u;
-                    if (format == Q8_0)
-                        u = r[(k / 4) * 128 + c * 4 + k % 4];
-                    else if (k < 16)
-                        u = r[(k / 4) * 128 + c * 4 + k % 4] & 0x0F;
-                    else
-                        u = r[((k - 16) / 4) * 128 + c * 4 + k % 4] >> 4;
-                    dot += u * xb[k];
-                }
+                for (int k = 0; k < QBLOCK; k++) dot += block_code(format, r, c, k) * xb[k];
                 uint16_t h;
                 memcpy(&h, r + cb + 2 * c, sizeof(h));
                 const float dx = xd[m * nb + b];
@@ -458,17 +456,9 @@ int qmatmul_dequantize_bf16(int format, const uint8_t* packed, int64_t b0, int64
                 memcpy(&h, r + cb + 64 + 2 * c, sizeof(h));
                 m = f16_to_f32(h);
             }
-            for (int k = 0; k < QBLOCK; k++) {
-                int u;
-                if (format == Q8_0)
-                    u = r[(k / 4) * 128 + c * 4 + k % 4];
-                else if (k < 16)
-                    u = r[(k / 4) * 128 + c * 4 + k % 4] & 0x0F;
-                else
-                    u = r[((k - 16) / 4) * 128 + c * 4 + k % 4] >> 4;
+            for (int k = 0; k < QBLOCK; k++)
                 ob[(k / 2) * 2 * QPANEL + 2 * c + k % 2] =
-                    f32_to_bf16_rne(dequantize_one(format, u, d, m));
-            }
+                    f32_to_bf16_rne(dequantize_one(format, block_code(format, r, c, k), d, m));
         }
 #endif
     }
