@@ -25,15 +25,25 @@ static inline float f32_from_bits(uint32_t u) {
     return v.f;
 }
 
-// An fp8 code's value, exactly: its exponent and mantissa bits placed where float32's are (same
-// bias 127 there), so that a multiply by 2^(127 - bias) gives normals and subnormals alike.
-static inline float fp8_e4m3_to_f32(uint8_t b) {
-    return f32_from_bits((uint32_t)(b & 0x80u) << 24 | (uint32_t)(b & 0x7Fu) << 20) * 0x1p120f;
+// An fp8 code's value, exactly, in integer steps only: a normal code's exponent and mantissa bits
+// placed where float32's are, the exponent rebiased by 127 - bias; a subnormal's mantissa m as
+// the float m (exact) with its exponent lowered by bias - 1 + mant bits. (A float multiply by
+// 2^(127 - bias) did the same, but the library's -ffast-math may fold that constant into the
+// row's scale, overflowing float32 from a scale of 2^8 on.)
+static inline float fp8_to_f32(uint8_t b, int mant, int bias) {
+    const uint32_t sign = (uint32_t)(b & 0x80u) << 24;
+    const uint32_t e = (b & 0x7Fu) >> mant, m = b & ((1u << mant) - 1u);
+    if (e) return f32_from_bits(sign | (e + 127u - (uint32_t)bias) << 23 | m << (23 - mant));
+    if (!m) return f32_from_bits(sign);
+    const float value = (float)m;  // m * 2^(1 - bias - mant)
+    uint32_t u;
+    memcpy(&u, &value, sizeof(u));
+    return f32_from_bits(sign | (u - ((uint32_t)(bias - 1 + mant) << 23)));
 }
 
-static inline float fp8_e5m2_to_f32(uint8_t b) {
-    return f32_from_bits((uint32_t)(b & 0x80u) << 24 | (uint32_t)(b & 0x7Fu) << 21) * 0x1p112f;
-}
+static inline float fp8_e4m3_to_f32(uint8_t b) { return fp8_to_f32(b, 3, 7); }
+
+static inline float fp8_e5m2_to_f32(uint8_t b) { return fp8_to_f32(b, 2, 15); }
 
 static inline float kv_code_to_f32(int kind, uint8_t b) {
     return kind == KV_INT8 ? (float)(int8_t)b
