@@ -61,8 +61,6 @@ SCHEMAS = {
         "required": ["age", "score"],
     },
 }
-# Seeds whose json_object answers end within 200 tokens: at temperature 1.0 this model rambles on
-# past that for about a fifth of seeds (11, 12, 15, 20 and 22 of 1-24 with the sampler's draw).
 TEMPERATURES = [(0.0, None), (0.7, 7), (1.0, 13)]
 WEATHER = {
     "type": "object",
@@ -83,6 +81,11 @@ TOOLS = [
 ]
 PARAMETERS = {"get_weather": WEATHER, "get_time": TIME}
 ASK = [{"role": "user", "content": "Describe a person as JSON."}]
+# A free JSON object ends, greedy and at (0.7, seed 2) and (1.0, seed 2), on every numerics path
+# (AMX tiles, AVX-512 without them, AVX2); "Describe a person as JSON." rambles past 200 tokens
+# greedy on AVX2, and at temperature 1.0 for about a fifth of seeds.
+ASK_OBJECT = [{"role": "user", "content": "Give a person's name and age as JSON."}]
+OBJECT_TEMPERATURES = [(0.0, None), (0.7, 2), (1.0, 2)]
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -134,9 +137,13 @@ def test_json_object_gives_an_object(client):
     responses = concurrently(
         [
             chat(
-                client, messages=ASK, response_format={"type": "json_object"}, temperature=t, seed=s
+                client,
+                messages=ASK_OBJECT,
+                response_format={"type": "json_object"},
+                temperature=t,
+                seed=s,
             )
-            for t, s in TEMPERATURES
+            for t, s in OBJECT_TEMPERATURES
         ]
     )
     for response in responses:
@@ -184,9 +191,9 @@ def test_max_tokens_cuts_a_structure_short_with_length(client):
     fmt = {"type": "json_object"}
     whole, short = concurrently(
         [
-            chat(client, messages=ASK, response_format=fmt, temperature=0),
+            chat(client, messages=ASK_OBJECT, response_format=fmt, temperature=0),
             lambda: client.chat.completions.create(
-                model=MODEL, messages=ASK, response_format=fmt, temperature=0, max_tokens=3
+                model=MODEL, messages=ASK_OBJECT, response_format=fmt, temperature=0, max_tokens=3
             ),
         ]
     )
