@@ -36,7 +36,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
         cpu = names[0] if names else cpu
     terminalreporter.write_line(
         f"quire kernels: {cpu}; bf16 matmul {gemv.path()}, GGUF blocks {qmatmul.path()} "
-        f"(prompt rows {qmatmul.prompt_path('Q4_1')}), "
+        f"(prompt rows {qmatmul.prompt_path()}), "
         f"prefill attention {cpu_kernels.prefill_attention_path()}"
     )
 

@@ -124,16 +124,17 @@ def test_a_rows_bits_do_not_depend_on_the_batch_or_the_threads(qtype) -> None:
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("qtype", QTYPES + K_QTYPES)
 def test_prompt_rows_on_amx_tiles_multiply_the_weight_rounded_to_bf16(
     qtype, kernel_settings
 ) -> None:
     """Where the bf16 matmul runs on AMX tiles, a step's prompt rows take the weight dequantized
     to bf16 (each weight gguf's float value, rounded once) times the rows as they are, summed in
-    float32 (tdpbf16ps); the rows before `first_prompt_row` keep the int8 sums."""
+    float32 (tdpbf16ps); the rows before `first_prompt_row` keep the int8 sums. The K-quants'
+    random super-blocks cover every code, sub-block scale and min."""
     use_amx_order(True)
-    assert qmatmul.prompt_path(qtype) == "amx-bf16"
-    for out_features, in_features in SHAPES:
+    assert qmatmul.prompt_path() == "amx-bf16"
+    for out_features, in_features in K_SHAPES if qtype in K_QTYPES else SHAPES:
         x, raw, dequantized = make_case(qtype, 40, out_features, in_features)
         packed = qmatmul.pack(raw, qtype, in_features)
         weight = qmatmul.dequantize_bf16(packed, qtype, out_features, in_features)
@@ -148,13 +149,14 @@ def test_prompt_rows_on_amx_tiles_multiply_the_weight_rounded_to_bf16(
         assert not torch.equal(out[9:], int8[9:])  # the other numerics ran
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("qtype", QTYPES + K_QTYPES)
 def test_a_prompt_rows_bits_do_not_depend_on_the_batch_the_split_or_the_threads(
     qtype, kernel_settings
 ) -> None:
     use_amx_order(True)
-    x, raw, _ = make_case(qtype, 45, 200, 576)
-    packed = qmatmul.pack(raw, qtype, 576)
+    in_features = 512 if qtype in K_QTYPES else 576
+    x, raw, _ = make_case(qtype, 45, 200, in_features)
+    packed = qmatmul.pack(raw, qtype, in_features)
     prompt = qmatmul.qmatmul(x, packed, qtype, None, 200, first_prompt_row=0)
     for first in (1, 17, 33, 44):  # row groups of 32 cut at other rows
         assert torch.equal(
@@ -174,11 +176,10 @@ def test_a_prompt_rows_bits_do_not_depend_on_the_batch_the_split_or_the_threads(
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K"])
 def test_prompt_rows_keep_the_int8_sums_off_amx(qtype, kernel_settings) -> None:
-    """Without the AMX order (no AMX, or EngineConfig.cpu_amx off), and for the K-quants, the
-    prompt rows' numerics are the generated rows'."""
-    if qtype == "Q4_1":
-        use_amx_order(False)
-    assert qmatmul.prompt_path(qtype) == qmatmul.path()
+    """Without the AMX order (no AMX, or EngineConfig.cpu_amx off), the prompt rows' numerics
+    are the generated rows'."""
+    use_amx_order(False)
+    assert qmatmul.prompt_path() == qmatmul.path()
     in_features = 512
     x, raw, _ = make_case(qtype, 20, 70, in_features)
     packed = qmatmul.pack(raw, qtype, in_features)
@@ -188,7 +189,7 @@ def test_prompt_rows_keep_the_int8_sums_off_amx(qtype, kernel_settings) -> None:
     )
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("qtype", QTYPES + K_QTYPES)
 def test_gate_up_prompt_rows_on_amx_tiles_give_silu_and_mul_bits_in_one_pass(
     qtype, kernel_settings
 ) -> None:
@@ -197,7 +198,12 @@ def test_gate_up_prompt_rows_on_amx_tiles_give_silu_and_mul_bits_in_one_pass(
     from quire.kernels.cpu import pointwise
 
     use_amx_order(True)
-    for rows, d, in_features in [(45, 64, 96), (1, 32, 32), (70, 160, 1056)]:
+    shapes = (
+        [(45, 64, 256), (1, 32, 512)]
+        if qtype in K_QTYPES
+        else [(45, 64, 96), (1, 32, 32), (70, 160, 1056)]
+    )
+    for rows, d, in_features in shapes:
         x, raw, _ = make_case(qtype, rows, 2 * d, in_features, seed=rows)
         packed = qmatmul.pack(raw, qtype, in_features)
         products = qmatmul.qmatmul(x, packed, qtype, None, 2 * d, first_prompt_row=0)
@@ -291,7 +297,7 @@ PORTABLE = {"x86-64-v3": 1, "x86-64-v2": 0}  # march: its qmatmul_path()
 @pytest.mark.parametrize("qtype", QTYPES + K_QTYPES)
 def test_the_portable_loops_match_the_reference_too(qtype, march, monkeypatch) -> None:
     """The AVX2 and plain C loops: the same sums in the same order as AVX-512 VNNI's, so the
-    same bits."""
+    same bits; and the same bf16 weights for the AMX prompt loop."""
     monkeypatch.setattr(envs, "QUIRE_CPU_MARCH", march)
     portable = cpu_kernels.build_library.__wrapped__(cpu_kernels._SOURCE_DIR)
     assert portable is not None and portable.qmatmul_vnni() == 0
@@ -303,6 +309,9 @@ def test_the_portable_loops_match_the_reference_too(qtype, march, monkeypatch) -
     out = qmatmul.qmatmul(x, packed, qtype, None, 33, torch.float32)
     assert_within_bound(out, *reference(x, dequantized, None))
     assert torch.equal(out, native)
+    # the AMX prompt loop's weights, as the portable C dequantizes them
+    weight = qmatmul.dequantize_bf16(packed, qtype, 33, 512)
+    assert torch.equal(weight, torch.from_numpy(dequantized).bfloat16())
 
 
 @pytest.mark.parametrize("qtype", K_QTYPES)
@@ -379,6 +388,56 @@ def test_a_fused_linear_of_mixed_types_keeps_each_type_as_a_part() -> None:
     out = holder.qkv(x, torch.float32)
     assert_within_bound(out, *reference(x, full.double().numpy(), None))
     assert torch.equal(holder.qkv(x[2:3], torch.float32), out[2:3])
+
+
+def test_a_fused_linear_in_parts_takes_each_parts_prompt_loop(kernel_settings, monkeypatch) -> None:
+    """A Q4_K_M file's q|k|v (q and k in Q4_K, v in Q6_K) on AMX tiles: each part's prompt rows
+    its dequantized weight's bf16 products, the generated rows each part's int8 sums; a prompt
+    row's bits alone as in the batch. Its gate|up silu goes through the products (no fused pass
+    over parts), with the same bits."""
+    from quire.layers import quantized_linear
+    from quire.layers.activation import silu_and_mul
+    from quire.layers.parallel_linear import QKVParallelLinear
+    from quire.layers.quantized_linear import (
+        QuantizedLinear,
+        QuantizedWeight,
+        quantize_linear_layers,
+    )
+
+    use_amx_order(True)
+    holder = torch.nn.Module()
+    holder.qkv = QKVParallelLinear(512, 32, 4, 2, bias=False)
+    rng = np.random.default_rng(3)
+    shards = {}
+    for shard, qtype in {"q": "Q4_K", "k": "Q4_K", "v": "Q6_K"}.items():
+        n = holder.qkv.local_heads[shard] * holder.qkv.head_dim
+        shards[shard] = QuantizedWeight(random_k_blocks(qtype, n, 512, rng), qtype, (n, 512))
+    holder.qkv.quantized_shards = shards
+    assert quantize_linear_layers(holder) == 1
+    layer = holder.qkv
+    assert isinstance(layer, QuantizedLinear) and layer.qtype == "Q4_K+Q6_K"
+    x = torch.from_numpy(rng.standard_normal((20, 512), np.float32)).bfloat16()
+    # rows 0..5 generated tokens, the rest prompt tokens; a row alone is a prompt token
+    monkeypatch.setattr(quantized_linear, "first_prompt_row", lambda rows: 6 if rows > 1 else 0)
+    out = layer(x, torch.float32)
+    column = 0
+    for shard in "qkv":
+        weight = shards[shard]
+        n = weight.shape[0]
+        packed = qmatmul.pack(weight.raw, weight.qtype, 512)
+        alone = qmatmul.qmatmul(x, packed, weight.qtype, None, n, torch.float32, 6)
+        assert torch.equal(out[:, column : column + n], alone)
+        column += n
+    assert torch.equal(layer(x[10:11], torch.float32), out[10:11])  # a prompt row alone
+    gate_up = QuantizedLinear(
+        [
+            QuantizedWeight(random_k_blocks(qtype, 32, 512, rng), qtype, (32, 512))
+            for qtype in ("Q4_K", "Q6_K")
+        ],
+        None,
+    )
+    assert gate_up.qtype == "Q4_K+Q6_K"
+    assert torch.equal(gate_up.silu_and_mul(x), silu_and_mul(gate_up(x)))
 
 
 def test_a_fused_linear_with_a_float_shard_is_dequantized_in_place() -> None:

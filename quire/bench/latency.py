@@ -380,7 +380,7 @@ def main(args: argparse.Namespace) -> int:
         )
         + (
             f"quire's kernels: bf16 matmul {gemv.path()}, GGUF blocks {qmatmul.path()} "
-            f"(prompt rows of Q8_0 / Q4_x {qmatmul.prompt_path('Q4_1')}), "
+            f"(prompt rows {qmatmul.prompt_path()}), "
             f"prefill attention {cpu_kernels.prefill_attention_path()}\n"
             if device == "cpu"
             else ""

@@ -179,7 +179,8 @@ class QuantizedLinear(nn.Module):
             or first == rows.shape[0]
             or self.bias is not None
             or d % qmatmul.QPANEL
-            or qmatmul.prompt_path(self.qtype) != "amx-bf16"
+            or self.format == qmatmul.PARTS
+            or qmatmul.prompt_path() != "amx-bf16"
         ):
             return silu_and_mul(self(x))
         prompt = qmatmul.amx_silu_and_mul(rows[first:], self.packed, self.qtype, d)

@@ -42,6 +42,18 @@ static inline void store_16(const float* sums, const uint16_t* bias, uint16_t* y
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// 16 columns' float32 weights k (wa) and k + 1 (wb), each rounded to bf16 (to nearest even), as
+// int32 lanes of bf16 pairs: lane j holds column j's (k, k + 1), gemv.c's packed pair layout.
+static inline __m512i bf16_pair_lanes(__m512 wa, __m512 wb) {
+    // [wa 0..15 | wb 0..15] as bf16, then interleaved: lane 2j takes wa j, lane 2j + 1 wb j
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                           16, 0);
+    return _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(wb, wa));
+}
+#endif
+
 // Rows m0..m0+MB-1 of one panel's result (columns n0.. of N), from the float32 sums
 // out [MB][panel]: + bias, rounded to bf16 into y_bf16, or (y_bf16 NULL) into y_f32 as the
 // bf16-rounded value widened, as `linear(...).float()` gives it.

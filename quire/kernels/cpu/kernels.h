@@ -62,6 +62,14 @@ int qmatmul_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t*
 int qmatmul_record_bytes(int format);
 int qmatmul_dequantize_bf16(int format, const uint8_t* packed, int64_t b0, int64_t b1,
                             uint16_t* out);
+int qmatmul_dequantizes(int format, int K);
+int qmatmul_k_dequantize_bf16(int format, const uint8_t* packed, int64_t b0, int64_t b1,
+                              uint16_t* out);
+int qmatmul_parts_rows_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* packed,
+                            const uint16_t* bias, uint16_t* y_bf16, float* y_f32,
+                            int64_t y_stride, int M, int N, int K, int first_prompt,
+                            int num_threads);
+int qmatmul_k_record_bytes(int format);
 int qmatmul_amx_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
                      const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride,
                      int M, int N, int K, int num_threads);

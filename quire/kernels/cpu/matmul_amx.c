@@ -202,7 +202,7 @@ static int amx_dequantized(int format, const uint16_t* x, int64_t x_stride, cons
                            const uint16_t* bias, const float* silu, uint16_t* y_bf16,
                            float* y_f32, int64_t y_stride, int M, int N, int K, int num_threads) {
     if (!matmul_amx_available()) return -2;
-    if (M < 1 || N < 1 || K < 32 || K % 32 || qmatmul_record_bytes(format) < 0) return -1;
+    if (M < 1 || N < 1 || !qmatmul_dequantizes(format, K)) return -1;
     if (silu && (N % PANEL || bias || !y_bf16)) return -1;
     const int per_unit = silu ? 2 : 1;  // panels a unit of work multiplies
     const int units = (N + PANEL - 1) / PANEL, blocks = K / 32;

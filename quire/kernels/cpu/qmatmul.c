@@ -33,7 +33,7 @@
 #define QBLOCK 32
 #define QGROUP 4  // rows of x per pass over a panel
 
-enum { Q8_0 = 1, Q4_0 = 2, Q4_1 = 3, Q4_K = 4 };  // Q4_K, Q5_K, Q6_K: 4..6
+enum { Q8_0 = 1, Q4_0 = 2, Q4_1 = 3, Q4_K = 4, PARTS = 7 };  // 4..6: K-quants, qmatmul_k.c
 
 static int codes_bytes(int format) { return format == Q8_0 ? QPANEL * QBLOCK : QPANEL * QBLOCK / 2; }
 
@@ -362,18 +362,14 @@ static void run_panel(int format, int MB, const int8_t* xq, const float* xd, con
 // Prompt rows on AMX tiles (qmatmul_rows_bf16): blocks [b0, b1) of `packed` (Q8_0 / Q4_0 /
 // Q4_1; a panel's K / 32 blocks in a row, so block b of panel p is number p K / 32 + b) as bf16
 // weights in gemv.c's packed layout, each block 16 pair rows [16][32][2] (for column c, weights
-// k and k + 1 side by side): panels [p0, p1) come out as [p1 - p0][K / 2][32][2]. Each weight is d (u - 128), d (q - 8) or d q + m (one FMA)
-// in float32, rounded once to bf16, to nearest with ties to even: bits of the weight alone.
+// k and k + 1 side by side): panels [p0, p1) come out as [p1 - p0][K / 2][32][2]. Each weight is
+// d (u - 128), d (q - 8) or d q + m (one FMA) in float32, rounded once to bf16, to nearest with
+// ties to even: bits of the weight alone. The K-quants' sub-blocks of 32 come out the same way
+// (qmatmul_k_dequantize_bf16). qmatmul_dequantizes: whether a format's weight of K columns can.
 static inline float dequantize_one(int format, int u, float d, float m) {
     if (format == Q8_0) return (float)(u - 128) * d;
     if (format == Q4_0) return (float)(u - 8) * d;
     return __builtin_fmaf(d, (float)u, m);
-}
-
-static inline uint16_t f32_to_bf16_rne(float f) {  // finite f: the weights of a GGUF block
-    uint32_t u;
-    memcpy(&u, &f, sizeof(u));
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -392,11 +388,7 @@ static inline __m512i bf16_pairs(int format, __m512i a, __m512i b, __m512 d, __m
         wa = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a, zero)), d);
         wb = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(b, zero)), d);
     }
-    // [wa 0..15 | wb 0..15] as bf16, then interleaved: lane 2j takes wa j, lane 2j + 1 wb j
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
-                                           16, 0);
-    return _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(wb, wa));
+    return bf16_pair_lanes(wa, wb);
 }
 
 // One block (32 values of k) of 16 columns (half h of the panel) into its 16 pair rows.
@@ -433,9 +425,15 @@ static void dequantize_block_half(int format, const uint8_t* r, int h, uint16_t*
 }
 #endif
 
+int qmatmul_dequantizes(int format, int K) {
+    if (format >= Q8_0 && format <= Q4_1) return K >= QBLOCK && K % QBLOCK == 0;
+    return qmatmul_k_record_bytes(format) > 0 && K >= 256 && K % 256 == 0;
+}
+
 int qmatmul_dequantize_bf16(int format, const uint8_t* packed, int64_t b0, int64_t b1,
                             uint16_t* out) {
-    if (format < Q8_0 || format > Q4_1 || b0 < 0 || b1 < b0) return -1;
+    if (format >= Q4_K) return qmatmul_k_dequantize_bf16(format, packed, b0, b1, out);
+    if (format < Q8_0 || b0 < 0 || b1 < b0) return -1;
     const int record = qmatmul_record_bytes(format), cb = codes_bytes(format);
     for (int64_t b = b0; b < b1; b++) {
         const uint8_t* r = packed + b * record;
@@ -458,7 +456,7 @@ int qmatmul_dequantize_bf16(int format, const uint8_t* packed, int64_t b0, int64
             }
             for (int k = 0; k < QBLOCK; k++)
                 ob[(k / 2) * 2 * QPANEL + 2 * c + k % 2] =
-                    f32_to_bf16_rne(dequantize_one(format, block_code(format, r, c, k), d, m));
+                    f32_to_bf16(dequantize_one(format, block_code(format, r, c, k), d, m));
         }
 #endif
     }
@@ -466,18 +464,23 @@ int qmatmul_dequantize_bf16(int format, const uint8_t* packed, int64_t b0, int64
 }
 
 // A step's rows, those from `first_prompt` on its prompt tokens: where the bf16 matmul runs on
-// AMX tiles (gemv_bf16_uses_amx) and the weight is Q8_0 / Q4_0 / Q4_1, the prompt rows take
-// qmatmul_amx_bf16 (the weight dequantized to bf16 a chunk of panels at a time, bf16 rows on
-// the tiles: prefill is compute-bound, and AMX's bf16 rate is 8x VNNI's int8 here), and the rows
-// before it (generated tokens) this file's int8 sums. Each row's bits depend on its kind and its
-// values only, so a request's bits do not depend on the batch or on how its prompt is chunked.
-// Elsewhere, every row takes qmatmul_bf16_then. Arguments as qmatmul_bf16's.
+// AMX tiles (gemv_bf16_uses_amx) and the weight can be dequantized (qmatmul_dequantizes: every
+// format, the K-quants with K a multiple of 256), the prompt rows take qmatmul_amx_bf16 (the
+// weight dequantized to bf16 a chunk of panels at a time, bf16 rows on the tiles: prefill is
+// compute-bound, and AMX's bf16 rate is 8x VNNI's int8 here), and the rows before it (generated
+// tokens) the int8 sums. A weight in parts (q | k | v of two K-quants) does so part by part.
+// Each row's bits depend on its kind and its values only, so a request's bits do not depend on
+// the batch or on how its prompt is chunked. Elsewhere, every row takes qmatmul_bf16_then.
+// Arguments as qmatmul_bf16's.
 int qmatmul_rows_bf16(int format, const uint16_t* x, int64_t x_stride, const uint8_t* packed,
                       const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride,
                       int M, int N, int K, int first_prompt, int num_threads) {
     if (first_prompt < 0 || first_prompt > M) return -1;
+    if (format == PARTS)
+        return qmatmul_parts_rows_bf16(x, x_stride, packed, bias, y_bf16, y_f32, y_stride, M, N,
+                                       K, first_prompt, num_threads);
     const int prompt_rows = M - first_prompt;
-    if (prompt_rows > 0 && format >= Q8_0 && format <= Q4_1 && gemv_bf16_uses_amx()) {
+    if (prompt_rows > 0 && qmatmul_dequantizes(format, K) && gemv_bf16_uses_amx()) {
         const int64_t at = (int64_t)first_prompt * y_stride;
         const int status = qmatmul_amx_bf16(
             format, x + (int64_t)first_prompt * x_stride, x_stride, packed, bias,

@@ -5,10 +5,11 @@ in one order, so a row's bits do not depend on the batch). `pack` repacks a GGUF
 once at load time into the kernel's panels (layout: the top of qmatmul.c).
 
 Where the bf16 matmul runs on AMX tiles (`prompt_path`), a step's prompt rows
-(`first_prompt_row` on) of a Q8_0 / Q4_0 / Q4_1 weight take bf16 numerics instead: the weight
-dequantized to bf16 a chunk of panels at a time and multiplied on the tiles with the rows as
-they are (qmatmul_amx_bf16 in matmul_amx.c). Prefill is compute-bound, and AMX's bf16 rate is
-far above VNNI's int8; decode rows stay int8, reading 4.5-8.5 bits a weight.
+(`first_prompt_row` on) take bf16 numerics instead, in every format (K-quants and weights in
+parts included): the weight dequantized to bf16 a chunk of panels at a time and multiplied on the
+tiles with the rows as they are (qmatmul_amx_bf16 in matmul_amx.c). Prefill is compute-bound,
+and AMX's bf16 rate is far above VNNI's int8; decode rows stay int8, reading 4.5-8.5 bits a
+weight.
 """
 
 from __future__ import annotations
@@ -57,29 +58,27 @@ def simd_types() -> frozenset[str]:
     return frozenset(FORMATS) if lib is not None and lib.qmatmul_path() >= 1 else frozenset()
 
 
-PROMPT_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1"})  # the types whose prompt rows can go to AMX
-
-
-def prompt_path(qtype: str) -> str:
-    """The loop a step's prompt rows of a `qtype` weight take here: "amx-bf16" (dequantized to
-    bf16, on AMX tiles: where the bf16 matmul runs on them, EngineConfig.cpu_amx), else `path()`
-    (the int8 sums of every row)."""
+def prompt_path() -> str:
+    """The loop a step's prompt rows of a GGUF weight (any of FORMATS, or parts) take here:
+    "amx-bf16" (dequantized to bf16, on AMX tiles: where the bf16 matmul runs on them,
+    EngineConfig.cpu_amx), else `path()` (the int8 sums of every row)."""
     lib = load_library()
-    if lib is not None and qtype in PROMPT_TYPES and lib.gemv_bf16_uses_amx() == 1:
+    if lib is not None and lib.gemv_bf16_uses_amx() == 1:
         return "amx-bf16"
     return path()
 
 
 def dequantize_bf16(packed: torch.Tensor, qtype: str, out_features: int, in_features: int):
     """`packed`'s weight as the AMX prompt loop multiplies it: [out_features, in_features] bf16,
-    each weight rounded once from float32 (d q + m, d (q - 8) or d q). For tests."""
-    if qtype not in PROMPT_TYPES:
-        raise ValueError(f"dequantize_bf16: {qtype} is not one of {sorted(PROMPT_TYPES)}")
+    each weight gguf's float32 value rounded once (d q + m, d (q - 8), d q; the K-quants'
+    (d sc) q - (dmin m) and (d sc) (q - 32)). For tests."""
+    if qtype not in FORMATS:
+        raise ValueError(f"dequantize_bf16: {qtype} is not one of {', '.join(FORMATS)}")
     _check_packed(packed, qtype, in_features, out_features)
     panels = packed.shape[0]
     out = torch.empty(panels, in_features // 2, QPANEL, 2, dtype=torch.bfloat16)
     status = load_library().qmatmul_dequantize_bf16(
-        format_of(qtype), packed.data_ptr(), 0, panels * packed.shape[1], out.data_ptr()
+        format_of(qtype), packed.data_ptr(), 0, panels * in_features // QBLOCK, out.data_ptr()
     )
     if status != 0:
         raise ValueError(f"dequantize_bf16: status {status}")
@@ -90,7 +89,7 @@ def dequantize_bf16(packed: torch.Tensor, qtype: str, out_features: int, in_feat
 def amx_silu_and_mul(
     x: torch.Tensor,  # [M, K] bf16 prompt rows; rows may be strided, each contiguous
     packed: torch.Tensor,  # a gate|up weight of 2 d rows, gate first (`pack`)
-    qtype: str,  # one of PROMPT_TYPES, where prompt_path(qtype) is "amx-bf16"
+    qtype: str,  # a FORMATS name (not parts), where prompt_path(qtype) is "amx-bf16"
     d: int,  # a multiple of QPANEL
 ) -> torch.Tensor:  # [M, d] bf16
     """silu(x Wg^T) * (x Wu^T) on AMX tiles, as `qmatmul(..., first_prompt_row=0)` and then

@@ -52,6 +52,16 @@ int qmatmul_k_record_bytes(int format) {
     return 8 * sub_bytes(format) + scale_bytes(format);
 }
 
+// Column c's code k (0..31) of a packed sub-block (the layout at the top).
+static inline int packed_code(int format, const uint8_t* c, int col, int k) {
+    const int h = k / 16, g = (k % 16) / 4, i = k % 4, idx = 2 * g + h;
+    const int half = col / 16, pos = (col % 16) * 4 + i;
+    int u = (c[g * 128 + half * 64 + pos] >> (4 * h)) & 0x0F;
+    if (format == Q5_K) u |= ((c[512 + half * 64 + pos] >> idx) & 1) << 4;
+    if (format == Q6_K) u |= ((c[512 + half * 128 + (idx / 4) * 64 + pos] >> (2 * (idx % 4))) & 3) << 4;
+    return u;
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
@@ -328,16 +338,6 @@ static void run_kpanel(int format, int MB, const int8_t* xq, const float* xd, co
     }
 }
 #else
-// Column c's code k (0..31) of a packed sub-block (the layout at the top).
-static int packed_code(int format, const uint8_t* c, int col, int k) {
-    const int h = k / 16, g = (k % 16) / 4, i = k % 4, idx = 2 * g + h;
-    const int half = col / 16, pos = (col % 16) * 4 + i;
-    int u = (c[g * 128 + half * 64 + pos] >> (4 * h)) & 0x0F;
-    if (format == Q5_K) u |= ((c[512 + half * 64 + pos] >> idx) & 1) << 4;
-    if (format == Q6_K) u |= ((c[512 + half * 128 + (idx / 4) * 64 + pos] >> (2 * (idx % 4))) & 3) << 4;
-    return u;
-}
-
 // Portable C: the same sums in the same order, a column at a time.
 static void run_kpanel(int format, int MB, const int8_t* xq, const float* xd, const int32_t* xs,
                        const int32_t* xlo, int K, const uint8_t* p, float* out) {
@@ -383,6 +383,104 @@ static void run_kpanel(int format, int MB, const int8_t* xq, const float* xd, co
 }
 #endif
 
+// Prompt rows on AMX tiles (qmatmul_rows_bf16, matmul_amx.c): sub-blocks [b0, b1) of `packed`
+// as bf16 weights in gemv.c's packed layout, as qmatmul_dequantize_bf16 gives Q8_0 / Q4_x. A
+// panel's sub-blocks of 32 along K are numbered in order, so sub-block b of the weight is
+// number b % 8 of record b / 8; each comes out as 16 pair rows [16][32][2]. Each weight is
+// gguf's float32 value rounded once to bf16 (to nearest even):
+//   Q4_K / Q5_K  (d sc) q - (dmin m): both products exact, and (d sc) q too: one rounding
+//   Q6_K         (d sc) (q - 32): d sc exact, one rounding
+// (gguf.quants.dequantize's values; llama.cpp's dequantize_row_q*_K give the same.)
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// The 16 columns of half h of sub-block j of record r: the codes of pair rows 2g, 2g + 1
+// (k = 4g..4g+3) and 8 + 2g, 9 + 2g (k = 16 + 4g..), as qmatmul.c's Q4_x.
+static void dequantize_k_half(int format, const uint8_t* r, int j, int h, uint16_t* out) {
+    const uint8_t* sub = r + j * sub_bytes(format);
+    const uint8_t* scales = r + 8 * sub_bytes(format);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(scales + 512 + 32 * h)));
+    __m512 da, db, ma = _mm512_setzero_ps(), mb = _mm512_setzero_ps();  // k < 16, k >= 16
+    if (format == Q6_K) {
+        da = _mm512_mul_ps(d, _mm512_cvtepi32_ps(bytes_to_epi32(scales + 2 * j * KPANEL + 16 * h, 1)));
+        db = _mm512_mul_ps(
+            d, _mm512_cvtepi32_ps(bytes_to_epi32(scales + (2 * j + 1) * KPANEL + 16 * h, 1)));
+    } else {
+        const __m512 dmin =
+            _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(scales + 576 + 32 * h)));
+        da = db = _mm512_mul_ps(d, _mm512_cvtepi32_ps(bytes_to_epi32(scales + j * KPANEL + 16 * h, 0)));
+        ma = mb = _mm512_mul_ps(
+            dmin, _mm512_cvtepi32_ps(bytes_to_epi32(scales + (8 + j) * KPANEL + 16 * h, 0)));
+    }
+    const __m512i nibble = _mm512_set1_epi32(0x0F);
+    const __m512i high = format == Q5_K   ? _mm512_loadu_si512(sub + 512 + 64 * h)
+                         : format == Q6_K ? _mm512_loadu_si512(sub + 512 + 128 * h)
+                                          : _mm512_setzero_si512();
+    const __m512i high2 = format == Q6_K ? _mm512_loadu_si512(sub + 512 + 128 * h + 64) : high;
+    uint16_t* o = out + 32 * h;  // pair row i: o + 64 i
+    for (int g = 0; g < 4; g++) {
+        const __m512i v = _mm512_loadu_si512(sub + g * 128 + 64 * h);
+        __m512 w[8];
+        for (int i = 0; i < 8; i++) {  // w[2b]: code 4g + b (byte b's low nibble); w[2b + 1]: 16 + 4g + b
+            __m512i c = _mm512_and_si512(_mm512_srli_epi32(v, 4 * i), nibble);
+            const int b = i / 2, upper = i % 2;
+            if (format == Q5_K) {  // bit 2g + upper of byte b
+                const __m512i bit = _mm512_srli_epi32(high, 8 * b + 2 * g + upper);
+                c = _mm512_or_si512(c, _mm512_slli_epi32(_mm512_and_si512(bit, _mm512_set1_epi32(1)), 4));
+            } else if (format == Q6_K) {  // plane g / 2, bits 2s, 2s + 1 of byte b, s = 2 (g % 2) + upper
+                const __m512i bits = _mm512_srli_epi32(g < 2 ? high : high2, 8 * b + 2 * (2 * (g % 2) + upper));
+                c = _mm512_or_si512(c, _mm512_slli_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(3)), 4));
+            }
+            const __m512 u = _mm512_cvtepi32_ps(c);
+            w[i] = format == Q6_K ? _mm512_mul_ps(upper ? db : da, _mm512_sub_ps(u, _mm512_set1_ps(32.0f)))
+                                  : _mm512_fmsub_ps(upper ? db : da, u, upper ? mb : ma);
+        }
+        _mm512_storeu_si512(o + 64 * (2 * g), bf16_pair_lanes(w[0], w[2]));
+        _mm512_storeu_si512(o + 64 * (2 * g + 1), bf16_pair_lanes(w[4], w[6]));
+        _mm512_storeu_si512(o + 64 * (8 + 2 * g), bf16_pair_lanes(w[1], w[3]));
+        _mm512_storeu_si512(o + 64 * (9 + 2 * g), bf16_pair_lanes(w[5], w[7]));
+    }
+}
+#endif
+
+// Column c's weight k of sub-block j of record r, as gguf's float32 value (the rules above).
+static inline float k_weight(int format, const uint8_t* r, int j, int c, int k) {
+    const uint8_t* scales = r + 8 * sub_bytes(format);
+    uint16_t h;
+    memcpy(&h, scales + 16 * KPANEL + 2 * c, sizeof(h));
+    const float d = f16_to_f32(h);
+    const int u = packed_code(format, r + j * sub_bytes(format), c, k);
+    if (format == Q6_K) {
+        const int8_t sc = (int8_t)scales[(2 * j + k / 16) * KPANEL + c];
+        return (d * (float)sc) * (float)(u - 32);
+    }
+    memcpy(&h, scales + 16 * KPANEL + 2 * KPANEL + 2 * c, sizeof(h));
+    const float dmin = f16_to_f32(h);
+    const float d1 = d * (float)scales[j * KPANEL + c], m1 = dmin * (float)scales[(8 + j) * KPANEL + c];
+    return __builtin_fmaf(d1, (float)u, -m1);
+}
+
+int qmatmul_k_dequantize_bf16(int format, const uint8_t* packed, int64_t b0, int64_t b1,
+                              uint16_t* out) {
+    if (format < Q4_K || format > Q6_K || b0 < 0 || b1 < b0) return -1;
+    const int record = qmatmul_k_record_bytes(format);
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t* r = packed + b / 8 * record;
+        const int j = (int)(b % 8);
+        uint16_t* ob = out + (b - b0) * KSUB * KPANEL;  // 16 pair rows of 64
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        if (j == 0)  // the record streams from memory: its lines a record ahead
+            for (int line = 0; line < record; line += 64)
+                _mm_prefetch((const char*)r + record + line, _MM_HINT_T0);
+        dequantize_k_half(format, r, j, 0, ob);
+        dequantize_k_half(format, r, j, 1, ob);
+#else
+        for (int c = 0; c < KPANEL; c++)
+            for (int k = 0; k < KSUB; k++)
+                ob[(k / 2) * 2 * KPANEL + 2 * c + k % 2] = f32_to_bf16(k_weight(format, r, j, c, k));
+#endif
+    }
+    return 0;
+}
+
 // A part's view of its weight's epilogue: its columns shifted by the part's first column.
 typedef struct {
     const ColumnEpilogue* whole;
@@ -404,15 +502,23 @@ static void part_after(const void* ctx, int c0, int c1) {
 // part its format, its rows and the byte offset of its packed weight from `packed`], and each
 // part writes its columns of y. A row's bits are each part's, so still the batch's no concern.
 // `then` (or NULL): its `before` with the first part, its `after` on each part's columns.
+// The parts' header of `packed` into header[0 .. 1 + 3 P): P, then per part its format, rows
+// and offset. Returns P, or -1 for a header that holds no parts or more than 8.
+static int64_t read_parts(const uint8_t* packed, int64_t header[1 + 3 * 8]) {
+    memcpy(header, packed, sizeof(int64_t));
+    const int64_t parts = header[0];
+    if (parts < 1 || parts > 8) return -1;
+    memcpy(header, packed, (size_t)(1 + 3 * parts) * sizeof(int64_t));
+    return parts;
+}
+
 static int qmatmul_parts_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* packed,
                               const uint16_t* bias, uint16_t* y_bf16, float* y_f32,
                               int64_t y_stride, int M, int N, int K, int num_threads,
                               const ColumnEpilogue* then) {
     int64_t header[1 + 3 * 8];
-    memcpy(header, packed, sizeof(int64_t));
-    const int64_t parts = header[0];
-    if (parts < 1 || parts > 8) return -1;
-    memcpy(header, packed, (size_t)(1 + 3 * parts) * sizeof(int64_t));
+    const int64_t parts = read_parts(packed, header);
+    if (parts < 0) return -1;
     int64_t n0 = 0;
     for (int64_t i = 0; i < parts; i++) {
         const int64_t format = header[1 + 3 * i], rows = header[2 + 3 * i];
@@ -424,6 +530,29 @@ static int qmatmul_parts_bf16(const uint16_t* x, int64_t x_stride, const uint8_t
             (int)format, x, x_stride, packed + header[3 + 3 * i], bias ? bias + n0 : NULL,
             y_bf16 ? y_bf16 + n0 : NULL, y_bf16 ? NULL : y_f32 + n0, y_stride, M, (int)rows, K,
             num_threads, then ? &part_then : NULL);
+        if (status != 0) return status;
+        n0 += rows;
+    }
+    return n0 == N ? 0 : -1;
+}
+
+// qmatmul_rows_bf16 (qmatmul.c) for a weight in parts: each part's columns by its own format's
+// rows rule.
+int qmatmul_parts_rows_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* packed,
+                            const uint16_t* bias, uint16_t* y_bf16, float* y_f32,
+                            int64_t y_stride, int M, int N, int K, int first_prompt,
+                            int num_threads) {
+    int64_t header[1 + 3 * 8];
+    const int64_t parts = read_parts(packed, header);
+    if (parts < 0) return -1;
+    int64_t n0 = 0;
+    for (int64_t i = 0; i < parts; i++) {
+        const int64_t format = header[1 + 3 * i], rows = header[2 + 3 * i];
+        if (format < 1 || format >= PARTS || rows < 1 || n0 + rows > N) return -1;
+        const int status = qmatmul_rows_bf16(
+            (int)format, x, x_stride, packed + header[3 + 3 * i], bias ? bias + n0 : NULL,
+            y_bf16 ? y_bf16 + n0 : NULL, y_bf16 ? NULL : y_f32 + n0, y_stride, M, (int)rows, K,
+            first_prompt, num_threads);
         if (status != 0) return status;
         n0 += rows;
     }
