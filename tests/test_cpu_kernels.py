@@ -135,8 +135,9 @@ def test_paged_decode_bfloat16_with_scores_growing_along_the_context():
 
 @pytest.mark.parametrize("growth_scale", [0.0, 32.0, -32.0])
 def test_paged_decode_bfloat16_merges_context_partitions(growth_scale):
-    # Contexts over 512 positions are split into partitions of 512 whose partial softmaxes are
-    # merged: lengths on either side of the boundaries, and scores that grow (or shrink) along the
+    # Contexts over 512 positions are split into partitions of at most 512 (the context's chunks
+    # shared out equally: 513 positions are 272 + 241) whose partial softmaxes are merged:
+    # lengths on either side of the boundaries, and scores that grow (or shrink) along the
     # context so that the partitions' maxima differ by a lot and the merge must rescale.
     block_size = 16
     seq_lens = [511, 512, 513, 1024, 1025, 1600, 2047]

@@ -120,7 +120,7 @@ def reference_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray) -> 
 
 @pytest.mark.parametrize("name", list(QUANTIZED))
 def test_decode_kernel_is_attention_over_the_dequantized_rows(name):
-    """Three requests over shuffled blocks (one longer than a 512-position partition)."""
+    """Three requests over shuffled blocks (one longer than 512 positions: two partitions)."""
     num_blocks = 120
     gen = torch.Generator().manual_seed(3)
     tables = torch.randperm(num_blocks, generator=gen).view(3, 40).int()

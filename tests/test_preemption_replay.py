@@ -495,7 +495,7 @@ def test_decode_of_sequences_sharing_a_block_table_is_each_alone_bit_for_bit(dty
     k = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
     v = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
     table = torch.randperm(num_blocks, generator=gen)[:36].int()
-    lens = [1, 15, 16, 17, 300, 511, 512, 513, 570]  # one table; partitions of 512 positions
+    lens = [1, 15, 16, 17, 300, 511, 512, 513, 570]  # one table; one and two partitions
     q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
     tables = table.expand(len(lens), -1).contiguous()
     batch = cpu_kernels.paged_decode(q, k, v, tables, torch.tensor(lens, dtype=torch.int32), 0.125)

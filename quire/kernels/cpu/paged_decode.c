@@ -411,15 +411,18 @@ static inline void store_head(uint16_t* o, const float* a, int head_dim, float i
         }
 }
 
-// The context of a request is cut into partitions of PARTITION positions, each a task of its
-// own (with a range of KV heads), so that a few requests with long contexts still keep every
-// thread busy (batch 1 of a model with 3 KV heads would otherwise be 3 tasks on 2 threads). A
-// request with more than one partition has its partial results (unnormalized accumulator,
-// running max and sum per query head) merged in partition order by whichever task finishes the
-// request's last partition: no second parallel region, and no heap for up to SCRATCH_ON_STACK
-// bytes of partials (batch 1: 26 against 29.5 us a call at SmolLM2's shape, context 618, bits
-// unchanged). Partitions depend only on the context length, so a request's result does not
-// depend on the batch or on the thread count.
+// The context of a request is cut into partitions of at most PARTITION positions, each a task of
+// its own (with a range of KV heads), so that a few requests with long contexts still keep every
+// thread busy (batch 1 of a model with 3 KV heads would otherwise be 3 tasks on 2 threads). The
+// partitions share the context's chunks equally: 530 positions are two of 272 and 258, not 512
+// and 18, whose tasks the threads could not share evenly (batch 1, ~530 positions: 0.83-0.90x
+// the time at SmolLM2's and Qwen3-0.6B's shapes, Intel Xeon AMX). A request with more than one
+// partition has its partial results (unnormalized accumulator, running max and sum per query
+// head) merged in partition order by whichever task finishes the request's last partition: no
+// second parallel region, and no heap for up to SCRATCH_ON_STACK bytes of partials (batch 1: 26
+// against 29.5 us a call at SmolLM2's shape, context 618, bits unchanged). Partitions depend only
+// on the context length, so a request's result does not depend on the batch or on the thread
+// count.
 #define PARTITION 512
 #define SCRATCH_ON_STACK 16384  // bytes of partial results and task lists kept off the heap
 _Static_assert(PARTITION % CHUNK == 0, "a partition is whole chunks");
@@ -427,6 +430,12 @@ _Static_assert(PARTITION % CHUNK == 0, "a partition is whole chunks");
 // Partitions of a context of `len` positions (an empty context is one empty partition).
 static inline int num_partitions(int len) {
     return len > PARTITION ? (len + PARTITION - 1) / PARTITION : 1;
+}
+
+// Chunks of each partition of a context of `len` positions (the last one may hold fewer).
+static inline int partition_chunks(int len) {
+    const int chunks = (len + CHUNK - 1) / CHUNK, parts = num_partitions(len);
+    return (chunks + parts - 1) / parts;
 }
 
 // Merges the partitions of one request for query heads h0..h0+nh: partial holds its first
@@ -480,8 +489,9 @@ static inline void task_span(const CallShape* cs, int task, TaskSpan* t) {
     t->part = cs->unit_part[t->u];
     t->kvh0 = (task % cs->tasks_per_unit) * cs->heads_per_task;
     t->len = cs->seq_lens[t->s];
-    t->c0 = t->part * (PARTITION / CHUNK);
-    t->c1 = min_int((t->len + CHUNK - 1) / CHUNK, t->c0 + PARTITION / CHUNK);
+    const int part_chunks = partition_chunks(t->len);
+    t->c0 = t->part * part_chunks;
+    t->c1 = min_int((t->len + CHUNK - 1) / CHUNK, t->c0 + part_chunks);
     t->rows = (RowLocator){.table = cs->block_tables + (int64_t)t->s * cs->max_blocks,
                            .block_size = cs->block_size, .len = t->len,
                            .block_stride = cs->block_stride, .token_stride = cs->token_stride,
