@@ -501,35 +501,35 @@ static void part_after(const void* ctx, int c0, int c1) {
 // q and k in Q4_K and v in Q6_K: `packed` starts with int64 words [number of parts P, then per
 // part its format, its rows and the byte offset of its packed weight from `packed`], and each
 // part writes its columns of y. A row's bits are each part's, so still the batch's no concern.
-// `then` (or NULL): its `before` with the first part, its `after` on each part's columns.
-// The parts' header of `packed` into header[0 .. 1 + 3 P): P, then per part its format, rows
-// and offset. Returns P, or -1 for a header that holds no parts or more than 8.
-static int64_t read_parts(const uint8_t* packed, int64_t header[1 + 3 * 8]) {
+// Each part runs qmatmul_rows_bf16 with `first_prompt` (M: every row a generated token's), or,
+// with `then`, qmatmul_bf16_then: its `before` with the first part, its `after` on each part's
+// columns.
+static int qmatmul_parts_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* packed,
+                              const uint16_t* bias, uint16_t* y_bf16, float* y_f32,
+                              int64_t y_stride, int M, int N, int K, int first_prompt,
+                              int num_threads, const ColumnEpilogue* then) {
+    int64_t header[1 + 3 * 8];
     memcpy(header, packed, sizeof(int64_t));
     const int64_t parts = header[0];
     if (parts < 1 || parts > 8) return -1;
     memcpy(header, packed, (size_t)(1 + 3 * parts) * sizeof(int64_t));
-    return parts;
-}
-
-static int qmatmul_parts_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* packed,
-                              const uint16_t* bias, uint16_t* y_bf16, float* y_f32,
-                              int64_t y_stride, int M, int N, int K, int num_threads,
-                              const ColumnEpilogue* then) {
-    int64_t header[1 + 3 * 8];
-    const int64_t parts = read_parts(packed, header);
-    if (parts < 0) return -1;
     int64_t n0 = 0;
     for (int64_t i = 0; i < parts; i++) {
         const int64_t format = header[1 + 3 * i], rows = header[2 + 3 * i];
         if (format < 1 || format >= PARTS || rows < 1 || n0 + rows > N) return -1;
+        const uint8_t* part_packed = packed + header[3 + 3 * i];
+        const uint16_t* part_bias = bias ? bias + n0 : NULL;
+        uint16_t* part_bf16 = y_bf16 ? y_bf16 + n0 : NULL;
+        float* part_f32 = y_bf16 ? NULL : y_f32 + n0;
         const PartEpilogue part = {then, (int)n0};
         const ColumnEpilogue part_then = {i == 0 && then && then->before ? part_before : NULL,
                                           part_after, &part};
-        const int status = qmatmul_bf16_then(
-            (int)format, x, x_stride, packed + header[3 + 3 * i], bias ? bias + n0 : NULL,
-            y_bf16 ? y_bf16 + n0 : NULL, y_bf16 ? NULL : y_f32 + n0, y_stride, M, (int)rows, K,
-            num_threads, then ? &part_then : NULL);
+        const int status =
+            then ? qmatmul_bf16_then((int)format, x, x_stride, part_packed, part_bias, part_bf16,
+                                     part_f32, y_stride, M, (int)rows, K, num_threads, &part_then)
+                 : qmatmul_rows_bf16((int)format, x, x_stride, part_packed, part_bias, part_bf16,
+                                     part_f32, y_stride, M, (int)rows, K, first_prompt,
+                                     num_threads);
         if (status != 0) return status;
         n0 += rows;
     }
@@ -542,21 +542,8 @@ int qmatmul_parts_rows_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* 
                             const uint16_t* bias, uint16_t* y_bf16, float* y_f32,
                             int64_t y_stride, int M, int N, int K, int first_prompt,
                             int num_threads) {
-    int64_t header[1 + 3 * 8];
-    const int64_t parts = read_parts(packed, header);
-    if (parts < 0) return -1;
-    int64_t n0 = 0;
-    for (int64_t i = 0; i < parts; i++) {
-        const int64_t format = header[1 + 3 * i], rows = header[2 + 3 * i];
-        if (format < 1 || format >= PARTS || rows < 1 || n0 + rows > N) return -1;
-        const int status = qmatmul_rows_bf16(
-            (int)format, x, x_stride, packed + header[3 + 3 * i], bias ? bias + n0 : NULL,
-            y_bf16 ? y_bf16 + n0 : NULL, y_bf16 ? NULL : y_f32 + n0, y_stride, M, (int)rows, K,
-            first_prompt, num_threads);
-        if (status != 0) return status;
-        n0 += rows;
-    }
-    return n0 == N ? 0 : -1;
+    return qmatmul_parts_bf16(x, x_stride, packed, bias, y_bf16, y_f32, y_stride, M, N, K,
+                              first_prompt, num_threads, NULL);
 }
 
 // qmatmul_bf16's contract (qmatmul.c) for the K-quant formats (K a multiple of 256) and for a
@@ -573,7 +560,7 @@ int qmatmul_k_bf16_then(int format, const uint16_t* x, int64_t x_stride, const u
                         const uint16_t* bias, uint16_t* y_bf16, float* y_f32, int64_t y_stride,
                         int M, int N, int K, int num_threads, const ColumnEpilogue* then) {
     if (format == PARTS)
-        return qmatmul_parts_bf16(x, x_stride, packed, bias, y_bf16, y_f32, y_stride, M, N, K,
+        return qmatmul_parts_bf16(x, x_stride, packed, bias, y_bf16, y_f32, y_stride, M, N, K, M,
                                   num_threads, then);
     if (M < 1 || N < 1 || K < KSUPER || K % KSUPER || qmatmul_k_record_bytes(format) < 0) return -1;
     const int nb = K / KSUB, panels = (N + KPANEL - 1) / KPANEL;
