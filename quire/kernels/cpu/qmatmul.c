@@ -116,6 +116,7 @@ static inline __attribute__((always_inline)) void qpanel(const int FMT, const in
                                                          const int32_t* xs, int K,
                                                          const uint8_t* p, float* out) {
     const int nb = K / QBLOCK, record = qmatmul_record_bytes(FMT), cb = codes_bytes(FMT);
+    const int SPLIT = MB < 3;  // two sums a column (short vpdpbusd chains) only for 1-2 rows
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[QGROUP][2];
     for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
@@ -146,8 +147,13 @@ static inline __attribute__((always_inline)) void qpanel(const int FMT, const in
                     const __m512i xv = _mm512_set1_epi32(four), xn = _mm512_set1_epi32(next);
                     dot[m][0] = _mm512_dpbusd_epi32(dot[m][0], w0, xv);
                     dot[m][1] = _mm512_dpbusd_epi32(dot[m][1], w1, xv);
-                    odd[m][0] = _mm512_dpbusd_epi32(odd[m][0], u0, xn);
-                    odd[m][1] = _mm512_dpbusd_epi32(odd[m][1], u1, xn);
+                    if (SPLIT) {
+                        odd[m][0] = _mm512_dpbusd_epi32(odd[m][0], u0, xn);
+                        odd[m][1] = _mm512_dpbusd_epi32(odd[m][1], u1, xn);
+                    } else {
+                        dot[m][0] = _mm512_dpbusd_epi32(dot[m][0], u0, xn);
+                        dot[m][1] = _mm512_dpbusd_epi32(dot[m][1], u1, xn);
+                    }
                 }
             }
         } else {
@@ -166,12 +172,17 @@ static inline __attribute__((always_inline)) void qpanel(const int FMT, const in
                     const __m512i xl = _mm512_set1_epi32(lo4), xh = _mm512_set1_epi32(hi4);
                     dot[m][0] = _mm512_dpbusd_epi32(dot[m][0], lo0, xl);
                     dot[m][1] = _mm512_dpbusd_epi32(dot[m][1], lo1, xl);
-                    odd[m][0] = _mm512_dpbusd_epi32(odd[m][0], hi0, xh);
-                    odd[m][1] = _mm512_dpbusd_epi32(odd[m][1], hi1, xh);
+                    if (SPLIT) {
+                        odd[m][0] = _mm512_dpbusd_epi32(odd[m][0], hi0, xh);
+                        odd[m][1] = _mm512_dpbusd_epi32(odd[m][1], hi1, xh);
+                    } else {
+                        dot[m][0] = _mm512_dpbusd_epi32(dot[m][0], hi0, xh);
+                        dot[m][1] = _mm512_dpbusd_epi32(dot[m][1], hi1, xh);
+                    }
                 }
             }
         }
-        for (int m = 0; m < MB; m++) {
+        for (int m = 0; m < MB && SPLIT; m++) {
             dot[m][0] = _mm512_add_epi32(dot[m][0], odd[m][0]);
             dot[m][1] = _mm512_add_epi32(dot[m][1], odd[m][1]);
         }
