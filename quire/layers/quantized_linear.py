@@ -1,4 +1,4 @@
-"""Linear layers on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1), kept in their blocks.
+"""Linear layers on GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), kept as stored.
 
 The GGUF loader hands such a tensor over as a `QuantizedWeight` (its raw blocks, rows = output
 features) instead of dequantizing it; `LlamaForCausalLM.load_weights` keeps it beside the

@@ -116,15 +116,16 @@ static inline __attribute__((always_inline)) void qpanel(const int FMT, const in
                                                          const int32_t* xs, int K,
                                                          const uint8_t* p, float* out) {
     const int nb = K / QBLOCK, record = qmatmul_record_bytes(FMT), cb = codes_bytes(FMT);
-    const int SPLIT = MB < 3;  // two sums a column (short vpdpbusd chains) only for 1-2 rows
+    const int SPLIT = MB < 3;
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[QGROUP][2];
     for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++, p += record) {
         for (int line = 0; line < record; line += 64)
             _mm_prefetch((const char*)p + PREFETCH_BYTES + line, _MM_HINT_T0);
-        // Two integer sums per output (even / odd groups, or low / high nibbles), added at the
-        // end of the block: shorter chains of vpdpbusd, the same exact sum.
+        // For one or two rows (SPLIT), two integer sums per output (even / odd groups, or low /
+        // high nibbles), added at the end of the block: shorter chains of vpdpbusd; from three
+        // rows on the rows' chains are enough. The same exact sum either way.
         __m512i dot[QGROUP][2], odd[QGROUP][2];
         for (int m = 0; m < MB; m++) {
             const int32_t sx = xs[m * nb + b];

@@ -89,7 +89,7 @@ def dequantize_bf16(packed: torch.Tensor, qtype: str, out_features: int, in_feat
 def amx_silu_and_mul(
     x: torch.Tensor,  # [M, K] bf16 prompt rows; rows may be strided, each contiguous
     packed: torch.Tensor,  # a gate|up weight of 2 d rows, gate first (`pack`)
-    qtype: str,  # a FORMATS name (not parts), where prompt_path(qtype) is "amx-bf16"
+    qtype: str,  # a FORMATS name (not parts), where prompt_path() is "amx-bf16"
     d: int,  # a multiple of QPANEL
 ) -> torch.Tensor:  # [M, d] bf16
     """silu(x Wg^T) * (x Wu^T) on AMX tiles, as `qmatmul(..., first_prompt_row=0)` and then
