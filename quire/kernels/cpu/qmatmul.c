@@ -110,6 +110,14 @@ int quantize_rows_q8_bf16(const uint16_t* x, int64_t x_stride, int M, int K, int
 
 #define PREFETCH_BYTES 2048
 
+// A column pair's integer sums += the products of its codes (a, b: 16 columns each) with x's
+// four codes broadcast in xv.
+static inline __attribute__((always_inline)) void add_products(__m512i sums[2], __m512i a,
+                                                                __m512i b, __m512i xv) {
+    sums[0] = _mm512_dpbusd_epi32(sums[0], a, xv);
+    sums[1] = _mm512_dpbusd_epi32(sums[1], b, xv);
+}
+
 // One panel (32 output columns) against MB (1..QGROUP) rows of quantized x; out [MB][32].
 static inline __attribute__((always_inline)) void qpanel(const int FMT, const int MB,
                                                          const int8_t* xq, const float* xd,
@@ -146,15 +154,8 @@ static inline __attribute__((always_inline)) void qpanel(const int FMT, const in
                     memcpy(&four, xq + (int64_t)m * K + b * QBLOCK + 4 * g, sizeof(four));
                     memcpy(&next, xq + (int64_t)m * K + b * QBLOCK + 4 * g + 4, sizeof(next));
                     const __m512i xv = _mm512_set1_epi32(four), xn = _mm512_set1_epi32(next);
-                    dot[m][0] = _mm512_dpbusd_epi32(dot[m][0], w0, xv);
-                    dot[m][1] = _mm512_dpbusd_epi32(dot[m][1], w1, xv);
-                    if (SPLIT) {
-                        odd[m][0] = _mm512_dpbusd_epi32(odd[m][0], u0, xn);
-                        odd[m][1] = _mm512_dpbusd_epi32(odd[m][1], u1, xn);
-                    } else {
-                        dot[m][0] = _mm512_dpbusd_epi32(dot[m][0], u0, xn);
-                        dot[m][1] = _mm512_dpbusd_epi32(dot[m][1], u1, xn);
-                    }
+                    add_products(dot[m], w0, w1, xv);
+                    add_products(SPLIT ? odd[m] : dot[m], u0, u1, xn);
                 }
             }
         } else {
@@ -171,15 +172,8 @@ static inline __attribute__((always_inline)) void qpanel(const int FMT, const in
                     memcpy(&lo4, xb + 4 * g, sizeof(lo4));
                     memcpy(&hi4, xb + 16 + 4 * g, sizeof(hi4));
                     const __m512i xl = _mm512_set1_epi32(lo4), xh = _mm512_set1_epi32(hi4);
-                    dot[m][0] = _mm512_dpbusd_epi32(dot[m][0], lo0, xl);
-                    dot[m][1] = _mm512_dpbusd_epi32(dot[m][1], lo1, xl);
-                    if (SPLIT) {
-                        odd[m][0] = _mm512_dpbusd_epi32(odd[m][0], hi0, xh);
-                        odd[m][1] = _mm512_dpbusd_epi32(odd[m][1], hi1, xh);
-                    } else {
-                        dot[m][0] = _mm512_dpbusd_epi32(dot[m][0], hi0, xh);
-                        dot[m][1] = _mm512_dpbusd_epi32(dot[m][1], hi1, xh);
-                    }
+                    add_products(dot[m], lo0, lo1, xl);
+                    add_products(SPLIT ? odd[m] : dot[m], hi0, hi1, xh);
                 }
             }
         }
