@@ -45,21 +45,22 @@ class LLM:
     raises TypeError naming the closest."""
 
     def __init__(self, model: str | None = None, **kwargs: Any):
-        config = EngineArgs.from_kwargs(model=model, **kwargs).create_engine_config()
-        self.engine = LLMEngine(config)
-        # Dropping the LLM frees its engine only through the collector, which skips what the
-        # engine froze at start (LLMEngine.__init__): unfreeze then.
-        weakref.finalize(self, gc.unfreeze)
-        self._ids = itertools.count()
+        self._start(EngineArgs.from_kwargs(model=model, **kwargs).create_engine_config())
 
     __init__.__signature__ = _engine_args_signature()
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> LLM:
         llm = cls.__new__(cls)
-        llm.engine = LLMEngine(config)
-        llm._ids = itertools.count()
+        llm._start(config)
         return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
+        # Dropping the LLM frees its engine only through the collector, which skips what the
+        # engine froze at start (LLMEngine.__init__): unfreeze then.
+        weakref.finalize(self, gc.unfreeze)
+        self._ids = itertools.count()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
