@@ -23,6 +23,7 @@ from quire.worker import host_memory
 _CPU_BANDWIDTH_BYTES = 512 << 20
 _GPU_BANDWIDTH_BYTES = 4 << 30
 _CPU_MATMUL_SIZE = 2048
+_CPU_SCREEN_SIZE = 384  # a product that takes milliseconds, not seconds, on any CPU
 _GPU_MATMUL_SIZE = 8192
 
 
@@ -80,12 +81,26 @@ class BandwidthProbe:
         return self.nbytes / _timed(self.src.sum, self.device) / 1e9
 
 
+def _fast_cpu_dtypes(dtypes: list[torch.dtype]) -> list[torch.dtype]:
+    """Those of `dtypes` whose small product runs within 4x of the fastest's. Where the CPU has
+    no bf16 instructions torch's bf16 product is a slow fallback (an AMD EPYC Zen 1 here: ~1
+    GFLOP/s against ~30 in float32), and one full-size product of it would take half a minute."""
+    rates = {}
+    for dtype in dtypes:
+        a = torch.randn(_CPU_SCREEN_SIZE, _CPU_SCREEN_SIZE).to(dtype)
+        a @ a  # warm-up
+        rates[dtype] = 1.0 / _best_seconds(lambda a=a: a @ a, "cpu", 2)
+    best = max(rates.values())
+    return [dtype for dtype in dtypes if rates[dtype] * 4 >= best]
+
+
 class MatmulProbe:
     """Dense matmul throughput on `dtype` inputs, one timed `size x size` product (2 * size^3
     FLOPs) per operand dtype at a time. On CPU, bf16 inputs are also multiplied widened to
     float32 (exact), and the faster of the two counts: where vdpbf16ps issues at half the FMA
     rate (an Intel Xeon without AMX here: torch's bf16 matmul 0.17 TFLOP/s, float32 0.33), the
-    GEMV kernel computes in float32, and the floor must be what the machine can do."""
+    GEMV kernel computes in float32, and the floor must be what the machine can do. A small product
+    of each goes first, and a type 4x slower than the other is not timed at full size."""
 
     def __init__(
         self, device: str = "cpu", dtype: torch.dtype = torch.bfloat16, size: int | None = None
@@ -93,13 +108,15 @@ class MatmulProbe:
         if size is None:
             size = _GPU_MATMUL_SIZE if device == "cuda" else _CPU_MATMUL_SIZE
         self.device, self.size = device, size
-        a = torch.randn(size, size, device=device).to(dtype)
-        b = torch.randn(size, size, device=device).to(dtype)
-        self.operands = [(a, b)]
+        dtypes = [dtype]
         if device == "cpu" and dtype == torch.bfloat16:
-            self.operands.append((a.float(), b.float()))
-        for a, b in self.operands:
+            dtypes = _fast_cpu_dtypes([torch.bfloat16, torch.float32])
+        self.operands = []
+        for operand_dtype in dtypes:
+            a = torch.randn(size, size, device=device).to(operand_dtype)
+            b = torch.randn(size, size, device=device).to(operand_dtype)
             a @ b  # warm-up
+            self.operands.append((a, b))
 
     def tflops(self) -> float:
         best = min(_timed(lambda a=a, b=b: a @ b, self.device) for a, b in self.operands)
