@@ -57,13 +57,15 @@ class KernelSwitch:
         if None in self.libs:
             raise SystemExit("a kernel build failed (see the log above)")
         self.side = 0
+
+        def current():
+            return self.libs[self.side]
+
+        current.cache_clear = lambda: None  # cpu_kernels.configure clears the real one's cache
         original = cpu_kernels.load_library
         for module in list(sys.modules.values()):
             if module.__name__.startswith("quire") and vars(module).get("load_library") is original:
-                module.load_library = self.current
-
-    def current(self):
-        return self.libs[self.side]
+                module.load_library = current
 
 
 def make_llm(model: str | None, **kwargs):
@@ -89,9 +91,8 @@ def run_steps(args: argparse.Namespace, switch: KernelSwitch) -> None:
 
     def timed_execute(scheduler_output):
         nonlocal num_decodes
-        full_decode = len(scheduler_output.scheduled) == args.batch_size and all(
-            s.is_decode for s in scheduler_output.scheduled
-        )
+        counts = scheduler_output.num_scheduled_tokens
+        full_decode = len(counts) == args.batch_size and all(n == 1 for n in counts.values())
         switch.side = (num_decodes // args.block) % 2
         start = time.perf_counter()
         output = execute(scheduler_output)
