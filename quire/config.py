@@ -28,6 +28,7 @@ from quire.engine_args import (
     EngineArgs,
 )
 from quire.kernels import kv_format
+from quire.kernels.cpu import gemv
 from quire.layers.linear import onednn_runs_bf16
 from quire.lora.config import LoRAConfig
 from quire.lora_request import LoRARequest, parse_lora_module
@@ -467,9 +468,9 @@ class EngineConfig(EngineArgs):
     def resolve_dtype(self, config_dtype: str | None) -> torch.dtype:
         """`auto` takes the checkpoint's dtype; float32 checkpoints stay float32, and float16 on
         CPU becomes bfloat16 (fast on AVX-512 BF16 and AMX, same range as float32). On a CPU
-        where oneDNN cannot run bf16 (AVX2 only) a 16-bit checkpoint runs in float32 instead:
-        a prefill in torch's fallback bf16 GEMM ran at about half the float32 speed there; but a
-        GGUF file whose blocks the int8 kernel keeps runs bf16 (its matmuls are quire's)."""
+        where oneDNN cannot run bf16 (AVX2 only) a 16-bit checkpoint runs bf16 where quire's own
+        kernels take its matmuls (the GEMV kernel's AVX2 loop, or the int8 kernel for a GGUF
+        file's blocks), else float32: torch's fallback bf16 GEMM runs ~1 GFLOP/s there."""
         if self.dtype != "auto":
             return _DTYPES[self.dtype]
         dtype = _DTYPES.get(str(config_dtype).removeprefix("torch."), torch.bfloat16)
@@ -482,6 +483,12 @@ class EngineConfig(EngineArgs):
                     "kernel (oneDNN has no bf16 matmul on this CPU, but the blocks kept read "
                     "4.5-8.5 bits a weight where float32 reads 32); pass --dtype float32 or "
                     "--quantization none to dequantize them"
+                )
+                return torch.bfloat16
+            if self.cpu_kernels and self.pack_weights and self.gemv and gemv.available():
+                logger.info(
+                    "dtype auto: bfloat16, as quire's GEMV kernel runs this CPU's bf16 matmuls "
+                    "(AVX2; oneDNN has none here); pass --dtype float32 to run float32"
                 )
                 return torch.bfloat16
             logger.info(

@@ -1,4 +1,4 @@
-"""EngineConfig.resolve_dtype: what `dtype="auto"` runs, per checkpoint dtype and CPU; the
+"""EngineConfig.resolve_dtype: what `dtype="auto"` runs, per checkpoint dtype, CPU and kernel; the
 checks that need no model (context length, tensor-parallel split, KV dtype) made before loading."""
 
 from __future__ import annotations
@@ -33,9 +33,33 @@ def test_auto_on_a_bf16_cpu_takes_the_checkpoint_dtype_with_float16_as_bf16(
 
 
 @pytest.mark.parametrize("checkpoint", ["bfloat16", "float16", "float32", None])
-def test_auto_on_an_avx2_only_cpu_runs_float32(cpu_config, monkeypatch, checkpoint):
+def test_auto_on_an_avx2_only_cpu_without_the_gemv_kernel_runs_float32(
+    cpu_config, monkeypatch, checkpoint
+):
     monkeypatch.setattr(config_module, "onednn_runs_bf16", lambda: False)
+    monkeypatch.setattr(config_module.gemv, "available", lambda: False)
     assert cpu_config.resolve_dtype(checkpoint) == torch.float32
+
+
+@pytest.mark.parametrize(
+    "checkpoint, settings, expected",
+    [
+        ("bfloat16", {}, torch.bfloat16),
+        ("float16", {}, torch.bfloat16),
+        (None, {}, torch.bfloat16),
+        ("float32", {}, torch.float32),
+        ("bfloat16", {"gemv": False}, torch.float32),  # torch's bf16 GEMM would run
+        ("bfloat16", {"pack_weights": False}, torch.float32),
+        ("bfloat16", {"cpu_kernels": False}, torch.float32),
+    ],
+)
+def test_auto_on_an_avx2_only_cpu_runs_bf16_where_the_gemv_kernel_takes_the_matmuls(
+    tiny_llama, monkeypatch, checkpoint, settings, expected
+):
+    monkeypatch.setattr(config_module, "onednn_runs_bf16", lambda: False)
+    monkeypatch.setattr(config_module.gemv, "available", lambda: True)
+    config = EngineConfig(tiny_llama, device="cpu", **settings)
+    assert config.resolve_dtype(checkpoint) == expected
 
 
 @pytest.mark.parametrize(
@@ -52,6 +76,7 @@ def test_auto_on_an_avx2_only_cpu_runs_a_gguf_file_bf16_when_simd_runs_its_block
 ):
     """The default file holds Q4_1 matrices and a Q8_0 embedding table."""
     monkeypatch.setattr(config_module, "onednn_runs_bf16", lambda: False)
+    monkeypatch.setattr(config_module.gemv, "available", lambda: False)
     monkeypatch.setattr(qmatmul, "simd_types", lambda: frozenset(simd_types))
     config = EngineConfig(device="cpu", quantization=quantization)
     assert config.resolve_dtype("bfloat16") == expected

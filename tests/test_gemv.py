@@ -1,7 +1,7 @@
 """The GEMV kernel (bf16 x W^T + b for any number of rows) gives a row the same bits whatever the
 batch, threads or row stride, in each of its orders: AVX-512 (passes of 8 rows per weight panel,
-oneDNN's bits where oneDNN does not run on AMX tiles) and AMX tiles (matmul_amx.c, on CPUs that
-have them); PackedLinear runs every row count in it."""
+oneDNN's bits where oneDNN does not run on AMX tiles; the AVX2 kernel sums in the same order) and
+AMX tiles (matmul_amx.c, on CPUs that have them); PackedLinear runs every row count in it."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from conftest import use_amx_order
 
 from quire.kernels import cpu as cpu_kernels
 from quire.kernels.cpu import gemv
-from quire.layers.linear import PackedLinear, packed_linear_supported
+from quire.layers.linear import PackedLinear, onednn_runs_bf16
 
 pytestmark = pytest.mark.skipif(
-    not gemv.available(), reason="the GEMV kernel needs a C compiler and AVX-512 BF16"
+    not gemv.available(), reason="the GEMV kernel needs a C compiler and AVX-512 BF16 or AVX2"
 )
 
 
@@ -47,9 +47,10 @@ def amx_order(kernel_settings) -> None:
 
 
 def onednn_order_reproducible() -> bool:
-    """Whether the AVX-512 order reproduces torch's bf16 linear here: no where oneDNN runs on AMX
-    tiles (hide them with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 to cover these tests there)."""
-    return gemv._matching_k_block(256, 1536, False) is not None
+    """Whether the AVX-512 order reproduces torch's bf16 linear here: not where oneDNN runs on
+    AMX tiles (hide them with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 to cover these tests there),
+    nor where it has no bf16 at all (AVX2: test_each_output_sums_its_pairs_in_order covers it)."""
+    return onednn_runs_bf16() and gemv._matching_k_block(256, 1536, False) is not None
 
 
 @pytest.fixture
@@ -57,7 +58,23 @@ def onednn_order(kernel_settings) -> None:
     """The kernel in its AVX-512 order, where that order is oneDNN's."""
     cpu_kernels.configure(cpu_kernels.KernelSettings(enabled=True, gemv_fma=None, amx=False))
     if not onednn_order_reproducible():
-        pytest.skip("oneDNN runs on AMX tiles here: its bits are not the kernel's")
+        pytest.skip("oneDNN runs on AMX tiles here, or has no bf16: its bits are not the kernel's")
+
+
+def pairs_in_order(x, weight, b, k_block) -> torch.Tensor:
+    """The AVX-512 order in float32, one step at a time: per output, the odd then the even
+    product of each column pair added to a sum restarted every k_block columns (each product of
+    two bf16 is exact in float32, so a step is the FMA's one rounding), the blocks' sums added in
+    order, then the bias, rounded once to bf16."""
+    xf, wf = x.float(), weight.float()
+    total = torch.zeros(x.shape[0], weight.shape[0])
+    for k0 in range(0, x.shape[1], k_block):
+        acc = torch.zeros_like(total)
+        for k in range(k0, min(k0 + k_block, x.shape[1]), 2):
+            acc = acc + xf[:, k + 1, None] * wf[:, k + 1]
+            acc = acc + xf[:, k, None] * wf[:, k]
+        total = acc if k0 == 0 else total + acc
+    return (total if b is None else total + b.float()).bfloat16()
 
 
 def run(x, weight, b, out_dtype=torch.bfloat16) -> torch.Tensor:
@@ -85,6 +102,18 @@ def test_gemv_gives_torch_bf16_linear_bits(out_features, in_features, bias, oned
         # 1,024 (the kernel's order at every row count): compare with oneDNN on 2 rows or more.
         expected = F.linear(x.repeat(2, 1), weight, b)[:rows]
         assert torch.equal(out, expected), (out != expected).sum()
+
+
+@pytest.mark.parametrize("in_features", [32, 576, 1536, 3072])  # one, two and three blocks
+@pytest.mark.parametrize("bias", [False, True])
+def test_each_output_sums_its_pairs_in_order(in_features, bias, kernel_settings) -> None:
+    """The AVX-512 loops and the AVX2 kernel take every sum in one order, written out here, so
+    hosts with and without AVX-512 give the same bits (AMX tiles have their own order)."""
+    cpu_kernels.configure(cpu_kernels.KernelSettings(enabled=True, gemv_fma=None, amx=False))
+    for rows in (1, 2, 5, 9):
+        x, weight, b = make_case(rows, 130, in_features, bias, seed=rows)
+        k_block = gemv.k_block_for(130, in_features, bias)
+        assert torch.equal(run(x, weight, b), pairs_in_order(x, weight, b, k_block)), rows
 
 
 @pytest.mark.parametrize("out_features", [7, 130, 1000])
@@ -187,6 +216,8 @@ def test_both_inner_loops_give_the_same_bits(kernel_settings) -> None:
     """vdpbf16ps and its emulation by two FMAs (picked by a timing probe, forced here as
     EngineConfig.gemv_fma does) give the same bits, for a lone row as in a batch; where the
     AVX-512 order is oneDNN's, oneDNN's bits from two rows on."""
+    if gemv.path() == "avx2-fma":
+        pytest.skip("the AVX2 kernel has the FMA loop only")
     gen = torch.Generator().manual_seed(0)
     for k in (576, 1536, 3072):
         x = torch.randn(19, k, generator=gen).bfloat16()
@@ -252,12 +283,10 @@ def gemv_calls(monkeypatch) -> list[int]:
 
 
 needs_onednn = pytest.mark.skipif(
-    not packed_linear_supported("cpu", torch.bfloat16),
-    reason="torch's oneDNN does not run bf16 on this CPU",
+    not onednn_runs_bf16(), reason="torch's oneDNN does not run bf16 on this CPU"
 )
 
 
-@needs_onednn
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_runs_every_row_count_in_the_gemv_kernel(gemv_calls, order, bias) -> None:
     x, weight, b = make_case(600, 130, 576, bias)
@@ -334,7 +363,8 @@ def test_the_engine_config_picks_the_inner_loop(tiny_llama, kernel_settings, fma
     from quire import LLM
 
     LLM(tiny_llama, dtype="bfloat16", num_kv_blocks=16, gemv_fma=fma)
-    assert cpu_kernels.load_library().gemv_bf16_uses_fma() == fma
+    avx2 = gemv.path() == "avx2-fma"  # the FMA loop only
+    assert cpu_kernels.load_library().gemv_bf16_uses_fma() == (fma or avx2)
 
 
 @pytest.mark.parametrize("cpu_amx", [False, True])
@@ -343,5 +373,5 @@ def test_the_engine_config_picks_amx_where_it_runs(tiny_llama, kernel_settings, 
 
     LLM(tiny_llama, dtype="bfloat16", num_kv_blocks=16, cpu_amx=cpu_amx)
     assert gemv.uses_amx() == (cpu_amx and gemv.amx_available())
-    expected = {"amx"} if gemv.uses_amx() else {"avx512-fma", "avx512-bf16"}
+    expected = {"amx"} if gemv.uses_amx() else {"avx512-fma", "avx512-bf16", "avx2-fma"}
     assert gemv.path() in expected

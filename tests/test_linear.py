@@ -11,14 +11,25 @@ from torch import nn
 
 from quire import SamplingParams
 from quire.kernels.cpu import gemv
-from quire.layers.linear import PackedLinear, pack_linear_layers, packed_linear_supported
+from quire.layers import linear as linear_module
+from quire.layers.linear import (
+    PackedLinear,
+    onednn_runs_bf16,
+    pack_linear_layers,
+    packed_linear_supported,
+)
 
 pytestmark = pytest.mark.skipif(
     not packed_linear_supported("cpu", torch.bfloat16),
-    reason="torch's oneDNN does not run bf16 on this CPU",
+    reason="neither torch's oneDNN nor the GEMV kernel runs bf16 on this CPU",
+)
+# On an AVX2-only CPU torch's own bf16 matmul sums in another order than the GEMV kernel.
+needs_onednn = pytest.mark.skipif(
+    not onednn_runs_bf16(), reason="torch's oneDNN does not run bf16 on this CPU"
 )
 
 
+@needs_onednn
 @pytest.mark.parametrize("num_rows", [1, 3, 16, 65, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_equals_nn_linear_bit_for_bit(num_rows: int, bias: bool) -> None:
@@ -34,6 +45,19 @@ def test_packing_replaces_every_linear_in_the_tree() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.ReLU(), nn.Linear(8, 4)))
     assert pack_linear_layers(model.to(torch.bfloat16), use_gemv=True) == 2
     assert isinstance(model[0], PackedLinear) and isinstance(model[1][1], PackedLinear)
+
+
+def test_without_onednn_bf16_only_the_gemv_kernels_weights_are_packed(monkeypatch) -> None:
+    """On an AVX2-only CPU oneDNN has no bf16: a weight the GEMV kernel does not take (odd
+    columns) stays an nn.Linear, the rest are packed for the kernel."""
+    monkeypatch.setattr(linear_module, "onednn_runs_bf16", lambda: False)
+    model = nn.Sequential(nn.Linear(7, 8), nn.Linear(8, 8)).to(torch.bfloat16)
+    x = torch.randn(3, 7, dtype=torch.bfloat16)
+    expected = model(x)
+    assert pack_linear_layers(model, use_gemv=gemv.available()) == int(gemv.available())
+    assert type(model[0]) is nn.Linear
+    assert isinstance(model[1], PackedLinear) == gemv.available()
+    torch.testing.assert_close(model(x), expected, rtol=0.02, atol=0.02)
 
 
 def test_only_bfloat16_on_cpu_is_packed() -> None:
@@ -59,4 +83,10 @@ def test_packed_engine_outputs_equal_unpacked(tiny_models, arch) -> None:
                 [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
             )
         ]
-    assert results[True] == results[False]
+    if onednn_runs_bf16():  # the kernel sums as oneDNN does
+        assert results[True] == results[False]
+        return
+    # AVX2: torch's own bf16 matmul sums in another order; tokens equal, logprobs close.
+    for (tokens, logprob), (tokens_unpacked, logprob_unpacked) in zip(*results.values()):
+        assert tokens == tokens_unpacked
+        assert logprob == pytest.approx(logprob_unpacked, rel=1e-3)

@@ -1,19 +1,19 @@
 """Linear layers with weights pre-packed once at load time, for bfloat16 on CPU.
 
-Where the GEMV kernel runs (quire/kernels/cpu/gemv.c: AVX-512 BF16, EngineConfig.gemv on), the
-weight is packed for it and every matmul runs there, whatever the number of rows: it streams a
-decode step's weights faster than oneDNN, keeps up with it on prompt chunks, and sums every row
-in one order, so a request's bits do not depend on the batch or on how its prompt was chunked
-(oneDNN sums a lone row of K > 1,024 in another order than two rows or more, and on AMX tiles
-blocks K by the row count). On a CPU with AMX the kernel runs on the tiles itself
-(kernels/cpu/matmul_amx.c).
+Where the GEMV kernel runs (quire/kernels/cpu/gemv.c: AVX-512 BF16 or AVX2, EngineConfig.gemv on),
+the weight is packed for it and every matmul runs there, whatever the number of rows: it streams a
+decode step's weights faster than oneDNN, keeps up with it on prompt chunks, and sums every row in
+one order, so a request's bits do not depend on the batch or on how its prompt was chunked (oneDNN
+sums a lone row of K > 1,024 in another order than two rows or more, and on AMX tiles blocks K by
+the row count). On a CPU with AMX the kernel runs on the tiles itself (kernels/cpu/matmul_amx.c).
 
 Otherwise the weight is held in oneDNN's blocked layout: `nn.Linear` on CPU hands oneDNN a plain
 row-major weight on every call, and oneDNN reorders it each time, so a decode step's GEMVs read
 ~2x the bytes. Packing once (what torch.compile's freezing pass does) gives the same results bit
 for bit, 1.8-2x faster GEMVs and 1.1-1.3x faster small-batch GEMMs. The packed tensor is opaque
 (layout `torch._mkldnn`), so packing happens after the checkpoint is loaded and replaces the
-`nn.Linear` modules in place.
+`nn.Linear` modules in place. On a CPU where oneDNN has no bf16 (AVX2 only) the weights the
+GEMV kernel does not take stay `nn.Linear`s (torch's own bf16 matmul).
 """
 
 from __future__ import annotations
@@ -45,9 +45,14 @@ def onednn_runs_bf16() -> bool:
 
 
 def packed_linear_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """True where packing pays: bfloat16 on a CPU build of torch whose oneDNN runs bf16 on this
-    CPU (the loader packs there unless EngineConfig.pack_weights is off)."""
-    return torch.device(device).type == "cpu" and dtype == torch.bfloat16 and onednn_runs_bf16()
+    """True where packing pays: bfloat16 on CPU, where torch's oneDNN runs bf16 on this CPU or
+    the GEMV kernel runs (its AVX2 loop; the loader packs there unless EngineConfig.pack_weights
+    is off)."""
+    return (
+        torch.device(device).type == "cpu"
+        and dtype == torch.bfloat16
+        and (onednn_runs_bf16() or gemv.available())
+    )
 
 
 def gemv_k_block(weight: torch.Tensor, has_bias: bool) -> int | None:
@@ -129,10 +134,15 @@ class PackedRowParallelLinear(PackedLinear):
 
 
 def pack_linear_layers(module: nn.Module, *, use_gemv: bool) -> int:
-    """Replaces every `nn.Linear` under `module` with a PackedLinear; returns how many."""
+    """Replaces every `nn.Linear` under `module` with a PackedLinear; returns how many. Where
+    oneDNN cannot run bf16 (AVX2), only the weights the GEMV kernel takes are packed."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
+            if not onednn_runs_bf16() and not (
+                use_gemv and gemv_k_block(child.weight, child.bias is not None)
+            ):
+                continue
             setattr(module, name, PackedLinear.from_linear(child, use_gemv=use_gemv))
             count += 1
         else:

@@ -43,9 +43,12 @@
 #define GEMV_PANEL 32
 #define GEMV_GROUP 8  // rows of x per pass over a panel
 
+// 1: the AVX-512 BF16 kernel, 2: the AVX2 one (FMA loop only, see below), 0: none.
 int gemv_bf16_available(void) {
 #if defined(__AVX512BF16__)
     return 1;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return 2;
 #else
     return 0;
 #endif
@@ -283,6 +286,128 @@ int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const
     free(xf);
     return 0;
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// ---------------------------------------------------------------------------------------------
+// AVX2 (no AVX-512): the FMA loop alone, on the same packed panels, x widened to float32 once a
+// call. A ymm register holds 8 output columns' weight pairs, so a panel is 4 of them per pair
+// of input columns; each lane's sum is taken in the AVX-512 FMA loop's order (odd product, then
+// even, restarted every k_block columns, the blocks added in order), so the bits are the same as
+// on an AVX-512 host. Registers (16): one row takes the whole panel in a pass (4 accumulators, 8
+// weight vectors, 2 of x); more rows go AVX2_GROUP at a time over each half panel (8
+// accumulators, 4 weight vectors, 2 of x), the second half and the later groups reading the
+// panel from cache.
+#include <immintrin.h>
+#include <omp.h>
+
+#define PREFETCH_BYTES 2048
+#define AVX2_GROUP 4  // rows of x per pass over a half panel
+
+// NC (4: the whole panel, 2: 16 columns from c0) column vectors x MB rows; out [MB][32] float32.
+static inline __attribute__((always_inline)) void gemv_pass_avx2(const int MB, const int NC,
+                                                                 const float* xf, int K,
+                                                                 const uint16_t* p, int c0,
+                                                                 int k_block, float* out) {
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    __m256 total[AVX2_GROUP][4], acc[AVX2_GROUP][4];
+    for (int k0 = 0; k0 < K; k0 += k_block) {
+        const int k1 = k0 + k_block < K ? k0 + k_block : K;
+        for (int m = 0; m < MB; m++)
+            for (int c = 0; c < NC; c++) acc[m][c] = _mm256_setzero_ps();
+        const uint16_t* q = p + (int64_t)k0 * GEMV_PANEL + 2 * c0;
+        for (int k = k0; k < k1; k += 2, q += 2 * GEMV_PANEL) {
+            for (int i = 0; i < NC; i += 2)
+                _mm_prefetch((const char*)q + PREFETCH_BYTES + 32 * i, _MM_HINT_T0);
+            __m256 we[4], wo[4];
+            for (int c = 0; c < NC; c++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i*)(q + 16 * c));
+                we[c] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+                wo[c] = _mm256_castsi256_ps(_mm256_and_si256(w, high));
+            }
+            for (int m = 0; m < MB; m++) {
+                const __m256 xe = _mm256_broadcast_ss(xf + (int64_t)m * K + k);
+                const __m256 xo = _mm256_broadcast_ss(xf + (int64_t)m * K + k + 1);
+                for (int c = 0; c < NC; c++)
+                    acc[m][c] = _mm256_fmadd_ps(we[c], xe, _mm256_fmadd_ps(wo[c], xo, acc[m][c]));
+            }
+        }
+        for (int m = 0; m < MB; m++)
+            for (int c = 0; c < NC; c++)
+                total[m][c] = k0 == 0 ? acc[m][c] : _mm256_add_ps(total[m][c], acc[m][c]);
+    }
+    for (int m = 0; m < MB; m++)
+        for (int c = 0; c < NC; c++)
+            _mm256_storeu_ps(out + m * GEMV_PANEL + c0 + 8 * c, total[m][c]);
+}
+
+int gemv_bf16_set_amx(int choice) {
+    (void)choice;
+    return 0;
+}
+int gemv_bf16_uses_amx(void) { return 0; }
+
+int gemv_bf16_set_fma(int choice) {
+    (void)choice;
+    return 0;
+}
+int gemv_bf16_uses_fma(void) { return 1; }
+
+// The arguments of the AVX-512 gemv_bf16 above.
+int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const uint16_t* bias,
+              uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M, int N, int K, int k_block,
+              int num_threads) {
+    if (M < 1 || K < 2 || K % 2 || N < 1 || k_block < 2 || k_block % 2)
+        return -1;
+    const int panels = (N + GEMV_PANEL - 1) / GEMV_PANEL;
+    const int threads = panels < 2 * num_threads ? 1 : num_threads;
+    const int groups = (M + AVX2_GROUP - 1) / AVX2_GROUP;  // as even as can be: 5 = 3 + 2
+    float* xf = malloc((size_t)M * (size_t)K * sizeof(float));  // x widened
+    if (!xf) return -3;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#pragma omp for schedule(static)
+        for (int m = 0; m < M; m++) {
+            const uint16_t* src = x + (int64_t)m * x_stride;
+            float* dst = xf + (int64_t)m * K;
+            int k = 0;
+            for (; k + 8 <= K; k += 8) {
+                const __m128i h = _mm_loadu_si128((const __m128i*)(src + k));
+                _mm256_storeu_si256((__m256i*)(dst + k),
+                                    _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+            }
+            for (; k < K; k++) dst[k] = bf16_to_f32(src[k]);
+        }
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int p0 = (int)((int64_t)panels * t / nt);
+        const int p1 = (int)((int64_t)panels * (t + 1) / nt);
+        float out[AVX2_GROUP * GEMV_PANEL];
+        for (int pi = p0; pi < p1; pi++) {
+            const uint16_t* p = packed + (int64_t)pi * GEMV_PANEL * K;
+            if (M == 1) {
+                gemv_pass_avx2(1, 4, xf, K, p, 0, k_block, out);
+                store_panel(out, GEMV_PANEL, 1, 0, pi * GEMV_PANEL, N, bias, y_bf16, y_f32,
+                            y_stride);
+                continue;
+            }
+            for (int g = 0; g < groups; g++) {
+                const int m0 = (int)((int64_t)M * g / groups);
+                const int MB = (int)((int64_t)M * (g + 1) / groups) - m0;
+                const float* xfg = xf + (int64_t)m0 * K;
+                for (int c0 = 0; c0 < GEMV_PANEL; c0 += 16) {
+                    switch (MB) {  // constant trip counts: the accumulators stay in registers
+                        case 1: gemv_pass_avx2(1, 2, xfg, K, p, c0, k_block, out); break;
+                        case 2: gemv_pass_avx2(2, 2, xfg, K, p, c0, k_block, out); break;
+                        case 3: gemv_pass_avx2(3, 2, xfg, K, p, c0, k_block, out); break;
+                        default: gemv_pass_avx2(4, 2, xfg, K, p, c0, k_block, out); break;
+                    }
+                }
+                store_panel(out, GEMV_PANEL, MB, m0, pi * GEMV_PANEL, N, bias, y_bf16, y_f32,
+                            y_stride);
+            }
+        }
+    }
+    free(xf);
+    return 0;
+}
 #else
 int gemv_bf16_set_amx(int choice) {
     (void)choice;
@@ -301,6 +426,6 @@ int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const
               int num_threads) {
     (void)x, (void)x_stride, (void)packed, (void)bias, (void)y_bf16, (void)y_f32;
     (void)y_stride, (void)M, (void)N, (void)K, (void)k_block, (void)num_threads;
-    return -2;  // built without AVX-512 BF16
+    return -2;  // built without AVX-512 BF16 or AVX2
 }
 #endif

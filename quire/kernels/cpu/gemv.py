@@ -1,7 +1,8 @@
 """ctypes wrapper of gemv.c: bf16 matmul y = x W^T (+ b) for any number of rows of x, reading a
 weight packed once by `pack` at load time, every row summed in one order whatever the number of
-rows (the kernel is named for a decode step's GEMVs, which it was written for). Without AMX the
-order is oneDNN's where a block size reproduces it; with AMX (EngineConfig.cpu_amx) every call
+rows (the kernel is named for a decode step's GEMVs, which it was written for), with AVX-512 BF16
+or AVX2. Without AMX the order is oneDNN's where a block size reproduces it (AVX2: the same order
+as AVX-512, no oneDNN bf16 to match); with AMX (EngineConfig.cpu_amx) every call
 runs on AMX tiles in matmul_amx.c's order. Callers check `supported` and `k_block_for` and keep
 oneDNN otherwise.
 """
@@ -22,22 +23,30 @@ GEMV_PANEL = 32  # output columns per packed panel (GEMV_PANEL in gemv.c)
 
 
 _PROBE_ROWS = 16  # two passes of gemv.c's 8-row groups
+_AVX2 = 2  # gemv_bf16_available()'s answer for the AVX2 kernel
 
 
 def available() -> bool:
-    """Whether the kernel runs here: the C kernels are on and build, on a CPU with AVX-512 BF16,
-    and torch has oneDNN's packed linear to match."""
+    """Whether the kernel runs here: the C kernels are on and build, on a CPU with AVX-512 BF16
+    where torch has oneDNN's packed linear to match, or with AVX2 and FMA (no oneDNN bf16 there
+    to match: the AVX-512 FMA loop's order, the same bits)."""
     lib = load_library()
     return lib is not None and _runs_with(lib)
 
 
 @functools.cache
 def _runs_with(lib: ctypes.CDLL) -> bool:
+    if lib.gemv_bf16_available() == _AVX2:
+        return True
     return (
         lib.gemv_bf16_available() == 1
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
+
+
+def _avx2() -> bool:
+    return load_library().gemv_bf16_available() == _AVX2
 
 
 def amx_available() -> bool:
@@ -53,11 +62,13 @@ def uses_amx() -> bool:
 
 def path() -> str:
     """Which loop the kernel runs here, for logs and tests: "amx", "avx512-fma", "avx512-bf16",
-    or "off" where it does not run."""
+    "avx2-fma", or "off" where it does not run."""
     if not available():
         return "off"
     if uses_amx():
         return "amx"
+    if _avx2():
+        return "avx2-fma"
     return "avx512-fma" if load_library().gemv_bf16_uses_fma() == 1 else "avx512-bf16"
 
 
@@ -114,11 +125,14 @@ def k_block_for(out_features: int, in_features: int, has_bias: bool) -> int | No
     restarts its float32 sums, found by matching oneDNN's bits on a probe of several rows (a lone
     row of K > 1,024 oneDNN sums in blocks of 512), so that the kernel's bits are oneDNN's; where
     no block reproduces them (oneDNN on AMX tiles while the kernel keeps to AVX-512), oneDNN's
-    usual block all the same: the kernel's own order for every row count."""
+    usual block all the same: the kernel's own order for every row count. On AVX2 (no oneDNN
+    bf16) the usual block: an AVX-512 host's bits where oneDNN's order is matched there."""
     if not available():
         return None
     if uses_amx():
         return in_features
+    if _avx2():
+        return _usual_k_block(in_features)
     return _matching_k_block(out_features, in_features, has_bias) or _usual_k_block(in_features)
 
 
