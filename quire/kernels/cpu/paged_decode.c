@@ -8,9 +8,10 @@
 //   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim]
 //   block_tables [num_seqs, max_blocks] int32;  seq_lens [num_seqs] int32
 //
-// Two implementations with the same task split and semantics: portable C (float32 always, and
-// bfloat16 where the AVX-512 path is not compiled in or does not take the shape), and an
-// AVX-512 BF16 path for bfloat16 with head_dim a multiple of 32 (see below).
+// Three implementations with the same semantics: portable C (float32 always, and bfloat16 where
+// no SIMD path is compiled in or takes the shape), an AVX-512 BF16 path for bfloat16 with
+// head_dim a multiple of 32, and an AVX2 path for a bf16 cache with head_dim a multiple of 16
+// (see below); the two SIMD paths share their task split and partitions.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -122,6 +123,153 @@ int NAME(const T* q, const KT* k_cache, const KT* v_cache, const int32_t* block_
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define PAGED_DECODE_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PAGED_DECODE_AVX2 1
+#endif
+
+#if defined(PAGED_DECODE_AVX512) || defined(PAGED_DECODE_AVX2)
+// ---------------------------------------------------------------------------------------------
+// What the SIMD paths share: a task's context walked in chunks of CHUNK positions, their rows
+// found through the block table, long contexts cut into partitions, and the partitions' merge.
+#include <immintrin.h>
+
+#define CHUNK 16           // context positions per step: a zmm register's lanes, or two ymm's
+#define PREFETCH_CHUNKS 3  // how far ahead K/V rows are prefetched
+#define OFFSET_RING 4      // chunks whose row offsets are kept
+_Static_assert(OFFSET_RING > PREFETCH_CHUNKS, "chunks c and c + PREFETCH_CHUNKS are both in use");
+
+static inline int min_int(int a, int b) { return a < b ? a : b; }
+
+// chunk, found through the block table in order and kept for the last OFFSET_RING chunks.
+// Positions past the end of the context get the offset of the chunk's first row, so that the
+// 16 rows QK reads are all inside the cache.
+typedef struct {
+    const int32_t* table;
+    int block_size, len;
+    int64_t block_stride, token_stride;
+    int located;          // chunks located so far
+    int block, in_block;  // where chunk `located` starts
+    int64_t off[OFFSET_RING][CHUNK];
+} RowLocator;
+
+static inline const int64_t* chunk_rows(RowLocator* r, int c) {
+    for (; r->located <= c; r->located++) {
+        int64_t* off = r->off[r->located % OFFSET_RING];
+        const int n = min_int(r->len - r->located * CHUNK, CHUNK);
+        for (int t = 0; t < n; t++) {
+            off[t] = (int64_t)r->table[r->block] * r->block_stride + r->in_block * r->token_stride;
+            if (++r->in_block == r->block_size) r->in_block = 0, r->block++;
+        }
+        for (int t = n; t < CHUNK; t++) off[t] = off[0];
+    }
+    return r->off[c % OFFSET_RING];
+}
+
+// One head's output from its accumulator a (per slice of `slice` dims, 32 or 16: its even dims,
+// then its odd ones): a * inv, rounded to bf16, in natural order.
+static inline void store_head(uint16_t* o, const float* a, int head_dim, float inv, int slice) {
+    const int half = slice / 2;
+    for (int d = 0; d < head_dim; d += slice)
+        for (int i = 0; i < half; i++) {
+            o[d + 2 * i] = f32_to_bf16(a[d + i] * inv);
+            o[d + 2 * i + 1] = f32_to_bf16(a[d + half + i] * inv);
+        }
+}
+
+// The context of a request is cut into partitions of at most PARTITION positions, each a task of
+// its own (with a range of KV heads), so that a few requests with long contexts still keep every
+// thread busy (batch 1 of a model with 3 KV heads would otherwise be 3 tasks on 2 threads). The
+// partitions share the context's chunks equally: 530 positions are two of 272 and 258, not 512
+// and 18, whose tasks the threads could not share evenly (batch 1, ~530 positions: 0.83-0.90x
+// the time at SmolLM2's and Qwen3-0.6B's shapes, Intel Xeon AMX). A request with more than one
+// partition has its partial results (unnormalized accumulator, running max and sum per query
+// head) merged in partition order by whichever task finishes the request's last partition: no
+// second parallel region, and no heap for up to SCRATCH_ON_STACK bytes of partials (batch 1: 26
+// against 29.5 us a call at SmolLM2's shape, context 618, bits unchanged). Partitions depend only
+// on the context length, so a request's result does not depend on the batch or on the thread
+// count.
+#define PARTITION 512
+#define SCRATCH_ON_STACK 16384  // bytes of partial results and task lists kept off the heap
+_Static_assert(PARTITION % CHUNK == 0, "a partition is whole chunks");
+
+// Partitions of a context of `len` positions (an empty context is one empty partition).
+static inline int num_partitions(int len) {
+    return len > PARTITION ? (len + PARTITION - 1) / PARTITION : 1;
+}
+
+// Chunks of each partition of a context of `len` positions (the last one may hold fewer).
+static inline int partition_chunks(int len) {
+    const int chunks = (len + CHUNK - 1) / CHUNK, parts = num_partitions(len);
+    return (chunks + parts - 1) / parts;
+}
+
+// Merges the partitions of one request for query heads h0..h0+nh: partial holds its first
+// partition's rows ([num_heads][head_dim + 2] each, partial_stride apart). Each head's partitions
+// are rescaled to their largest max and summed in partition order; out points at head h0. The
+// accumulators' layout: store_head's, by `slice`.
+static void merge_partitions(const float* partial, int64_t partial_stride, int parts,
+                             uint16_t* out, int h0, int nh, int head_dim, int slice) {
+    for (int h = h0; h < h0 + nh; h++) {
+        float a[MAX_HEAD_DIM];
+        float m = -1e30f, total = 0.0f;
+        for (int i = 0; i < parts; i++) {
+            const float* row = partial + i * partial_stride + (int64_t)h * (head_dim + 2);
+            m = row[head_dim] > m ? row[head_dim] : m;
+        }
+        for (int d = 0; d < head_dim; d++) a[d] = 0.0f;
+        for (int i = 0; i < parts; i++) {
+            const float* row = partial + i * partial_stride + (int64_t)h * (head_dim + 2);
+            const float w = expf(row[head_dim] - m);
+            total += w * row[head_dim + 1];
+            for (int d = 0; d < head_dim; d++) a[d] += w * row[d];
+        }
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        store_head(out + (int64_t)(h - h0) * head_dim, a, head_dim, inv, slice);
+    }
+}
+
+// What every task of one call shares.
+typedef struct {
+    const int32_t* block_tables;
+    const int32_t* seq_lens;
+    const int* unit_seq;  // per unit (request, partition): its request and partition
+    const int* unit_part;
+    const char* k_cache;
+    const char* v_cache;
+    int64_t block_stride, token_stride, row_bytes;  // bytes
+    int max_blocks, block_size, head_dim, tasks_per_unit, heads_per_task;
+} CallShape;
+
+// One task: a partition [c0, c1) of a request's chunks and a range of its KV heads, with its
+// row offsets and the K/V rows of its first KV head (where its prefetches start).
+typedef struct {
+    int u, s, part, kvh0, len, c0, c1;
+    RowLocator rows;
+    const char* pk;
+    const char* pv;
+} TaskSpan;
+
+static inline void task_span(const CallShape* cs, int task, TaskSpan* t) {
+    t->u = task / cs->tasks_per_unit;
+    t->s = cs->unit_seq[t->u];
+    t->part = cs->unit_part[t->u];
+    t->kvh0 = (task % cs->tasks_per_unit) * cs->heads_per_task;
+    t->len = cs->seq_lens[t->s];
+    const int part_chunks = partition_chunks(t->len);
+    t->c0 = t->part * part_chunks;
+    t->c1 = min_int((t->len + CHUNK - 1) / CHUNK, t->c0 + part_chunks);
+    t->rows = (RowLocator){.table = cs->block_tables + (int64_t)t->s * cs->max_blocks,
+                           .block_size = cs->block_size, .len = t->len,
+                           .block_stride = cs->block_stride, .token_stride = cs->token_stride,
+                           .located = t->c0, .block = t->c0 * CHUNK / cs->block_size,
+                           .in_block = t->c0 * CHUNK % cs->block_size};
+    t->pk = cs->k_cache + t->kvh0 * cs->row_bytes;
+    t->pv = cs->v_cache + t->kvh0 * cs->row_bytes;
+}
+#endif
+
+#if defined(PAGED_DECODE_AVX512)
 // ---------------------------------------------------------------------------------------------
 // AVX-512 BF16 path (bfloat16, head_dim a multiple of 32).
 //
@@ -155,19 +303,11 @@ int NAME(const T* q, const KT* k_cache, const KT* v_cache, const int32_t* block_
 // by 16 gives element 2i as a float, masking off the low half gives element 2i+1. So for each
 // 32-dim slice of head_dim the accumulator holds the 16 even dims, then the 16 odd dims; the
 // output is written back in natural order at the end.
-#include <immintrin.h>
-
 #include "kv_codes.h"
 #include "vec_math.h"
 
-#define CHUNK 16           // context positions per step: one score per lane of a zmm register
-#define PREFETCH_CHUNKS 3  // how far ahead K/V rows are prefetched
-#define OFFSET_RING 4      // chunks whose row offsets are kept
-_Static_assert(OFFSET_RING > PREFETCH_CHUNKS, "chunks c and c + PREFETCH_CHUNKS are both in use");
 #define PV_TILE_HEADS 4    // query heads per PV register tile
 #define PV_TILE_SLICES 2   // 32-dim slices per PV tile (4 x 2 x 2 = 16 zmm accumulators)
-
-static inline int min_int(int a, int b) { return a < b ? a : b; }
 
 // Lane t of the result = sum of the 16 lanes of v[t]: pairs of vectors are interleaved and
 // added (unpack ps, unpack pd, then 128-bit lane shuffles twice), halving the count each level.
@@ -376,130 +516,6 @@ static void pv_update(int kind, int ns, int nh, float* acc, int acc_stride, cons
 }
 
 // The byte offsets of a request's token rows (from the cache start, KV head 0), chunk by
-// chunk, found through the block table in order and kept for the last OFFSET_RING chunks.
-// Positions past the end of the context get the offset of the chunk's first row, so that the
-// 16 rows QK reads are all inside the cache.
-typedef struct {
-    const int32_t* table;
-    int block_size, len;
-    int64_t block_stride, token_stride;
-    int located;          // chunks located so far
-    int block, in_block;  // where chunk `located` starts
-    int64_t off[OFFSET_RING][CHUNK];
-} RowLocator;
-
-static inline const int64_t* chunk_rows(RowLocator* r, int c) {
-    for (; r->located <= c; r->located++) {
-        int64_t* off = r->off[r->located % OFFSET_RING];
-        const int n = min_int(r->len - r->located * CHUNK, CHUNK);
-        for (int t = 0; t < n; t++) {
-            off[t] = (int64_t)r->table[r->block] * r->block_stride + r->in_block * r->token_stride;
-            if (++r->in_block == r->block_size) r->in_block = 0, r->block++;
-        }
-        for (int t = n; t < CHUNK; t++) off[t] = off[0];
-    }
-    return r->off[c % OFFSET_RING];
-}
-
-// One head's output from its accumulator a (per 32-dim slice, the 16 even dims, then the 16 odd
-// ones): a * inv, rounded to bf16, in natural order.
-static inline void store_head(uint16_t* o, const float* a, int head_dim, float inv) {
-    for (int d = 0; d < head_dim; d += 32)
-        for (int i = 0; i < 16; i++) {
-            o[d + 2 * i] = f32_to_bf16(a[d + i] * inv);
-            o[d + 2 * i + 1] = f32_to_bf16(a[d + 16 + i] * inv);
-        }
-}
-
-// The context of a request is cut into partitions of at most PARTITION positions, each a task of
-// its own (with a range of KV heads), so that a few requests with long contexts still keep every
-// thread busy (batch 1 of a model with 3 KV heads would otherwise be 3 tasks on 2 threads). The
-// partitions share the context's chunks equally: 530 positions are two of 272 and 258, not 512
-// and 18, whose tasks the threads could not share evenly (batch 1, ~530 positions: 0.83-0.90x
-// the time at SmolLM2's and Qwen3-0.6B's shapes, Intel Xeon AMX). A request with more than one
-// partition has its partial results (unnormalized accumulator, running max and sum per query
-// head) merged in partition order by whichever task finishes the request's last partition: no
-// second parallel region, and no heap for up to SCRATCH_ON_STACK bytes of partials (batch 1: 26
-// against 29.5 us a call at SmolLM2's shape, context 618, bits unchanged). Partitions depend only
-// on the context length, so a request's result does not depend on the batch or on the thread
-// count.
-#define PARTITION 512
-#define SCRATCH_ON_STACK 16384  // bytes of partial results and task lists kept off the heap
-_Static_assert(PARTITION % CHUNK == 0, "a partition is whole chunks");
-
-// Partitions of a context of `len` positions (an empty context is one empty partition).
-static inline int num_partitions(int len) {
-    return len > PARTITION ? (len + PARTITION - 1) / PARTITION : 1;
-}
-
-// Chunks of each partition of a context of `len` positions (the last one may hold fewer).
-static inline int partition_chunks(int len) {
-    const int chunks = (len + CHUNK - 1) / CHUNK, parts = num_partitions(len);
-    return (chunks + parts - 1) / parts;
-}
-
-// Merges the partitions of one request for query heads h0..h0+nh: partial holds its first
-// partition's rows ([num_heads][head_dim + 2] each, partial_stride apart). Each head's partitions
-// are rescaled to their largest max and summed in partition order; out points at head h0.
-static void merge_partitions(const float* partial, int64_t partial_stride, int parts,
-                             uint16_t* out, int h0, int nh, int head_dim) {
-    for (int h = h0; h < h0 + nh; h++) {
-        float a[MAX_HEAD_DIM];
-        float m = -1e30f, total = 0.0f;
-        for (int i = 0; i < parts; i++) {
-            const float* row = partial + i * partial_stride + (int64_t)h * (head_dim + 2);
-            m = row[head_dim] > m ? row[head_dim] : m;
-        }
-        for (int d = 0; d < head_dim; d++) a[d] = 0.0f;
-        for (int i = 0; i < parts; i++) {
-            const float* row = partial + i * partial_stride + (int64_t)h * (head_dim + 2);
-            const float w = expf(row[head_dim] - m);
-            total += w * row[head_dim + 1];
-            for (int d = 0; d < head_dim; d++) a[d] += w * row[d];
-        }
-        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-        store_head(out + (int64_t)(h - h0) * head_dim, a, head_dim, inv);
-    }
-}
-
-// What every task of one call shares.
-typedef struct {
-    const int32_t* block_tables;
-    const int32_t* seq_lens;
-    const int* unit_seq;  // per unit (request, partition): its request and partition
-    const int* unit_part;
-    const char* k_cache;
-    const char* v_cache;
-    int64_t block_stride, token_stride, row_bytes;  // bytes
-    int max_blocks, block_size, head_dim, tasks_per_unit, heads_per_task;
-} CallShape;
-
-// One task: a partition [c0, c1) of a request's chunks and a range of its KV heads, with its
-// row offsets and the K/V rows of its first KV head (where its prefetches start).
-typedef struct {
-    int u, s, part, kvh0, len, c0, c1;
-    RowLocator rows;
-    const char* pk;
-    const char* pv;
-} TaskSpan;
-
-static inline void task_span(const CallShape* cs, int task, TaskSpan* t) {
-    t->u = task / cs->tasks_per_unit;
-    t->s = cs->unit_seq[t->u];
-    t->part = cs->unit_part[t->u];
-    t->kvh0 = (task % cs->tasks_per_unit) * cs->heads_per_task;
-    t->len = cs->seq_lens[t->s];
-    const int part_chunks = partition_chunks(t->len);
-    t->c0 = t->part * part_chunks;
-    t->c1 = min_int((t->len + CHUNK - 1) / CHUNK, t->c0 + part_chunks);
-    t->rows = (RowLocator){.table = cs->block_tables + (int64_t)t->s * cs->max_blocks,
-                           .block_size = cs->block_size, .len = t->len,
-                           .block_stride = cs->block_stride, .token_stride = cs->token_stride,
-                           .located = t->c0, .block = t->c0 * CHUNK / cs->block_size,
-                           .in_block = t->c0 * CHUNK % cs->block_size};
-    t->pk = cs->k_cache + t->kvh0 * cs->row_bytes;
-    t->pv = cs->v_cache + t->kvh0 * cs->row_bytes;
-}
 
 // kind 0: a bf16 cache; else a quantized one (kv_quant.h), whose rows are head_dim codes and a
 // scale.
@@ -658,17 +674,302 @@ static int paged_decode_avx512(int kind, const uint16_t* q, const void* k_cache,
                 if (__atomic_add_fetch(count, 1, __ATOMIC_ACQ_REL) == parts)
                     merge_partitions(partial + (u - part) * partial_stride, partial_stride, parts,
                                      out + ((int64_t)s * num_heads + h0) * head_dim, h0, nh,
-                                     head_dim);
+                                     head_dim, 32);
             } else {
                 uint16_t* out_row = out + ((int64_t)s * num_heads + h0) * head_dim;
                 for (int h = 0; h < nh; h++) {
                     const float total = _mm512_reduce_add_ps(sum[h]);
                     const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-                    store_head(out_row + h * head_dim, acc + h * head_dim, head_dim, inv);
+                    store_head(out_row + h * head_dim, acc + h * head_dim, head_dim, inv, 32);
                 }
             }
             task = next;
             if (task < num_tasks) cur = nxt;
+        }
+    }
+    if (buffer != stack_buffer) free(buffer);
+    return 0;
+}
+#endif
+
+#if defined(PAGED_DECODE_AVX2)
+// ---------------------------------------------------------------------------------------------
+// AVX2 path (bfloat16 cache, head_dim a multiple of 16), for CPUs without AVX-512: the AVX-512
+// path's tasks, chunks of 16 positions, partitions and merge, in registers of 8 float32 lanes.
+//   QK   per token of a chunk, each 16-dim slice of its key row is widened to float32 (the even
+//        dims by a shift, the odd ones by a mask) and FMA'd with the same slice of up to
+//        AVX2_HEADS query heads of the group (widened and scaled once a task, in that even/odd
+//        order), one 8-lane partial sum per head; a horizontal-add tree turns 8 tokens' partials
+//        into 8 scores;
+//   softmax  online per query head over the chunk's 16 scores (two vectors, exp256);
+//   PV   per 16-dim slice, the accumulators of up to AVX2_HEADS query heads (8 even dims, then 8
+//        odd dims, each) stay in registers across the chunk's tokens.
+// Lanes past the end of the context read the chunk's first row again and are masked out. The
+// sums are not the AVX-512 path's (so neither are the bits), and like those depend only on the
+// context length: not on the batch or the thread count.
+
+#define AVX2_HEADS 4  // query heads per QK pass and per PV register tile
+
+// exp(x) per lane: exp512's reduction and polynomial, 2^n built in the exponent bits, so x is
+// kept to [-87, 88]; below -87 (where expf is under 1.7e-38, a weight nothing can use next to
+// the chunk's largest, 1) the result is 0.
+static inline __m256 exp256(__m256 x) {
+    const __m256 lowest = _mm256_set1_ps(-87.0f);
+    const __m256 under = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), lowest);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r);
+    y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);  // n in [-126, 127]
+    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+// Lane t = the sum of the 8 lanes of v[t].
+static inline __m256 transpose_sum8(const __m256* v) {
+    const __m256 s01 = _mm256_hadd_ps(v[0], v[1]), s23 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 s45 = _mm256_hadd_ps(v[4], v[5]), s67 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 a = _mm256_hadd_ps(s01, s23);  // [v0..v3 lanes 0-3 | v0..v3 lanes 4-7]
+    const __m256 b = _mm256_hadd_ps(s45, s67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+static inline float max8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// The 16 scores of each of GH query heads (qf: widened, scaled, head_dim floats a head) against
+// the chunk's key rows at byte offsets off[0..16) from k: scores[j * CHUNK + t].
+static inline __attribute__((always_inline)) void qk_heads(const int GH, int head_dim,
+                                                           const float* qf, const char* k,
+                                                           const int64_t* off, float* scores) {
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    __m256 partial[AVX2_HEADS][CHUNK];
+    for (int t = 0; t < CHUNK; t++) {
+        const uint16_t* row = (const uint16_t*)(k + off[t]);
+        __m256 a[AVX2_HEADS];
+        for (int j = 0; j < GH; j++) a[j] = _mm256_setzero_ps();
+        for (int d = 0; d < head_dim; d += 16) {
+            const __m256i w = _mm256_loadu_si256((const __m256i*)(row + d));
+            const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+            const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(w, high));
+            for (int j = 0; j < GH; j++)
+                a[j] = _mm256_fmadd_ps(even, _mm256_load_ps(qf + j * head_dim + d),
+                                       _mm256_fmadd_ps(odd, _mm256_load_ps(qf + j * head_dim + d + 8),
+                                                       a[j]));
+        }
+        for (int j = 0; j < GH; j++) partial[j][t] = a[j];
+    }
+    for (int j = 0; j < GH; j++) {
+        _mm256_store_ps(scores + j * CHUNK, transpose_sum8(partial[j]));
+        _mm256_store_ps(scores + j * CHUNK + 8, transpose_sum8(partial[j] + 8));
+    }
+}
+
+static void qk_group(int gh, int head_dim, const float* qf, const char* k, const int64_t* off,
+                     float* scores) {
+    switch (gh) {
+        case 1: qk_heads(1, head_dim, qf, k, off, scores); break;
+        case 2: qk_heads(2, head_dim, qf, k, off, scores); break;
+        case 3: qk_heads(3, head_dim, qf, k, off, scores); break;
+        default: qk_heads(4, head_dim, qf, k, off, scores); break;
+    }
+}
+
+// One PV register tile: the 16-dim slice at d0 of NH query heads' accumulators (head_dim floats
+// apart), rescaled by corr[j], plus p[j * CHUNK + t] times value row t (byte offsets off[0..n)
+// from v).
+static inline __attribute__((always_inline)) void pv_heads(const int NH, float* acc, int head_dim,
+                                                           const float* p, const float* corr,
+                                                           const char* v, const int64_t* off,
+                                                           int n, int d0) {
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    __m256 a[AVX2_HEADS][2];
+    for (int j = 0; j < NH; j++) {
+        const __m256 c = _mm256_set1_ps(corr[j]);
+        a[j][0] = _mm256_mul_ps(_mm256_load_ps(acc + j * head_dim + d0), c);
+        a[j][1] = _mm256_mul_ps(_mm256_load_ps(acc + j * head_dim + d0 + 8), c);
+    }
+    for (int t = 0; t < n; t++) {
+        const __m256i w = _mm256_loadu_si256((const __m256i*)(v + off[t] + 2 * d0));
+        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(w, high));
+        for (int j = 0; j < NH; j++) {
+            const __m256 pt = _mm256_broadcast_ss(p + j * CHUNK + t);
+            a[j][0] = _mm256_fmadd_ps(pt, even, a[j][0]);
+            a[j][1] = _mm256_fmadd_ps(pt, odd, a[j][1]);
+        }
+    }
+    for (int j = 0; j < NH; j++) {
+        _mm256_store_ps(acc + j * head_dim + d0, a[j][0]);
+        _mm256_store_ps(acc + j * head_dim + d0 + 8, a[j][1]);
+    }
+}
+
+static void pv_group(int nh, float* acc, int head_dim, const float* p, const float* corr,
+                     const char* v, const int64_t* off, int n) {
+    for (int d0 = 0; d0 < head_dim; d0 += 16) {
+        switch (nh) {
+            case 1: pv_heads(1, acc, head_dim, p, corr, v, off, n, d0); break;
+            case 2: pv_heads(2, acc, head_dim, p, corr, v, off, n, d0); break;
+            case 3: pv_heads(3, acc, head_dim, p, corr, v, off, n, d0); break;
+            default: pv_heads(4, acc, head_dim, p, corr, v, off, n, d0); break;
+        }
+    }
+}
+
+static int paged_decode_avx2(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                             const int32_t* block_tables, const int32_t* seq_lens, uint16_t* out,
+                             int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                             int block_size, int max_blocks, float scale, int num_threads) {
+    const int group = num_heads / num_kv_heads;
+    const int64_t row_bytes = 2 * head_dim;
+    const int64_t token_stride = num_kv_heads * row_bytes;
+    const int64_t block_stride = token_stride * block_size;
+    int num_units = 0;  // (request, partition)
+    for (int s = 0; s < num_seqs; s++) num_units += num_partitions(seq_lens[s]);
+    const int heads_per_task = kv_heads_per_task(num_units, num_kv_heads, num_threads);
+    const int tasks_per_unit = num_kv_heads / heads_per_task;
+    const int split = num_units > num_seqs;
+    const int64_t partial_stride = (int64_t)num_heads * (head_dim + 2);
+    const size_t unit_bytes = sizeof(int) * 2 * (size_t)num_units;
+    const size_t done_bytes = split ? sizeof(int) * (size_t)num_seqs * tasks_per_unit : 0;
+    const size_t partial_bytes = split ? sizeof(float) * (size_t)(num_units * partial_stride) : 0;
+    const size_t bytes = partial_bytes + unit_bytes + done_bytes;
+    _Alignas(64) char stack_buffer[SCRATCH_ON_STACK];
+    char* buffer = bytes <= sizeof(stack_buffer) ? stack_buffer : malloc(bytes);
+    if (!buffer) return -3;
+    float* partial = (float*)buffer;
+    int* unit_seq = (int*)(buffer + partial_bytes);
+    int* unit_part = unit_seq + num_units;
+    int* done = unit_part + num_units;
+    for (int s = 0, u = 0; s < num_seqs; s++) {
+        const int parts = num_partitions(seq_lens[s]);
+        for (int part = 0; part < parts; part++, u++) unit_seq[u] = s, unit_part[u] = part;
+    }
+    if (split) memset(done, 0, done_bytes);
+    const int pf_lines = (int)((heads_per_task * row_bytes + 63) / 64);
+    const CallShape cs = {.block_tables = block_tables, .seq_lens = seq_lens,
+                          .unit_seq = unit_seq, .unit_part = unit_part,
+                          .k_cache = (const char*)k_cache, .v_cache = (const char*)v_cache,
+                          .block_stride = block_stride, .token_stride = token_stride,
+                          .row_bytes = row_bytes,
+                          .max_blocks = max_blocks, .block_size = block_size,
+                          .head_dim = head_dim, .tasks_per_unit = tasks_per_unit,
+                          .heads_per_task = heads_per_task};
+    const int num_tasks = num_units * tasks_per_unit;
+    int claimed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        // The task's query heads, widened and scaled, and their accumulators: per 16-dim slice,
+        // the 8 even dims, then the 8 odd dims.
+        float qf[MAX_HEADS * MAX_HEAD_DIM] __attribute__((aligned(32)));
+        float acc[MAX_HEADS * MAX_HEAD_DIM] __attribute__((aligned(32)));
+        float p[MAX_HEADS * CHUNK] __attribute__((aligned(32)));  // scores, then numerators
+        float running_max[MAX_HEADS], sum[MAX_HEADS], corr[MAX_HEADS];
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        TaskSpan cur;
+        for (int task = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED); task < num_tasks;
+             task = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED)) {
+            task_span(&cs, task, &cur);
+            const int s = cur.s, part = cur.part, u = cur.u, kvh0 = cur.kvh0, len = cur.len;
+            const int h0 = kvh0 * group, nh = heads_per_task * group;
+            const uint16_t* q_row = q + ((int64_t)s * num_heads + h0) * head_dim;
+            for (int h = 0; h < nh; h++) {
+                for (int d = 0; d < head_dim; d += 16)
+                    for (int i = 0; i < 8; i++) {
+                        qf[h * head_dim + d + i] = bf16_to_f32(q_row[h * head_dim + d + 2 * i]) * scale;
+                        qf[h * head_dim + d + 8 + i] =
+                            bf16_to_f32(q_row[h * head_dim + d + 2 * i + 1]) * scale;
+                    }
+                for (int d = 0; d < head_dim; d++) acc[h * head_dim + d] = 0.0f;
+                running_max[h] = -1e30f, sum[h] = 0.0f;
+            }
+            for (int c = cur.c0; c < cur.c1; c++) {
+                const int n = min_int(len - c * CHUNK, CHUNK);
+                if (c + PREFETCH_CHUNKS < cur.c1) {  // a later chunk's rows, into L2
+                    const int64_t* pf = chunk_rows(&cur.rows, c + PREFETCH_CHUNKS);
+                    for (int t = 0; t < CHUNK; t++)
+                        for (int i = 0; i < pf_lines; i++) {
+                            _mm_prefetch(cur.pk + pf[t] + 64 * i, _MM_HINT_T1);
+                            _mm_prefetch(cur.pv + pf[t] + 64 * i, _MM_HINT_T1);
+                        }
+                }
+                const int64_t* off = chunk_rows(&cur.rows, c);
+                const __m256i valid0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane);
+                const __m256i valid1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8), lane);
+                for (int kvh = kvh0; kvh < kvh0 + heads_per_task; kvh++) {
+                    const int hb = (kvh - kvh0) * group;  // the group's first head in this task
+                    const char* k = cs.k_cache + kvh * row_bytes;
+                    const char* v = cs.v_cache + kvh * row_bytes;
+                    for (int j = 0; j < group; j += AVX2_HEADS)
+                        qk_group(min_int(group - j, AVX2_HEADS), head_dim,
+                                 qf + (hb + j) * head_dim, k, off, p + (hb + j) * CHUNK);
+                    for (int h = hb; h < hb + group; h++) {
+                        const __m256 none = _mm256_set1_ps(-1e30f);
+                        const __m256 s0 = _mm256_blendv_ps(none, _mm256_load_ps(p + h * CHUNK),
+                                                           _mm256_castsi256_ps(valid0));
+                        const __m256 s1 = _mm256_blendv_ps(
+                            none, _mm256_load_ps(p + h * CHUNK + 8), _mm256_castsi256_ps(valid1));
+                        const float m = max8(_mm256_max_ps(s0, s1));
+                        corr[h] = 1.0f;
+                        if (m > running_max[h]) {
+                            corr[h] = _mm_cvtss_f32(_mm256_castps256_ps128(
+                                exp256(_mm256_set1_ps(running_max[h] - m))));
+                            sum[h] *= corr[h];
+                            running_max[h] = m;
+                        }
+                        const __m256 mx = _mm256_set1_ps(running_max[h]);
+                        const __m256 e0 = exp256(_mm256_sub_ps(s0, mx));
+                        const __m256 e1 = exp256(_mm256_sub_ps(s1, mx));
+                        sum[h] += sum8(_mm256_add_ps(e0, e1));
+                        _mm256_store_ps(p + h * CHUNK, e0);
+                        _mm256_store_ps(p + h * CHUNK + 8, e1);
+                    }
+                    for (int j = 0; j < group; j += AVX2_HEADS)
+                        pv_group(min_int(group - j, AVX2_HEADS), acc + (hb + j) * head_dim,
+                                 head_dim, p + (hb + j) * CHUNK, corr + hb + j, v, off, n);
+                }
+            }
+            if (len > PARTITION) {  // a partial result; the last of the request's to end merges
+                float* dst = partial + u * partial_stride;
+                for (int h = 0; h < nh; h++) {
+                    float* row = dst + (int64_t)(h0 + h) * (head_dim + 2);
+                    for (int d = 0; d < head_dim; d++) row[d] = acc[h * head_dim + d];
+                    row[head_dim] = running_max[h];
+                    row[head_dim + 1] = sum[h];
+                }
+                const int parts = num_partitions(len);
+                int* count = done + (int64_t)s * tasks_per_unit + task % tasks_per_unit;
+                if (__atomic_add_fetch(count, 1, __ATOMIC_ACQ_REL) == parts)
+                    merge_partitions(partial + (u - part) * partial_stride, partial_stride, parts,
+                                     out + ((int64_t)s * num_heads + h0) * head_dim, h0, nh,
+                                     head_dim, 16);
+            } else {
+                uint16_t* out_row = out + ((int64_t)s * num_heads + h0) * head_dim;
+                for (int h = 0; h < nh; h++)
+                    store_head(out_row + h * head_dim, acc + h * head_dim, head_dim,
+                               sum[h] > 0.0f ? 1.0f / sum[h] : 0.0f, 16);
+            }
         }
     }
     if (buffer != stack_buffer) free(buffer);
@@ -701,11 +1002,16 @@ int paged_decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t
                       int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
                       int max_blocks, float scale, int num_threads) {
     if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK_SIZE) return -1;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if defined(PAGED_DECODE_AVX512)
     if (head_dim % 32 == 0)
         return paged_decode_avx512(0, q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs,
                                    num_heads, num_kv_heads, head_dim, block_size, max_blocks,
                                    scale, num_threads);
+#elif defined(PAGED_DECODE_AVX2)
+    if (head_dim % 16 == 0)
+        return paged_decode_avx2(q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs,
+                                 num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale,
+                                 num_threads);
 #endif
     return paged_decode_bf16_portable(q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs,
                                       num_heads, num_kv_heads, head_dim, block_size, max_blocks,
@@ -719,7 +1025,7 @@ int paged_decode_quant(int kind, const uint16_t* q, const uint8_t* k_cache, cons
                        int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
                        int max_blocks, float scale, int num_threads) {
     if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK_SIZE) return -1;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if defined(PAGED_DECODE_AVX512)
     if (head_dim % 32 == 0 && kind >= KV_INT8 && kind <= KV_FP8_E5M2)
         return paged_decode_avx512(kind, q, k_cache, v_cache, block_tables, seq_lens, out,
                                    num_seqs, num_heads, num_kv_heads, head_dim, block_size,
