@@ -219,6 +219,11 @@ def test_latency_writes_prefill_and_decode_with_roofline(tiny_llama, tmp_path):
     for entry in [report["prefill"], *report["decode"]]:
         assert entry["roofline_fraction"] > 0
     assert report["hardware"]["read_gbps"] > 0 and report["hardware"]["matmul_tflops"] > 0
+    peak = report["hardware"]["matmul_tflops"] * 1e12
+    one, two = report["decode"]  # a step's FLOPs at the matmul peak: the compute floor
+    assert 0 < one["flops_per_step"] < two["flops_per_step"]
+    for d in (one, two):
+        assert d["compute_floor_seconds"] == pytest.approx(d["flops_per_step"] / peak)
     # next to the speeds, the model's perplexity over the fixed text (a random model: ~vocab)
     tokens = len(load_tokenizer(tiny_llama)(PROSE)["input_ids"])
     assert report["perplexity"]["tokens"] == tokens > 100

@@ -7,7 +7,9 @@ over the memory bandwidth; a prefill's floor is its FLOPs over the bf16 matmul p
 of read bandwidth within one run), so each timed step or prefill is followed at once by a probe
 of the machine (a read of 512 MB, a 2048^3 matmul), and the fraction of roofline reported is the
 median over the measurements of floor / measured, each floor from its own probe: a ratio taken in
-one moment, as the project's benchmarks take every comparison. 1.0 is the roofline.
+one moment, as the project's benchmarks take every comparison. 1.0 is the roofline. A decode
+step's FLOPs at the matmul peak measured at the start are printed beside it: where a step is
+compute-bound (large batches where FMAs are few, as on CPUs without AVX-512) that is its floor.
 
 `--grammar-rounds N` then measures what structured outputs cost a decode step: N rounds, each a
 decode without a grammar and then with a JSON-schema grammar on every request (GRAMMAR_SCHEMA,
@@ -94,10 +96,17 @@ class DecodeResult:
     roofline_seconds: float  # per step, mean bytes at the median bandwidth
     roofline_fraction: float  # median over the steps of (bytes / its probe) / its time
     tokens_per_step: float  # mean generated tokens: the batch size, more under speculation
+    flops_per_step: float  # mean over the timed steps: projections, LM head, attention
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens_per_step / self.step_seconds
+
+
+def _compute_floor(d: DecodeResult, hardware: roofline.Hardware) -> float:
+    """A decode step's FLOPs at the machine's matmul peak: the floor where a step is
+    compute-bound (large batches on a CPU without AVX-512, whose FMAs are few)."""
+    return d.flops_per_step / (hardware.matmul_tflops * 1e12)
 
 
 def _random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
@@ -172,7 +181,7 @@ def measure_decode(
         step()
     for _ in range(_WARMUP_DECODE_STEPS):
         step()
-    times, step_bytes, contexts, bandwidths = [], [], [], []
+    times, step_bytes, step_flops, contexts, bandwidths = [], [], [], [], []
     num_before = sum(num_output.values())
     for _ in range(num_steps):
         # Each request attends to its prompt plus every output token (the newest is computed now).
@@ -184,6 +193,7 @@ def measure_decode(
         step_bytes.append(
             roofline.decode_step_bytes(mc, dtype, context_lens, weight_bytes, kv_dtype)
         )
+        step_flops.append(roofline.decode_step_flops(mc, context_lens))
         contexts.append(statistics.fmean(context_lens))
     tokens_per_step = (sum(num_output.values()) - num_before) / num_steps
     engine.abort_request(ids)
@@ -206,6 +216,7 @@ def measure_decode(
         bytes_per_step / (bandwidth * 1e9),
         fraction,
         tokens_per_step,
+        statistics.fmean(step_flops),
     )
 
 
@@ -399,7 +410,10 @@ def main(args: argparse.Namespace) -> int:
             f"{d.tokens_per_s:.1f} tok/s, {d.bytes_per_step / 1e6:.1f} MB/step; read "
             f"{d.read_gbps:.1f} GB/s alongside ({d.min_read_gbps:.1f}-{d.max_read_gbps:.1f}), "
             f"floor {d.roofline_seconds * 1e3:.2f} ms "
-            f"-> {d.roofline_fraction:.1%} of the memory roofline"
+            f"-> {d.roofline_fraction:.1%} of the memory roofline; "
+            f"{d.flops_per_step / 1e9:.2f} GFLOP, compute floor "
+            f"{_compute_floor(d, hardware) * 1e3:.2f} ms at the start's matmul peak "
+            f"-> {_compute_floor(d, hardware) / d.median_step_seconds:.1%}"
         )
     for d, base in zip(lora_decodes, decodes):
         print(
@@ -431,7 +445,14 @@ def main(args: argparse.Namespace) -> int:
         "num_params": roofline.num_params(mc),
         "hardware": asdict(hardware),
         "prefill": asdict(prefill),
-        "decode": [asdict(d) | {"tokens_per_s": d.tokens_per_s} for d in decodes],
+        "decode": [
+            asdict(d)
+            | {
+                "tokens_per_s": d.tokens_per_s,
+                "compute_floor_seconds": _compute_floor(d, hardware),
+            }
+            for d in decodes
+        ],
         "grammar": [asdict(g) for g in grammar],
     }
     if lora_mix:

@@ -89,7 +89,7 @@ def _fast_cpu_dtypes(dtypes: list[torch.dtype]) -> list[torch.dtype]:
     for dtype in dtypes:
         a = torch.randn(_CPU_SCREEN_SIZE, _CPU_SCREEN_SIZE).to(dtype)
         a @ a  # warm-up
-        rates[dtype] = 1.0 / _best_seconds(lambda a=a: a @ a, "cpu", 2)
+        rates[dtype] = 1.0 / _best_seconds(lambda a=a: a @ a, "cpu", 3)
     best = max(rates.values())
     return [dtype for dtype in dtypes if rates[dtype] * 4 >= best]
 
