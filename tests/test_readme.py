@@ -16,6 +16,7 @@ from quire.config import EngineConfig
 from quire.entrypoints.api_server import DEFAULT_MODEL_NAME
 from quire.entrypoints.chat_template import load_chat_template
 from quire.entrypoints.cli import main
+from quire.kernels.cpu import qmatmul
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -79,8 +80,23 @@ def test_a_readme_example_prints_what_the_readme_shows(code, output, request, mo
     monkeypatch.setattr(quire, "LLM", _with_a_small_kv_cache(quire.LLM))
     exec(compile(code, "README.md", "exec"), {})
     printed = capsys.readouterr().out
-    if output is not None:
-        assert printed == output
+    if output is None:
+        return
+    if "seed=" in code and not kernels_as_for_the_readme():
+        # A seeded sample's words, printed last, can differ (the README says so beside it):
+        # what comes before them exact, then some text.
+        before = "".join(output.splitlines(keepends=True)[:-1])
+        assert printed.startswith(before) and printed[len(before) :].strip()
+        return
+    assert printed == output
+
+
+def kernels_as_for_the_readme() -> bool:
+    """The README's outputs were printed where the C kernels run their AVX-512 loops (AMD Zen 4,
+    Intel Xeon with AMX). An AVX2-only CPU sums a few things in another order (the mean square
+    of RMSNorm, decode attention's dot products), which moves some logits' last bits: greedy
+    tokens stay, but a seeded sample can draw another word (an AMD EPYC Zen 1 here did)."""
+    return qmatmul.path() == "avx512-vnni"
 
 
 def _with_a_small_kv_cache(llm_class: type) -> type:
