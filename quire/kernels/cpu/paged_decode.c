@@ -204,6 +204,53 @@ static inline int partition_chunks(int len) {
     return (chunks + parts - 1) / parts;
 }
 
+// A call's units of work, (request, partition), and its scratch: per unit its request and
+// partition; the partial results of the units of split requests ([unit][num_heads][head_dim + 2]
+// floats: the accumulator, then the running max and the sum); per (request, task's KV heads),
+// how many of its partitions are done (the task that finishes the last one merges them). One
+// buffer for all of it, on the caller's stack (SCRATCH_ON_STACK bytes) for a few requests
+// (batch 1 of a long context).
+typedef struct {
+    int num_units, heads_per_task, tasks_per_unit;
+    int64_t partial_stride;
+    float* partial;
+    int* unit_seq;
+    int* unit_part;
+    int* done;
+    char* heap;  // the buffer when it is not on the stack (free it), else NULL
+} CallPlan;
+
+// 0, or -3 when the buffer cannot be allocated.
+static int plan_call(CallPlan* plan, char* stack_buffer, const int32_t* seq_lens, int num_seqs,
+                     int num_heads, int num_kv_heads, int head_dim, int num_threads) {
+    int num_units = 0;
+    for (int s = 0; s < num_seqs; s++) num_units += num_partitions(seq_lens[s]);
+    plan->num_units = num_units;
+    plan->heads_per_task = kv_heads_per_task(num_units, num_kv_heads, num_threads);
+    plan->tasks_per_unit = num_kv_heads / plan->heads_per_task;
+    const int split = num_units > num_seqs;  // some request has more than one partition
+    plan->partial_stride = (int64_t)num_heads * (head_dim + 2);
+    const size_t unit_bytes = sizeof(int) * 2 * (size_t)num_units;
+    const size_t done_bytes = split ? sizeof(int) * (size_t)num_seqs * plan->tasks_per_unit : 0;
+    const size_t partial_bytes =
+        split ? sizeof(float) * (size_t)(num_units * plan->partial_stride) : 0;
+    const size_t bytes = partial_bytes + unit_bytes + done_bytes;  // floats first: aligned
+    plan->heap = NULL;
+    char* buffer = stack_buffer;
+    if (bytes > SCRATCH_ON_STACK && !(buffer = plan->heap = malloc(bytes))) return -3;
+    plan->partial = (float*)buffer;
+    plan->unit_seq = (int*)(buffer + partial_bytes);
+    plan->unit_part = plan->unit_seq + num_units;
+    plan->done = plan->unit_part + num_units;
+    for (int s = 0, u = 0; s < num_seqs; s++) {
+        const int parts = num_partitions(seq_lens[s]);
+        for (int part = 0; part < parts; part++, u++)
+            plan->unit_seq[u] = s, plan->unit_part[u] = part;
+    }
+    if (split) memset(plan->done, 0, done_bytes);
+    return 0;
+}
+
 // Merges the partitions of one request for query heads h0..h0+nh: partial holds its first
 // partition's rows ([num_heads][head_dim + 2] each, partial_stride apart). Each head's partitions
 // are rescaled to their largest max and summed in partition order; out points at head h0. The
@@ -529,34 +576,15 @@ static int paged_decode_avx512(int kind, const uint16_t* q, const void* k_cache,
     const int64_t row_bytes = kind == 0 ? 2 * head_dim : head_dim + KV_SCALE_BYTES;
     const int64_t token_stride = num_kv_heads * row_bytes;
     const int64_t block_stride = token_stride * block_size;
-    // Units of work: (request, partition); unit_seq / unit_part say which.
-    int num_units = 0;
-    for (int s = 0; s < num_seqs; s++)
-        num_units += num_partitions(seq_lens[s]);
-    const int heads_per_task = kv_heads_per_task(num_units, num_kv_heads, num_threads);
-    const int tasks_per_unit = num_kv_heads / heads_per_task;
-    const int split = num_units > num_seqs;  // some request has more than one partition
-    // Partial results of the units of split requests: [unit][num_heads][head_dim + 2] floats
-    // (the accumulator, then the running max and the sum); per (request, task's KV heads), how
-    // many of its partitions are done: the task that finishes the last one merges them. One
-    // buffer for all of it, on the stack for a few requests (batch 1 of a long context).
-    const int64_t partial_stride = (int64_t)num_heads * (head_dim + 2);
-    const size_t unit_bytes = sizeof(int) * 2 * (size_t)num_units;
-    const size_t done_bytes = split ? sizeof(int) * (size_t)num_seqs * tasks_per_unit : 0;
-    const size_t partial_bytes = split ? sizeof(float) * (size_t)(num_units * partial_stride) : 0;
-    const size_t bytes = partial_bytes + unit_bytes + done_bytes;  // floats first: aligned
     _Alignas(64) char stack_buffer[SCRATCH_ON_STACK];
-    char* buffer = bytes <= sizeof(stack_buffer) ? stack_buffer : malloc(bytes);
-    if (!buffer) return -3;
-    float* partial = (float*)buffer;
-    int* unit_seq = (int*)(buffer + partial_bytes);
-    int* unit_part = unit_seq + num_units;
-    int* done = unit_part + num_units;
-    for (int s = 0, u = 0; s < num_seqs; s++) {
-        const int parts = num_partitions(seq_lens[s]);
-        for (int part = 0; part < parts; part++, u++) unit_seq[u] = s, unit_part[u] = part;
-    }
-    if (split) memset(done, 0, done_bytes);
+    CallPlan plan;
+    if (plan_call(&plan, stack_buffer, seq_lens, num_seqs, num_heads, num_kv_heads, head_dim,
+                  num_threads))
+        return -3;
+    const int heads_per_task = plan.heads_per_task, tasks_per_unit = plan.tasks_per_unit;
+    const int64_t partial_stride = plan.partial_stride;
+    float* partial = plan.partial;
+    int* done = plan.done;
     // Prefetching a chunk: per token, heads_per_task * nd lines of K and of V; the unit of KV
     // head i takes tokens [i * pf_per_unit, (i + 1) * pf_per_unit), its QK call for query head
     // j of the group pf_per_call of those.
@@ -564,14 +592,14 @@ static int paged_decode_avx512(int kind, const uint16_t* q, const void* k_cache,
     const int pf_per_unit = (CHUNK + heads_per_task - 1) / heads_per_task;
     const int pf_per_call = (pf_per_unit + group - 1) / group;
     const CallShape cs = {.block_tables = block_tables, .seq_lens = seq_lens,
-                          .unit_seq = unit_seq, .unit_part = unit_part,
+                          .unit_seq = plan.unit_seq, .unit_part = plan.unit_part,
                           .k_cache = k_cache, .v_cache = v_cache,
                           .block_stride = block_stride, .token_stride = token_stride,
                           .row_bytes = row_bytes,
                           .max_blocks = max_blocks, .block_size = block_size,
                           .head_dim = head_dim, .tasks_per_unit = tasks_per_unit,
                           .heads_per_task = heads_per_task};
-    const int num_tasks = num_units * tasks_per_unit;
+    const int num_tasks = plan.num_units * tasks_per_unit;
     int claimed = 0;  // tasks are taken in order, each thread holding the one after its own
 #pragma omp parallel num_threads(num_threads)
     {
@@ -687,7 +715,7 @@ static int paged_decode_avx512(int kind, const uint16_t* q, const void* k_cache,
             if (task < num_tasks) cur = nxt;
         }
     }
-    if (buffer != stack_buffer) free(buffer);
+    free(plan.heap);
     return 0;
 }
 #endif
@@ -845,38 +873,25 @@ static int paged_decode_avx2(const uint16_t* q, const uint16_t* k_cache, const u
     const int64_t row_bytes = 2 * head_dim;
     const int64_t token_stride = num_kv_heads * row_bytes;
     const int64_t block_stride = token_stride * block_size;
-    int num_units = 0;  // (request, partition)
-    for (int s = 0; s < num_seqs; s++) num_units += num_partitions(seq_lens[s]);
-    const int heads_per_task = kv_heads_per_task(num_units, num_kv_heads, num_threads);
-    const int tasks_per_unit = num_kv_heads / heads_per_task;
-    const int split = num_units > num_seqs;
-    const int64_t partial_stride = (int64_t)num_heads * (head_dim + 2);
-    const size_t unit_bytes = sizeof(int) * 2 * (size_t)num_units;
-    const size_t done_bytes = split ? sizeof(int) * (size_t)num_seqs * tasks_per_unit : 0;
-    const size_t partial_bytes = split ? sizeof(float) * (size_t)(num_units * partial_stride) : 0;
-    const size_t bytes = partial_bytes + unit_bytes + done_bytes;
     _Alignas(64) char stack_buffer[SCRATCH_ON_STACK];
-    char* buffer = bytes <= sizeof(stack_buffer) ? stack_buffer : malloc(bytes);
-    if (!buffer) return -3;
-    float* partial = (float*)buffer;
-    int* unit_seq = (int*)(buffer + partial_bytes);
-    int* unit_part = unit_seq + num_units;
-    int* done = unit_part + num_units;
-    for (int s = 0, u = 0; s < num_seqs; s++) {
-        const int parts = num_partitions(seq_lens[s]);
-        for (int part = 0; part < parts; part++, u++) unit_seq[u] = s, unit_part[u] = part;
-    }
-    if (split) memset(done, 0, done_bytes);
+    CallPlan plan;
+    if (plan_call(&plan, stack_buffer, seq_lens, num_seqs, num_heads, num_kv_heads, head_dim,
+                  num_threads))
+        return -3;
+    const int heads_per_task = plan.heads_per_task, tasks_per_unit = plan.tasks_per_unit;
+    const int64_t partial_stride = plan.partial_stride;
+    float* partial = plan.partial;
+    int* done = plan.done;
     const int pf_lines = (int)((heads_per_task * row_bytes + 63) / 64);
     const CallShape cs = {.block_tables = block_tables, .seq_lens = seq_lens,
-                          .unit_seq = unit_seq, .unit_part = unit_part,
+                          .unit_seq = plan.unit_seq, .unit_part = plan.unit_part,
                           .k_cache = (const char*)k_cache, .v_cache = (const char*)v_cache,
                           .block_stride = block_stride, .token_stride = token_stride,
                           .row_bytes = row_bytes,
                           .max_blocks = max_blocks, .block_size = block_size,
                           .head_dim = head_dim, .tasks_per_unit = tasks_per_unit,
                           .heads_per_task = heads_per_task};
-    const int num_tasks = num_units * tasks_per_unit;
+    const int num_tasks = plan.num_units * tasks_per_unit;
     int claimed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -972,7 +987,7 @@ static int paged_decode_avx2(const uint16_t* q, const uint16_t* k_cache, const u
             }
         }
     }
-    if (buffer != stack_buffer) free(buffer);
+    free(plan.heap);
     return 0;
 }
 #endif
