@@ -339,18 +339,6 @@ static inline __attribute__((always_inline)) void gemv_pass_avx2(const int MB, c
             _mm256_storeu_ps(out + m * GEMV_PANEL + c0 + 8 * c, total[m][c]);
 }
 
-int gemv_bf16_set_amx(int choice) {
-    (void)choice;
-    return 0;
-}
-int gemv_bf16_uses_amx(void) { return 0; }
-
-int gemv_bf16_set_fma(int choice) {
-    (void)choice;
-    return 0;
-}
-int gemv_bf16_uses_fma(void) { return 1; }
-
 // The arguments of the AVX-512 gemv_bf16 above.
 int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const uint16_t* bias,
               uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M, int N, int K, int k_block,
@@ -409,6 +397,17 @@ int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const
     return 0;
 }
 #else
+int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const uint16_t* bias,
+              uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M, int N, int K, int k_block,
+              int num_threads) {
+    (void)x, (void)x_stride, (void)packed, (void)bias, (void)y_bf16, (void)y_f32;
+    (void)y_stride, (void)M, (void)N, (void)K, (void)k_block, (void)num_threads;
+    return -2;  // built without AVX-512 BF16 or AVX2
+}
+#endif
+
+#if !defined(__AVX512BF16__)
+// Without AVX-512 BF16: no AMX order, and the FMA loop is the AVX2 kernel's only one.
 int gemv_bf16_set_amx(int choice) {
     (void)choice;
     return 0;
@@ -419,13 +418,5 @@ int gemv_bf16_set_fma(int choice) {
     (void)choice;
     return 0;
 }
-int gemv_bf16_uses_fma(void) { return 0; }
-
-int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const uint16_t* bias,
-              uint16_t* y_bf16, float* y_f32, int64_t y_stride, int M, int N, int K, int k_block,
-              int num_threads) {
-    (void)x, (void)x_stride, (void)packed, (void)bias, (void)y_bf16, (void)y_f32;
-    (void)y_stride, (void)M, (void)N, (void)K, (void)k_block, (void)num_threads;
-    return -2;  // built without AVX-512 BF16 or AVX2
-}
+int gemv_bf16_uses_fma(void) { return gemv_bf16_available() == 2; }
 #endif
