@@ -37,6 +37,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.write_line(
         f"quire kernels: {cpu}; bf16 matmul {gemv.path()}, GGUF blocks {qmatmul.path()} "
         f"(prompt rows {qmatmul.prompt_path()}), "
+        f"decode attention {cpu_kernels.decode_attention_path()}, "
         f"prefill attention {cpu_kernels.prefill_attention_path()}"
     )
 

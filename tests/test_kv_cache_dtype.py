@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import assert_idle, token_prompts
 
-from quire import LLM, SamplingParams
+from quire import LLM, SamplingParams, envs
 from quire.attention.backend import AttentionMetadata
 from quire.attention.torch_backend import TorchAttentionBackend
 from quire.config import EngineConfig
@@ -118,28 +118,73 @@ def reference_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray) -> 
     return np.einsum("hl,lhd->hd", p, vv)
 
 
+def decode_over_shuffled_blocks(name: str, lens: list[int], seed: int):
+    """The decode kernel's output for queries of len(lens) requests over one quantized cache
+    (40 shuffled blocks each), with each request's float64 reference over its dequantized rows;
+    and the queries, cache and tables, to call it again."""
+    num_seqs = len(lens)
+    gen = torch.Generator().manual_seed(seed)
+    tables = torch.randperm(num_seqs * 40, generator=gen).view(num_seqs, 40).int()
+    k, v = random_kv(num_seqs * 40 * BLOCK, seed + 1)
+    cache = KVCache.allocate(1, num_seqs * 40, BLOCK, KV_HEADS, HEAD_DIM, QUANTIZED[name], "cpu")
+    k_cache, v_cache = cache.layers[0]
+    flat = [
+        int(tables[s, p // BLOCK]) * BLOCK + p % BLOCK
+        for s in range(num_seqs)
+        for p in range(40 * BLOCK)
+    ]
+    cpu_kernels.store_kv(k, v, k_cache, v_cache, torch.tensor(flat))
+    q = torch.randn(num_seqs, HEADS, HEAD_DIM, generator=gen).bfloat16()
+    seq_lens = torch.tensor(lens).int()
+    out = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    expected = []
+    for s, n in enumerate(lens):
+        ctx = rows(cache, flat[s * 40 * BLOCK : s * 40 * BLOCK + n])
+        expected.append(
+            reference_attention(q[s].double().numpy(), dequantized64(ctx[0]), dequantized64(ctx[1]))
+        )
+    return out, np.stack(expected), (q, k_cache, v_cache, tables, seq_lens)
+
+
 @pytest.mark.parametrize("name", list(QUANTIZED))
 def test_decode_kernel_is_attention_over_the_dequantized_rows(name):
     """Three requests over shuffled blocks (one longer than 512 positions: two partitions)."""
-    num_blocks = 120
-    gen = torch.Generator().manual_seed(3)
-    tables = torch.randperm(num_blocks, generator=gen).view(3, 40).int()
-    k, v = random_kv(3 * 40 * BLOCK, 4)
-    cache = KVCache.allocate(1, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, QUANTIZED[name], "cpu")
-    k_cache, v_cache = cache.layers[0]
-    flat = [
-        int(tables[s, p // BLOCK]) * BLOCK + p % BLOCK for s in range(3) for p in range(40 * BLOCK)
-    ]
-    cpu_kernels.store_kv(k, v, k_cache, v_cache, torch.tensor(flat))
-    lens = [1, 37, 40 * BLOCK - 3]
-    q = torch.randn(3, HEADS, HEAD_DIM, generator=gen).bfloat16()
-    out = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, torch.tensor(lens).int(), 0.125)
-    for s, n in enumerate(lens):
-        ctx = rows(cache, flat[s * 40 * BLOCK : s * 40 * BLOCK + n])
-        expected = reference_attention(
-            q[s].double().numpy(), dequantized64(ctx[0]), dequantized64(ctx[1])
-        )
-        np.testing.assert_allclose(out[s].double().numpy(), expected, rtol=2**-8, atol=2e-3)
+    out, expected, _ = decode_over_shuffled_blocks(name, [1, 37, 40 * BLOCK - 3], seed=3)
+    np.testing.assert_allclose(out.double().numpy(), expected, rtol=2**-8, atol=2e-3)
+
+
+# The decode kernel built for other targets here: x86-64-v3 (AVX2 and FMA, no AVX-512: Zen 1-3,
+# Haswell to Skylake) runs its AVX2 loop over quantized caches as over bf16 ones, x86-64-v2 the
+# portable C loop (decode_attention_path "avx2" / "c").
+DECODE_PATHS = {"x86-64-v3": 1, "x86-64-v2": 0}  # march: its paged_decode_path()
+
+
+@pytest.mark.parametrize("march", list(DECODE_PATHS))
+@pytest.mark.parametrize("name", list(QUANTIZED))
+def test_each_decode_loop_reads_quantized_rows_whatever_the_batch(name, march, monkeypatch):
+    """Nine requests (one to three partitions, partial chunks) in one call: each is attention
+    over its dequantized rows, and bit for bit what it gets alone or in pairs (a request's
+    result depends on its context only, not on the batch or how the threads split it)."""
+    monkeypatch.setattr(envs, "QUIRE_CPU_MARCH", march)
+    lib = cpu_kernels.build_library.__wrapped__(cpu_kernels._SOURCE_DIR)
+    assert lib is not None and lib.paged_decode_path() == DECODE_PATHS[march]
+    monkeypatch.setattr(cpu_kernels, "load_library", lambda: lib)
+    lens = [1, 15, 17, 100, 333, 16, 64, 600, 40 * BLOCK - 1]
+    out, expected, (q, k_cache, v_cache, tables, seq_lens) = decode_over_shuffled_blocks(
+        name, lens, seed=11
+    )
+    np.testing.assert_allclose(out.double().numpy(), expected, rtol=2**-8, atol=2e-3)
+    for size in (1, 2):
+        for i in range(0, len(lens) - size + 1, size):
+            part = cpu_kernels.paged_decode(
+                q[i : i + size],
+                k_cache,
+                v_cache,
+                tables[i : i + size],
+                seq_lens[i : i + size],
+                0.125,
+            )
+            assert torch.equal(part, out[i : i + size])
 
 
 def code_values(name: str) -> np.ndarray:

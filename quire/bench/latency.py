@@ -392,6 +392,7 @@ def main(args: argparse.Namespace) -> int:
         + (
             f"quire's kernels: bf16 matmul {gemv.path()}, GGUF blocks {qmatmul.path()} "
             f"(prompt rows {qmatmul.prompt_path()}), "
+            f"decode attention {cpu_kernels.decode_attention_path()}, "
             f"prefill attention {cpu_kernels.prefill_attention_path()}\n"
             if device == "cpu"
             else ""

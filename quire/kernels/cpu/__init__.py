@@ -48,6 +48,7 @@ _SIGNATURES = {
     "paged_decode_f32": _PAGED_DECODE,
     # kind (kv_quant.h), then paged_decode_bf16's arguments over a quantized cache.
     "paged_decode_quant": [_I32, *_PAGED_DECODE],
+    "paged_decode_path": [],
     # kind, key, value, their token strides, k_cache, v_cache, slots; tokens, num_kv_heads,
     # head_dim, num_threads.
     "store_kv_rows": [_I32, _P, _P, _I64, _I64, _P, _P, _P] + [_I32] * 4,
@@ -341,6 +342,14 @@ def shm_all_reduce_bf16(group: ShmGroup, x: torch.Tensor) -> None:
     status = load_library().shm_all_reduce_bf16(ctypes.byref(group), x.data_ptr(), x.numel())
     if status != 0:
         raise ValueError(f"shm_all_reduce_bf16: {x.nbytes} bytes do not fit a slot")
+
+
+def decode_attention_path() -> str:
+    """The paged decode kernel's loop here, for bf16 and quantized caches: "avx512-bf16"
+    (head_dim a multiple of 32), "avx2" (a multiple of 16), "c" (the portable loop, also what
+    other head sizes take), or "off" (no library: PyTorch)."""
+    lib = load_library()
+    return "off" if lib is None else ("c", "avx2", "avx512-bf16")[lib.paged_decode_path()]
 
 
 def _has_prefill_kernel() -> bool:

@@ -139,6 +139,30 @@ int NAME(const T* q, const KT* k_cache, const KT* v_cache, const int32_t* block_
 #define OFFSET_RING 4      // chunks whose row offsets are kept
 _Static_assert(OFFSET_RING > PREFETCH_CHUNKS, "chunks c and c + PREFETCH_CHUNKS are both in use");
 
+// How PV reads value rows: bf16 (0), int8 codes (KV_INT8), or fp8 codes as float32 bit patterns
+// that are the code's value times 2^-120 (e4m3) or 2^-112 (e5m2), exactly (a subnormal code gives
+// a float32 denormal), the factor 2^120 / 2^112 being in the weights p instead (*_RAW, when the
+// row scales allow it, see pv_weights) or multiplied in per code (KV_FP8_E4M3, KV_FP8_E5M2).
+#define PV_E4M3_RAW (KV_FP8_E5M2 + 1)
+#define PV_E5M2_RAW (KV_FP8_E5M2 + 2)
+
+// Whether the fp8 factor goes into the PV weights (a *_RAW kind) for a chunk whose largest value
+// row scale is max_scale: when p * scale * 2^120 (or 2^112) cannot overflow, p <= 1 (every scale
+// below 2^8 or 2^16, values up to 114688 or ~3.8e9). Returns how PV reads the rows, and the
+// factor's exponent in *rebias (0: none).
+static inline int pv_kind_for(int kind, float max_scale, float* rebias) {
+    *rebias = 0.0f;
+    if (kind == KV_FP8_E4M3 && max_scale < 0x1p8f) return *rebias = 120.0f, PV_E4M3_RAW;
+    if (kind == KV_FP8_E5M2 && max_scale < 0x1p16f) return *rebias = 112.0f, PV_E5M2_RAW;
+    return kind;
+}
+
+// The scales of the CHUNK rows at byte offsets off[0..CHUNK) from base (a quantized row's scale
+// is at byte head_dim), into s.
+static inline void chunk_scales(const char* base, const int64_t* off, int head_dim, float* s) {
+    for (int t = 0; t < CHUNK; t++) memcpy(s + t, base + off[t] + head_dim, sizeof(float));
+}
+
 static inline int min_int(int a, int b) { return a < b ? a : b; }
 
 // chunk, found through the block table in order and kept for the last OFFSET_RING chunks.
@@ -386,13 +410,6 @@ static inline __attribute__((always_inline)) void prefetch_rows(const char* pk, 
         }
 }
 
-// How pv_tile reads value rows: bf16 (0), int8 codes (KV_INT8), or fp8 codes as float32 bit
-// patterns that are the code's value times 2^-120 (e4m3) or 2^-112 (e5m2), exactly (a subnormal
-// code gives a float32 denormal), the factor 2^120 / 2^112 being in the weights p instead (*_RAW,
-// when the row scales allow it, see pv_weights) or multiplied in per code.
-#define PV_E4M3_RAW (KV_FP8_E5M2 + 1)
-#define PV_E5M2_RAW (KV_FP8_E5M2 + 2)
-
 // A 32-dim slice of a quantized row (32 one-byte codes at p, kv_quant.h) as float32 in the bf16
 // path's order: *even the 16 even dims, *odd the 16 odd ones (see PV_E4M3_RAW for fp8). Each code
 // is sign-extended to 16 bits, so a 32-bit lane holds codes (2i, 2i+1); int8 converts, fp8
@@ -423,7 +440,7 @@ static inline __attribute__((always_inline)) void widen_codes(const int KIND, co
 static inline __attribute__((always_inline)) __m512 row_scales(const char* base,
                                                                const int64_t* off, int head_dim) {
     float s[CHUNK] __attribute__((aligned(64)));
-    for (int t = 0; t < CHUNK; t++) memcpy(s + t, base + off[t] + head_dim, sizeof(float));
+    chunk_scales(base, off, head_dim, s);
     return _mm512_load_ps(s);
 }
 
@@ -527,17 +544,12 @@ static inline __attribute__((always_inline)) void pv_tile(const int KIND, const 
 }
 
 // The PV weights of a chunk over quantized value rows with scales vs (16 lanes): p[h][t] *=
-// vs[t] for the nh heads' rows of p (CHUNK floats apart), and for fp8 then times 2^120 (e4m3) or
-// 2^112 (e5m2), exactly (vscalefps: no rounding, and no reassociation by the compiler), when that
-// cannot overflow (p <= 1: every vs < 2^8 or 2^16, values up to 114688 or ~3.8e9). Returns how
-// pv_tile reads the rows.
+// vs[t] for the nh heads' rows of p (CHUNK floats apart), and for a *_RAW kind (pv_kind_for) then
+// times 2^120 (e4m3) or 2^112 (e5m2), exactly (vscalefps: no rounding, and no reassociation by
+// the compiler). Returns how pv_tile reads the rows.
 static inline int pv_weights(int kind, float* p, int nh, __m512 vs) {
-    int pv_kind = kind;
-    float rebias = 0.0f;
-    if (kind == KV_FP8_E4M3 && _mm512_reduce_max_ps(vs) < 0x1p8f)
-        pv_kind = PV_E4M3_RAW, rebias = 120.0f;
-    if (kind == KV_FP8_E5M2 && _mm512_reduce_max_ps(vs) < 0x1p16f)
-        pv_kind = PV_E5M2_RAW, rebias = 112.0f;
+    float rebias;
+    const int pv_kind = pv_kind_for(kind, _mm512_reduce_max_ps(vs), &rebias);
     for (int h = 0; h < nh; h++) {
         const __m512 w = _mm512_mul_ps(_mm512_load_ps(p + h * CHUNK), vs);
         _mm512_store_ps(p + h * CHUNK,
@@ -722,16 +734,19 @@ static int paged_decode_avx512(int kind, const uint16_t* q, const void* k_cache,
 
 #if defined(PAGED_DECODE_AVX2)
 // ---------------------------------------------------------------------------------------------
-// AVX2 path (bfloat16 cache, head_dim a multiple of 16), for CPUs without AVX-512: the AVX-512
-// path's tasks, chunks of 16 positions, partitions and merge, in registers of 8 float32 lanes.
+// AVX2 path (a bfloat16 or quantized cache, head_dim a multiple of 16), for CPUs without
+// AVX-512: the AVX-512 path's tasks, chunks of 16 positions, partitions and merge, in registers
+// of 8 float32 lanes.
 //   QK   per token of a chunk, each 16-dim slice of its key row is widened to float32 (the even
 //        dims by a shift, the odd ones by a mask) and FMA'd with the same slice of up to
 //        AVX2_HEADS query heads of the group (widened and scaled once a task, in that even/odd
 //        order), one 8-lane partial sum per head; a horizontal-add tree turns 8 tokens' partials
-//        into 8 scores;
+//        into 8 scores. A quantized chunk's keys are first widened into a float32 tile in that
+//        order (a code is its value exactly; the row scales multiply the scores);
 //   softmax  online per query head over the chunk's 16 scores (two vectors, exp256);
 //   PV   per 16-dim slice, the accumulators of up to AVX2_HEADS query heads (8 even dims, then 8
-//        odd dims, each) stay in registers across the chunk's tokens.
+//        odd dims, each) stay in registers across the chunk's tokens; quantized value rows are
+//        widened as read (their scales are in the weights p, see pv_kind_for).
 // Lanes past the end of the context read the chunk's first row again and are masked out. The
 // sums are not the AVX-512 path's (so neither are the bits), and like those depend only on the
 // context length: not on the batch or the thread count.
@@ -785,21 +800,58 @@ static inline float sum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+// A 16-dim slice of a row read as KIND says (PV_E4M3_RAW and friends), at p, as float32: *even
+// its 8 even dims, *odd its 8 odd ones. A bf16 pair (2i, 2i+1) fills a 32-bit lane: shifting it
+// left by 16 gives element 2i, masking off the low half element 2i+1. Codes are sign-extended to
+// 16 bits first, so a lane holds codes (2i, 2i+1) the same way: int8 converts; fp8 places its
+// sign, exponent and mantissa bits where float32's are (the value times 2^-120 or 2^-112).
+static inline __attribute__((always_inline)) void widen16(const int KIND, const char* p,
+                                                          __m256* even, __m256* odd) {
+    if (KIND == 0) {
+        const __m256i w = _mm256_loadu_si256((const __m256i*)p);
+        *even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+        *odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xFFFF0000u)));
+        return;
+    }
+    const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p));
+    if (KIND == KV_INT8) {
+        *even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w, 16), 16));
+        *odd = _mm256_cvtepi32_ps(_mm256_srai_epi32(w, 16));
+        return;
+    }
+    const int e4m3 = KIND == KV_FP8_E4M3 || KIND == PV_E4M3_RAW;
+    const __m256i mask = _mm256_set1_epi32(e4m3 ? (int)0x87F00000u : (int)0x8FE00000u);
+    const __m256i e = e4m3 ? _mm256_slli_epi32(w, 20) : _mm256_slli_epi32(w, 21);
+    const __m256i o = e4m3 ? _mm256_slli_epi32(w, 4) : _mm256_slli_epi32(w, 5);
+    *even = _mm256_castsi256_ps(_mm256_and_si256(e, mask));
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(o, mask));
+    if (KIND == KV_FP8_E4M3 || KIND == KV_FP8_E5M2) {
+        const __m256 bias = _mm256_set1_ps(e4m3 ? 0x1p120f : 0x1p112f);
+        *even = _mm256_mul_ps(*even, bias);
+        *odd = _mm256_mul_ps(*odd, bias);
+    }
+}
+
 // The 16 scores of each of GH query heads (qf: widened, scaled, head_dim floats a head) against
-// the chunk's key rows at byte offsets off[0..16) from k: scores[j * CHUNK + t].
-static inline __attribute__((always_inline)) void qk_heads(const int GH, int head_dim,
-                                                           const float* qf, const char* k,
-                                                           const int64_t* off, float* scores) {
-    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+// the chunk's key rows at byte offsets off[0..16) from k: scores[j * CHUNK + t]. The rows are
+// bf16, or with TILE float32 rows of a key tile (keys_tile: each 16-dim slice its 8 even dims,
+// then its 8 odd ones), the same numbers summed in the same order.
+static inline __attribute__((always_inline)) void qk_heads(const int GH, const int TILE,
+                                                           int head_dim, const float* qf,
+                                                           const char* k, const int64_t* off,
+                                                           float* scores) {
     __m256 partial[AVX2_HEADS][CHUNK];
     for (int t = 0; t < CHUNK; t++) {
-        const uint16_t* row = (const uint16_t*)(k + off[t]);
         __m256 a[AVX2_HEADS];
         for (int j = 0; j < GH; j++) a[j] = _mm256_setzero_ps();
         for (int d = 0; d < head_dim; d += 16) {
-            const __m256i w = _mm256_loadu_si256((const __m256i*)(row + d));
-            const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-            const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(w, high));
+            __m256 even, odd;
+            if (TILE) {
+                even = _mm256_load_ps((const float*)(k + off[t]) + d);
+                odd = _mm256_load_ps((const float*)(k + off[t]) + d + 8);
+            } else {
+                widen16(0, k + off[t] + 2 * d, &even, &odd);
+            }
             for (int j = 0; j < GH; j++)
                 a[j] = _mm256_fmadd_ps(even, _mm256_load_ps(qf + j * head_dim + d),
                                        _mm256_fmadd_ps(odd, _mm256_load_ps(qf + j * head_dim + d + 8),
@@ -813,24 +865,44 @@ static inline __attribute__((always_inline)) void qk_heads(const int GH, int hea
     }
 }
 
-static void qk_group(int gh, int head_dim, const float* qf, const char* k, const int64_t* off,
-                     float* scores) {
-    switch (gh) {
-        case 1: qk_heads(1, head_dim, qf, k, off, scores); break;
-        case 2: qk_heads(2, head_dim, qf, k, off, scores); break;
-        case 3: qk_heads(3, head_dim, qf, k, off, scores); break;
-        default: qk_heads(4, head_dim, qf, k, off, scores); break;
+static void qk_group(int gh, int tile, int head_dim, const float* qf, const char* k,
+                     const int64_t* off, float* scores) {
+    switch (gh * 2 + tile) {
+        case 2: qk_heads(1, 0, head_dim, qf, k, off, scores); break;
+        case 3: qk_heads(1, 1, head_dim, qf, k, off, scores); break;
+        case 4: qk_heads(2, 0, head_dim, qf, k, off, scores); break;
+        case 5: qk_heads(2, 1, head_dim, qf, k, off, scores); break;
+        case 6: qk_heads(3, 0, head_dim, qf, k, off, scores); break;
+        case 7: qk_heads(3, 1, head_dim, qf, k, off, scores); break;
+        case 8: qk_heads(4, 0, head_dim, qf, k, off, scores); break;
+        default: qk_heads(4, 1, head_dim, qf, k, off, scores); break;
     }
+}
+
+// A chunk's CHUNK quantized key rows (byte offsets off[t] from k) as float32 rows of head_dim in
+// kf, in qk_heads' TILE order, exactly (the scales stay aside).
+static void keys_tile(int kind, const char* k, const int64_t* off, int head_dim, float* kf) {
+    for (int t = 0; t < CHUNK; t++)
+        for (int d = 0; d < head_dim; d += 16) {
+            __m256 even, odd;
+            switch (kind) {
+                case KV_INT8: widen16(KV_INT8, k + off[t] + d, &even, &odd); break;
+                case KV_FP8_E4M3: widen16(KV_FP8_E4M3, k + off[t] + d, &even, &odd); break;
+                default: widen16(KV_FP8_E5M2, k + off[t] + d, &even, &odd); break;
+            }
+            _mm256_store_ps(kf + t * head_dim + d, even);
+            _mm256_store_ps(kf + t * head_dim + d + 8, odd);
+        }
 }
 
 // One PV register tile: the 16-dim slice at d0 of NH query heads' accumulators (head_dim floats
 // apart), rescaled by corr[j], plus p[j * CHUNK + t] times value row t (byte offsets off[0..n)
-// from v).
-static inline __attribute__((always_inline)) void pv_heads(const int NH, float* acc, int head_dim,
+// from v, read as KIND says).
+static inline __attribute__((always_inline)) void pv_heads(const int KIND, const int NH,
+                                                           float* acc, int head_dim,
                                                            const float* p, const float* corr,
                                                            const char* v, const int64_t* off,
                                                            int n, int d0) {
-    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
     __m256 a[AVX2_HEADS][2];
     for (int j = 0; j < NH; j++) {
         const __m256 c = _mm256_set1_ps(corr[j]);
@@ -838,9 +910,8 @@ static inline __attribute__((always_inline)) void pv_heads(const int NH, float* 
         a[j][1] = _mm256_mul_ps(_mm256_load_ps(acc + j * head_dim + d0 + 8), c);
     }
     for (int t = 0; t < n; t++) {
-        const __m256i w = _mm256_loadu_si256((const __m256i*)(v + off[t] + 2 * d0));
-        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(w, high));
+        __m256 even, odd;
+        widen16(KIND, v + off[t] + (KIND ? d0 : 2 * d0), &even, &odd);
         for (int j = 0; j < NH; j++) {
             const __m256 pt = _mm256_broadcast_ss(p + j * CHUNK + t);
             a[j][0] = _mm256_fmadd_ps(pt, even, a[j][0]);
@@ -853,24 +924,30 @@ static inline __attribute__((always_inline)) void pv_heads(const int NH, float* 
     }
 }
 
-static void pv_group(int nh, float* acc, int head_dim, const float* p, const float* corr,
-                     const char* v, const int64_t* off, int n) {
+static void pv_group(int kind, int nh, float* acc, int head_dim, const float* p,
+                     const float* corr, const char* v, const int64_t* off, int n) {
+#define PV_CASE(KIND, NH) \
+    case KIND * 4 + NH - 1: pv_heads(KIND, NH, acc, head_dim, p, corr, v, off, n, d0); break;
+#define PV_KIND(KIND) PV_CASE(KIND, 1) PV_CASE(KIND, 2) PV_CASE(KIND, 3) PV_CASE(KIND, 4)
     for (int d0 = 0; d0 < head_dim; d0 += 16) {
-        switch (nh) {
-            case 1: pv_heads(1, acc, head_dim, p, corr, v, off, n, d0); break;
-            case 2: pv_heads(2, acc, head_dim, p, corr, v, off, n, d0); break;
-            case 3: pv_heads(3, acc, head_dim, p, corr, v, off, n, d0); break;
-            default: pv_heads(4, acc, head_dim, p, corr, v, off, n, d0); break;
+        switch (kind * 4 + nh - 1) {
+            PV_KIND(0) PV_KIND(KV_INT8) PV_KIND(KV_FP8_E4M3) PV_KIND(KV_FP8_E5M2)
+            PV_KIND(PV_E4M3_RAW) PV_KIND(PV_E5M2_RAW)
         }
     }
+#undef PV_KIND
+#undef PV_CASE
 }
 
-static int paged_decode_avx2(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
-                             const int32_t* block_tables, const int32_t* seq_lens, uint16_t* out,
-                             int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                             int block_size, int max_blocks, float scale, int num_threads) {
+// kind 0: a bf16 cache; else a quantized one (kv_quant.h), whose rows are head_dim codes and a
+// scale.
+static int paged_decode_avx2(int kind, const uint16_t* q, const void* k_cache,
+                             const void* v_cache, const int32_t* block_tables,
+                             const int32_t* seq_lens, uint16_t* out, int num_seqs, int num_heads,
+                             int num_kv_heads, int head_dim, int block_size, int max_blocks,
+                             float scale, int num_threads) {
     const int group = num_heads / num_kv_heads;
-    const int64_t row_bytes = 2 * head_dim;
+    const int64_t row_bytes = kind == 0 ? 2 * head_dim : head_dim + KV_SCALE_BYTES;
     const int64_t token_stride = num_kv_heads * row_bytes;
     const int64_t block_stride = token_stride * block_size;
     _Alignas(64) char stack_buffer[SCRATCH_ON_STACK];
@@ -901,6 +978,10 @@ static int paged_decode_avx2(const uint16_t* q, const uint16_t* k_cache, const u
         float acc[MAX_HEADS * MAX_HEAD_DIM] __attribute__((aligned(32)));
         float p[MAX_HEADS * CHUNK] __attribute__((aligned(32)));  // scores, then numerators
         float running_max[MAX_HEADS], sum[MAX_HEADS], corr[MAX_HEADS];
+        float kf[CHUNK * MAX_HEAD_DIM] __attribute__((aligned(32)));  // a quantized chunk's keys
+        int64_t kf_off[CHUNK];
+        for (int t = 0; t < CHUNK; t++) kf_off[t] = (int64_t)sizeof(float) * t * head_dim;
+        float ks[CHUNK] __attribute__((aligned(32))), vs[CHUNK];  // its row scales
         const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         TaskSpan cur;
         for (int task = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED); task < num_tasks;
@@ -936,15 +1017,28 @@ static int paged_decode_avx2(const uint16_t* q, const uint16_t* k_cache, const u
                     const int hb = (kvh - kvh0) * group;  // the group's first head in this task
                     const char* k = cs.k_cache + kvh * row_bytes;
                     const char* v = cs.v_cache + kvh * row_bytes;
+                    // QK reads the cache's bf16 rows, or a quantized chunk's keys widened (kf,
+                    // rows kf_off apart), the scores then times their rows' scales (ks).
+                    const char* qk_rows = k;
+                    const int64_t* qk_off = off;
+                    __m256 ks0 = _mm256_set1_ps(1.0f), ks1 = ks0;
+                    if (kind) {
+                        keys_tile(kind, k, off, head_dim, kf);
+                        qk_rows = (const char*)kf, qk_off = kf_off;
+                        chunk_scales(k, off, head_dim, ks);
+                        ks0 = _mm256_load_ps(ks), ks1 = _mm256_load_ps(ks + 8);
+                    }
                     for (int j = 0; j < group; j += AVX2_HEADS)
-                        qk_group(min_int(group - j, AVX2_HEADS), head_dim,
-                                 qf + (hb + j) * head_dim, k, off, p + (hb + j) * CHUNK);
+                        qk_group(min_int(group - j, AVX2_HEADS), kind != 0, head_dim,
+                                 qf + (hb + j) * head_dim, qk_rows, qk_off, p + (hb + j) * CHUNK);
                     for (int h = hb; h < hb + group; h++) {
                         const __m256 none = _mm256_set1_ps(-1e30f);
-                        const __m256 s0 = _mm256_blendv_ps(none, _mm256_load_ps(p + h * CHUNK),
-                                                           _mm256_castsi256_ps(valid0));
+                        const __m256 s0 = _mm256_blendv_ps(
+                            none, _mm256_mul_ps(_mm256_load_ps(p + h * CHUNK), ks0),
+                            _mm256_castsi256_ps(valid0));
                         const __m256 s1 = _mm256_blendv_ps(
-                            none, _mm256_load_ps(p + h * CHUNK + 8), _mm256_castsi256_ps(valid1));
+                            none, _mm256_mul_ps(_mm256_load_ps(p + h * CHUNK + 8), ks1),
+                            _mm256_castsi256_ps(valid1));
                         const float m = max8(_mm256_max_ps(s0, s1));
                         corr[h] = 1.0f;
                         if (m > running_max[h]) {
@@ -960,9 +1054,25 @@ static int paged_decode_avx2(const uint16_t* q, const uint16_t* k_cache, const u
                         _mm256_store_ps(p + h * CHUNK, e0);
                         _mm256_store_ps(p + h * CHUNK + 8, e1);
                     }
+                    int pv_kind = 0;
+                    if (kind) {  // the weights times their value rows' scales (and fp8's factor)
+                        chunk_scales(v, off, head_dim, vs);
+                        const __m256 vs0 = _mm256_loadu_ps(vs), vs1 = _mm256_loadu_ps(vs + 8);
+                        float rebias;
+                        pv_kind = pv_kind_for(kind, max8(_mm256_max_ps(vs0, vs1)), &rebias);
+                        const __m256 factor = _mm256_set1_ps(rebias == 120.0f   ? 0x1p120f
+                                                             : rebias == 112.0f ? 0x1p112f
+                                                                                : 1.0f);
+                        for (int h = hb; h < hb + group; h++) {
+                            float* ph = p + h * CHUNK;
+                            _mm256_store_ps(ph, _mm256_mul_ps(_mm256_mul_ps(_mm256_load_ps(ph), vs0), factor));
+                            _mm256_store_ps(ph + 8, _mm256_mul_ps(_mm256_mul_ps(_mm256_load_ps(ph + 8), vs1), factor));
+                        }
+                    }
                     for (int j = 0; j < group; j += AVX2_HEADS)
-                        pv_group(min_int(group - j, AVX2_HEADS), acc + (hb + j) * head_dim,
-                                 head_dim, p + (hb + j) * CHUNK, corr + hb + j, v, off, n);
+                        pv_group(pv_kind, min_int(group - j, AVX2_HEADS),
+                                 acc + (hb + j) * head_dim, head_dim, p + (hb + j) * CHUNK,
+                                 corr + hb + j, v, off, n);
                 }
             }
             if (len > PARTITION) {  // a partial result; the last of the request's to end merges
@@ -1012,6 +1122,18 @@ DEFINE_PAGED_DECODE(static, paged_decode_e4m3_portable, uint16_t, uint8_t, QUANT
 DEFINE_PAGED_DECODE(static, paged_decode_e5m2_portable, uint16_t, uint8_t, QUANT_ROW, bf16_to_f32,
                     f32_to_bf16, LOAD_E5M2_ROW)
 
+// Which loop decode attention runs for a bf16 or quantized cache here: 2 AVX-512 BF16 (head_dim
+// a multiple of 32), 1 AVX2 (a multiple of 16), 0 the portable C loop only.
+int paged_decode_path(void) {
+#if defined(PAGED_DECODE_AVX512)
+    return 2;
+#elif defined(PAGED_DECODE_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int paged_decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                       const int32_t* block_tables, const int32_t* seq_lens, uint16_t* out,
                       int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
@@ -1024,7 +1146,7 @@ int paged_decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t
                                    scale, num_threads);
 #elif defined(PAGED_DECODE_AVX2)
     if (head_dim % 16 == 0)
-        return paged_decode_avx2(q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs,
+        return paged_decode_avx2(0, q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs,
                                  num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale,
                                  num_threads);
 #endif
@@ -1045,6 +1167,11 @@ int paged_decode_quant(int kind, const uint16_t* q, const uint8_t* k_cache, cons
         return paged_decode_avx512(kind, q, k_cache, v_cache, block_tables, seq_lens, out,
                                    num_seqs, num_heads, num_kv_heads, head_dim, block_size,
                                    max_blocks, scale, num_threads);
+#elif defined(PAGED_DECODE_AVX2)
+    if (head_dim % 16 == 0 && kind >= KV_INT8 && kind <= KV_FP8_E5M2)
+        return paged_decode_avx2(kind, q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs,
+                                 num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale,
+                                 num_threads);
 #endif
     switch (kind) {
         case KV_INT8:
