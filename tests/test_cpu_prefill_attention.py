@@ -1,6 +1,6 @@
 """The C prefill-attention kernel equals SDPA over the gathered cache (`gathered_prefill`), in
-each order it runs in on this CPU (AVX-512 BF16; AMX tiles where the bf16 matmul uses them), and
-a query row's bits depend on nothing but the row and its context."""
+each loop it has (AVX2, built for x86-64-v3 on any host; AVX-512 BF16 and AMX tiles where this
+CPU has them), and a query row's bits depend on nothing but the row and its context."""
 
 from __future__ import annotations
 
@@ -8,21 +8,46 @@ import pytest
 import torch
 from conftest import use_amx_order
 
+from quire import envs
 from quire.attention.backend import AttentionMetadata
 from quire.attention.torch_backend import TorchAttentionBackend, gathered_prefill
 from quire.kernels import cpu as cpu_kernels
 from quire.kernels.cpu import gemv
 
-pytestmark = pytest.mark.skipif(
-    not cpu_kernels.supports_prefill_attention(torch.bfloat16, 8, 2, 64),
-    reason="no C compiler or no AVX-512 BF16",
-)
+pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no C compiler")
+
+LOOPS = ("off", "avx2", "avx512-bf16")  # prefill_attention_path() of the C library: 0, 1, 2
 
 
-@pytest.fixture(params=["avx512-bf16", "amx"])
-def order(request, kernel_settings) -> str:
-    """Each loop the kernel runs in here, set as EngineConfig.cpu_amx sets it."""
-    use_amx_order(request.param == "amx")
+def native_loop() -> str:
+    """The loop this CPU's own build (-march=native) runs where AMX is off."""
+    return LOOPS[cpu_kernels.build_library(cpu_kernels._SOURCE_DIR).prefill_attention_path()]
+
+
+@pytest.fixture(scope="module")
+def avx2_library():
+    """The kernels built for x86-64-v3 (AVX2 and FMA, no AVX-512): the AVX2 loop, on any host."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(envs, "QUIRE_CPU_MARCH", "x86-64-v3")
+        lib = cpu_kernels.build_library.__wrapped__(cpu_kernels._SOURCE_DIR)
+    assert lib is not None and lib.prefill_attention_path() == 1
+    return lib
+
+
+@pytest.fixture(params=["avx2", "avx512-bf16", "amx"])
+def order(request, kernel_settings, monkeypatch) -> str:
+    """Each loop the kernel has: the AVX2 one from an x86-64-v3 build where this CPU's build
+    runs another; AVX-512 BF16 and AMX where this CPU has them, set as EngineConfig.cpu_amx sets
+    it."""
+    if request.param == "avx2":
+        use_amx_order(False)
+        if native_loop() != "avx2":
+            lib = request.getfixturevalue("avx2_library")
+            monkeypatch.setattr(cpu_kernels, "load_library", lambda: lib)
+    elif native_loop() != "avx512-bf16":
+        pytest.skip(f"no AVX-512 BF16 on this CPU (its loop: {native_loop()})")
+    else:
+        use_amx_order(request.param == "amx")
     assert cpu_kernels.prefill_attention_path() == request.param
     return request.param
 
@@ -100,8 +125,12 @@ def test_prompts_and_chunks_over_cached_prefixes_match_sdpa(
     assert err <= 2e-2
 
 
-@pytest.mark.parametrize("head_dim", [32, 256])
+@pytest.mark.parametrize("head_dim", [32, 80, 256])
 def test_other_head_dims(order, head_dim):
+    if head_dim == 80 and order != "avx2":  # AVX-512: 32, 64, 128, 256 only
+        assert not cpu_kernels.supports_prefill_attention(torch.bfloat16, 4, 1, head_dim)
+        return
+    assert cpu_kernels.supports_prefill_attention(torch.bfloat16, 4, 1, head_dim)
     q, k, v, meta = make_step([40, 7], [40, 90], 4, 1, head_dim, 16, seed=1)
     out = run_kernel(q, k, v, meta, 0.1)
     assert (out.float() - reference(q, k, v, meta, 0.1)).abs().max().item() <= 2e-2
@@ -156,14 +185,15 @@ def test_a_rows_bits_do_not_depend_on_its_chunk(order, head_dim):
 def test_the_amx_order_runs_where_the_matmul_uses_amx(kernel_settings):
     for amx in (False, True):
         cpu_kernels.configure(cpu_kernels.KernelSettings(enabled=True, gemv_fma=None, amx=amx))
-        expected = "amx" if amx and gemv.amx_available() else "avx512-bf16"
+        expected = "amx" if amx and gemv.amx_available() else native_loop()
         assert cpu_kernels.prefill_attention_path() == expected
 
 
-def test_unsupported_cases_fall_back():
+def test_unsupported_cases_fall_back(order):
     assert not cpu_kernels.supports_prefill_attention(torch.float32, 8, 2, 64)
     assert not cpu_kernels.supports_prefill_attention(torch.float16, 8, 2, 64)
-    assert not cpu_kernels.supports_prefill_attention(torch.bfloat16, 8, 2, 80)
+    assert not cpu_kernels.supports_prefill_attention(torch.bfloat16, 8, 2, 84)
+    assert not cpu_kernels.supports_prefill_attention(torch.bfloat16, 8, 2, 264)
     assert not cpu_kernels.supports_prefill_attention(torch.bfloat16, 64, 1, 64)  # group > 32
     q, k, v, meta = make_step([10], [5], 4, 1, 64, 16)  # seq_len shorter than the chunk
     with pytest.raises(ValueError):

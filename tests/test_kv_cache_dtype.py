@@ -246,12 +246,22 @@ def test_decode_converts_every_code_exactly(name, row_scale):
     assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
 
 
-def test_prefill_reads_its_context_dequantized_to_bf16():
+@pytest.fixture(params=["native", "x86-64-v3"])
+def prefill_build(request, monkeypatch) -> None:
+    """The prefill kernel of this CPU's build, and of an x86-64-v3 one (its AVX2 loop, on any
+    host; the same loop as native on an AVX2-only CPU)."""
+    monkeypatch.setattr(envs, "QUIRE_CPU_MARCH", request.param)
+    lib = cpu_kernels.build_library.__wrapped__(cpu_kernels._SOURCE_DIR)
+    if lib is None or lib.prefill_attention_path() == 0:
+        pytest.skip(f"no prefill kernel in the {request.param} build here")
+    monkeypatch.setattr(cpu_kernels, "load_library", lambda: lib)
+    assert cpu_kernels.supports_prefill_attention(torch.bfloat16, HEADS, KV_HEADS, HEAD_DIM)
+
+
+def test_prefill_reads_its_context_dequantized_to_bf16(prefill_build):
     """A prompt chunk of 20 after a cached prefix of 30 tokens, through the backend: each token
     attends causally over the dequantized rows (rounded to bf16, as the prefill kernel reads
     them), its own chunk's included."""
-    if not cpu_kernels.supports_prefill_attention(torch.bfloat16, HEADS, KV_HEADS, HEAD_DIM):
-        pytest.skip("no AVX-512 BF16 prefill kernel on this CPU")
     k, v = random_kv(50, 5)
     cache = stored("int8", k[:30], v[:30], [16 * 3 + p for p in range(30)])  # blocks 3, 4
     k_cache, v_cache = cache.layers[0]
@@ -280,12 +290,10 @@ def test_prefill_reads_its_context_dequantized_to_bf16():
 
 
 @pytest.mark.parametrize("name", list(QUANTIZED))
-def test_prefill_kernel_reads_codes_as_their_bf16_rounded_values(name):
+def test_prefill_kernel_reads_codes_as_their_bf16_rounded_values(name, prefill_build):
     """The prefill kernel on a quantized cache gives, bit for bit, what it gives on the same
     cache dequantized to bf16 by torch (code * scale in float32, rounded to nearest even),
     for two requests whose chunks follow cached prefixes, over blocks out of order."""
-    if not cpu_kernels.supports_prefill_attention(torch.bfloat16, HEADS, KV_HEADS, HEAD_DIM):
-        pytest.skip("no AVX-512 BF16 prefill kernel on this CPU")
     k, v = random_kv(8 * BLOCK, 9)
     cache = stored(name, k, v, list(range(8 * BLOCK)))
     k_cache, v_cache = cache.layers[0]

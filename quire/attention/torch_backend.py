@@ -152,8 +152,8 @@ def decoded_prefill(
     output: torch.Tensor,
 ) -> None:
     """Prefill attention as one decode per prompt token, over the context up to it, in the paged
-    decode kernel: where the prefill kernel does not run (no AVX-512 BF16, or a head_dim it does
-    not take), a token's bits are then the same whatever chunk its prompt was cut into and
+    decode kernel: where the prefill kernel does not run (no AVX2, or a head_dim it does not
+    take), a token's bits are then the same whatever chunk its prompt was cut into and
     whatever else is in the batch, as in decode. Writes the prefill tokens' rows of `output`."""
     n = metadata.num_decode_tokens
     block_tables, query_start_loc, seq_lens = metadata.prefill_tables()

@@ -55,7 +55,7 @@ _SIGNATURES = {
     # q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out; q and out token strides;
     # num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks; scale, num_threads.
     "prefill_attention_bf16": [_P] * 7 + [_I64] * 2 + [_I32] * 6 + [_F32, _I32, _I32],
-    "prefill_attention_bf16_available": [],
+    "prefill_attention_path": [],
     "prefill_attention_uses_amx": [],
     # x, x row stride, residual, weight, out; rows, dim, eps, num_threads.
     "add_rms_norm_bf16": [_P, _I64, _P, _P, _P, _I32, _I32, _F32, _I32],
@@ -352,35 +352,44 @@ def decode_attention_path() -> str:
     return "off" if lib is None else ("c", "avx2", "avx512-bf16")[lib.paged_decode_path()]
 
 
-def _has_prefill_kernel() -> bool:
+def _prefill_loop() -> int:
+    """The C prefill_attention_path(): 2 AVX-512 BF16, 1 AVX2, 0 none (or no library)."""
     lib = load_library()
-    return lib is not None and _prefill_kernel_built(lib)
+    return 0 if lib is None else _prefill_loop_built(lib)
 
 
 @functools.cache
-def _prefill_kernel_built(lib: ctypes.CDLL) -> bool:
-    return lib.prefill_attention_bf16_available() == 1
+def _prefill_loop_built(lib: ctypes.CDLL) -> int:
+    return lib.prefill_attention_path()
 
 
 def prefill_attention_path() -> str:
     """The prefill-attention kernel's loop here: "amx" (S and O on AMX tiles, where the bf16
-    matmul runs on them: EngineConfig.cpu_amx), "avx512-bf16", or "off" (no kernel: PyTorch)."""
-    if not _has_prefill_kernel():
-        return "off"
-    return "amx" if load_library().prefill_attention_uses_amx() == 1 else "avx512-bf16"
+    matmul runs on them: EngineConfig.cpu_amx), "avx512-bf16", "avx2", or "off" (no kernel:
+    PyTorch, or one decode per prompt token)."""
+    loop = _prefill_loop()
+    if loop == 2 and load_library().prefill_attention_uses_amx() == 1:
+        return "amx"
+    return ("off", "avx2", "avx512-bf16")[loop]
 
 
 def supports_prefill_attention(
     dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> bool:
-    """Whether `prefill_attention` runs this shape here: bf16, on a CPU with AVX-512 BF16 (the
-    library is built with -march=native), GQA groups up to 32 heads, head_dim 32/64/128/256."""
+    """Whether `prefill_attention` runs this shape here: bf16, GQA groups up to 32 heads, on a
+    CPU with AVX-512 BF16 (the library is built with -march=native) for head_dim 32/64/128/256,
+    or with AVX2 and FMA for head_dim a multiple of 8 up to 256."""
+    loop = _prefill_loop()
+    head_dim_ok = (
+        head_dim in (32, 64, 128, 256)
+        if loop == 2
+        else loop == 1 and head_dim % 8 == 0 and 8 <= head_dim <= 256
+    )
     return (
         dtype == torch.bfloat16
         and num_heads % num_kv_heads == 0
         and num_heads // num_kv_heads <= 32
-        and head_dim in (32, 64, 128, 256)
-        and _has_prefill_kernel()
+        and head_dim_ok
     )
 
 
@@ -439,4 +448,6 @@ def prefill_attention(
     )
     if status != 0:
         reason = {-1: "unsupported shape or inconsistent lengths", -3: "out of memory"}
-        raise ValueError(f"prefill_attention: {reason.get(status, 'no AVX-512 BF16 build')}")
+        raise ValueError(
+            f"prefill_attention: {reason.get(status, 'no AVX2 or AVX-512 BF16 build')}"
+        )

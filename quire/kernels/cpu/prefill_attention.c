@@ -1,6 +1,7 @@
 // Paged prefill attention for CPUs with AVX-512 BF16: flash attention (online softmax, float32
 // accumulation, P rounded to bf16 for P V) over every prefill chunk of a step in one call, K/V
-// read through the block table.
+// read through the block table. CPUs with AVX2 and FMA but no AVX-512 BF16 run the same tasks in
+// float32 with 8 lanes (the AVX2 section below).
 //
 // Layouts (row-major, bf16 stored as uint16_t):
 //   q            [num_tokens, num_heads, head_dim], token stride q_stride (elements)
@@ -58,15 +59,28 @@
 #include "kv_quant.h"
 
 #if defined(__AVX512BF16__)
+#define PREFILL_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PREFILL_AVX2 1
+#endif
+
+#if defined(PREFILL_AVX512) || defined(PREFILL_AVX2)
 #include <immintrin.h>
 #include <omp.h>
 
-#include "kv_codes.h"
+#include "bf16.h"
 
-#define BLOCK_ROWS 32  // query rows per kernel block: two zmm of lanes
-#define KEY_TILE 64    // keys per online-softmax step; a multiple of 8
-#define MAX_ROWS 256   // rows (group heads x tokens) per task; a multiple of BLOCK_ROWS
+#define KEY_TILE 64  // keys per online-softmax step; a multiple of 8
+#define MAX_ROWS 256  // rows (group heads x tokens) per task
 #define MAX_TILE_TOKENS 64
+#if defined(PREFILL_AVX512)
+#define BLOCK_ROWS 32       // query rows per kernel block: two zmm of lanes
+typedef uint16_t PackElem;  // the packs hold bf16 (K rows, V key pairs or V^T)
+#else
+#define BLOCK_ROWS 24    // three ymm of lanes
+typedef float PackElem;  // the packs hold float32 rows of K and V
+#endif
+#define PADDED_ROWS ((MAX_ROWS + BLOCK_ROWS - 1) / BLOCK_ROWS * BLOCK_ROWS)
 
 typedef struct {
     int seq, kv_head, token0, num_tokens;  // query tokens [token0, token0 + num_tokens) of seq
@@ -81,12 +95,28 @@ typedef struct {
     uint16_t* out;
     int64_t q_stride, out_stride;
     int num_heads, num_kv_heads, head_dim, block_size, max_blocks;
-    float scale_log2;  // softmax scale * log2(e): scores are exponentiated base 2
-    uint16_t *k_pack, *v_pack;
+    float scale;       // the softmax scale (AVX2: scores exponentiated base e)
+    float scale_log2;  // scale * log2(e) (AVX-512: scores exponentiated base 2)
+    PackElem *k_pack, *v_pack;
     const int64_t* pack_offset;  // [num_seqs]: first element of request s's packs (KV head 0)
     const int* padded_len;       // [num_seqs]: context length rounded up to KEY_TILE
     int amx;  // S^T and O^T on AMX tiles (qk_tiles, pv_tiles), V packed transposed
 } Problem;
+
+// Byte offset in the K (and V) cache of key `key`'s row for one (request, KV head).
+static int64_t row_offset(const Problem* pb, int s, int kv_head, int key) {
+    const int64_t row_bytes = pb->kv_kind ? pb->head_dim + KV_SCALE_BYTES : 2 * pb->head_dim;
+    const int64_t token_stride = (int64_t)pb->num_kv_heads * row_bytes;
+    const int32_t* table = pb->block_tables + (int64_t)s * pb->max_blocks;
+    return (int64_t)table[key / pb->block_size] * pb->block_size * token_stride +
+           (int64_t)(key % pb->block_size) * token_stride + (int64_t)kv_head * row_bytes;
+}
+#endif
+
+#if defined(PREFILL_AVX512)
+#include "kv_codes.h"
+
+#define SCRATCH_Q_BYTES(D) ((size_t)MAX_ROWS * (D) * 2)
 
 typedef struct {  // per-thread scratch, one task at a time
     uint32_t* q;  // Q^T bf16 pairs [MAX_ROWS / 16][head_dim / 2][16]
@@ -473,12 +503,7 @@ static const uint16_t* pack_key(const Problem* pb, int s, int kv_head, int key, 
         memset(k_row, 0, D * 2);
         return NULL;
     }
-    const int64_t row_bytes = pb->kv_kind ? D + KV_SCALE_BYTES : 2 * D;
-    const int64_t token_stride = (int64_t)pb->num_kv_heads * row_bytes;
-    const int32_t* table = pb->block_tables + (int64_t)s * pb->max_blocks;
-    const int64_t at = (int64_t)table[key / pb->block_size] * pb->block_size * token_stride +
-                       (int64_t)(key % pb->block_size) * token_stride +
-                       (int64_t)kv_head * row_bytes;
+    const int64_t at = row_offset(pb, s, kv_head, key);
     if (pb->kv_kind) {
         dequantize_row(pb->kv_kind, pb->k_cache + at, D, k_row);
         dequantize_row(pb->kv_kind, pb->v_cache + at, D, v_scratch);
@@ -562,6 +587,211 @@ static void run_task(const Problem* pb, const Task* task, Scratch* w) {
     }
 }
 
+static int head_dim_supported(int head_dim) {
+    return head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
+}
+#elif defined(PREFILL_AVX2)
+#include "vec_math.h"
+// ---------------------------------------------------------------------------------------------
+// AVX2 (no AVX-512: Zen 1-3, Haswell to Skylake and client chips): the same tasks, key tiles and
+// online softmax with query rows in the 8 lanes of a ymm, all in float32. Q^T holds q * scale,
+// K and V are packed as float32 rows (a quantized row as its bf16-rounded values, as above), and
+// P stays float32:
+//   S^T = K Q^T     kernel 4 keys x 24 rows: per dimension, three Q^T vectors times 4 broadcast
+//                   keys, 12 accumulators; stored as [key][24];
+//   softmax         online, base e (exp256), lane-wise; P^T stored as [key][24];
+//   O^T += V^T P^T  kernel 4 dims x 24 rows: per key, three P^T vectors times 4 broadcast V
+//                   values, O^T rescaled as it is loaded.
+// A row's sums are in the same order whatever block, tile of tokens or thread it falls in, and
+// the keys it does not see add exact zeros, so its bits depend on its query and context only.
+// They are not the AVX-512 loop's bits.
+#define SCRATCH_Q_BYTES(D) ((size_t)PADDED_ROWS * (D) * sizeof(float))
+#define UNSEEN (-3.0e38f)  // a masked score: its exponential is 0 (exp256 gives 0 below -87)
+
+typedef struct {  // per-thread scratch, one task at a time
+    float* q;     // Q^T [PADDED_ROWS / 8][head_dim][8]
+    float* o;     // O^T [PADDED_ROWS / 8][head_dim][8]
+    float m[PADDED_ROWS], l[PADDED_ROWS];  // running max and sum per row
+    int32_t last[PADDED_ROWS];             // last key position row r sees; -1 for padding rows
+    float s[KEY_TILE * BLOCK_ROWS];        // S^T of a row block [key][24]
+    float p[KEY_TILE * BLOCK_ROWS];        // P^T of a row block [key][24]
+} Scratch;
+
+// S^T[4 keys][24 rows] = K[4 keys][D] . Q^T; q: the block's first lane group (the next two
+// follow, D * 8 floats apart).
+static inline __attribute__((always_inline)) void qk_kernel(const float* q, const float* k,
+                                                            float* s, int D) {
+    __m256 acc[4][3];
+    for (int j = 0; j < 4; j++) acc[j][0] = acc[j][1] = acc[j][2] = _mm256_setzero_ps();
+    for (int i = 0; i < D; i++) {
+        const __m256 q0 = _mm256_loadu_ps(q + i * 8);
+        const __m256 q1 = _mm256_loadu_ps(q + (D + i) * 8);
+        const __m256 q2 = _mm256_loadu_ps(q + (2 * D + i) * 8);
+        for (int j = 0; j < 4; j++) {
+            const __m256 kb = _mm256_broadcast_ss(k + j * D + i);
+            acc[j][0] = _mm256_fmadd_ps(q0, kb, acc[j][0]);
+            acc[j][1] = _mm256_fmadd_ps(q1, kb, acc[j][1]);
+            acc[j][2] = _mm256_fmadd_ps(q2, kb, acc[j][2]);
+        }
+    }
+    for (int j = 0; j < 4; j++)
+        for (int g = 0; g < 3; g++) _mm256_storeu_ps(s + j * BLOCK_ROWS + 8 * g, acc[j][g]);
+}
+
+// O^T[D][24 rows] = O^T * alpha (per lane) + V^T . P^T over n keys (a multiple of 4).
+static inline __attribute__((always_inline)) void pv_kernel(const float* p, const float* v,
+                                                            float* o, const __m256 alpha[3],
+                                                            int n, int D) {
+    for (int d0 = 0; d0 < D; d0 += 4) {
+        __m256 acc[4][3];
+        for (int i = 0; i < 4; i++)
+            for (int g = 0; g < 3; g++)
+                acc[i][g] = _mm256_mul_ps(_mm256_loadu_ps(o + (g * D + d0 + i) * 8), alpha[g]);
+        for (int k = 0; k < n; k++) {
+            const __m256 p0 = _mm256_loadu_ps(p + k * BLOCK_ROWS);
+            const __m256 p1 = _mm256_loadu_ps(p + k * BLOCK_ROWS + 8);
+            const __m256 p2 = _mm256_loadu_ps(p + k * BLOCK_ROWS + 16);
+            for (int i = 0; i < 4; i++) {
+                const __m256 vb = _mm256_broadcast_ss(v + k * D + d0 + i);
+                acc[i][0] = _mm256_fmadd_ps(p0, vb, acc[i][0]);
+                acc[i][1] = _mm256_fmadd_ps(p1, vb, acc[i][1]);
+                acc[i][2] = _mm256_fmadd_ps(p2, vb, acc[i][2]);
+            }
+        }
+        for (int i = 0; i < 4; i++)
+            for (int g = 0; g < 3; g++) _mm256_storeu_ps(o + (g * D + d0 + i) * 8, acc[i][g]);
+    }
+}
+
+// Online softmax of one lane group over n tile keys from position k0: masks the scores of keys
+// a row does not see (only where the causal diagonal crosses the tile), updates the running max
+// m and sum l, writes P^T and returns the rescale factor for O^T.
+static inline __m256 softmax_lanes(float* s, float* p, int n, int k0, float* m_row, float* l_row,
+                                   const int32_t* last_row) {
+    const __m256i last = _mm256_loadu_si256((const __m256i*)last_row);
+    const __m256i beyond = _mm256_cmpgt_epi32(_mm256_set1_epi32(k0 + n - 1), last);
+    if (!_mm256_testz_si256(beyond, beyond)) {
+        for (int k = 0; k < n; k++) {  // key k0 + k is seen where last > k0 + k - 1
+            const __m256 sees =
+                _mm256_castsi256_ps(_mm256_cmpgt_epi32(last, _mm256_set1_epi32(k0 + k - 1)));
+            _mm256_storeu_ps(s + k * BLOCK_ROWS, _mm256_blendv_ps(_mm256_set1_ps(UNSEEN),
+                                                                  _mm256_loadu_ps(s + k * BLOCK_ROWS),
+                                                                  sees));
+        }
+    }
+    const __m256 m_old = _mm256_loadu_ps(m_row);
+    __m256 m0 = m_old, m1 = m_old;  // two chains: vmaxps latency
+    for (int k = 0; k < n; k += 2) {
+        m0 = _mm256_max_ps(m0, _mm256_loadu_ps(s + k * BLOCK_ROWS));
+        m1 = _mm256_max_ps(m1, _mm256_loadu_ps(s + (k + 1) * BLOCK_ROWS));
+    }
+    const __m256 m = _mm256_max_ps(m0, m1);
+    __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
+    for (int k = 0; k < n; k += 2) {
+        const __m256 e0 = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + k * BLOCK_ROWS), m));
+        const __m256 e1 = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + (k + 1) * BLOCK_ROWS), m));
+        _mm256_storeu_ps(p + k * BLOCK_ROWS, e0);
+        _mm256_storeu_ps(p + (k + 1) * BLOCK_ROWS, e1);
+        sum0 = _mm256_add_ps(sum0, e0);
+        sum1 = _mm256_add_ps(sum1, e1);
+    }
+    const __m256 alpha = exp256(_mm256_sub_ps(m_old, m));
+    _mm256_storeu_ps(m_row, m);
+    _mm256_storeu_ps(l_row,
+                     _mm256_fmadd_ps(_mm256_loadu_ps(l_row), alpha, _mm256_add_ps(sum0, sum1)));
+    return alpha;
+}
+
+static void attend(const Problem* pb, const Task* task, Scratch* w) {
+    const int D = pb->head_dim;
+    const int s = task->seq, nt = task->num_tokens, group = pb->num_heads / pb->num_kv_heads;
+    const int q0 = pb->query_start_loc[s] + task->token0;  // first token of the tile in q / out
+    const int query_len = pb->query_start_loc[s + 1] - pb->query_start_loc[s];
+    const int pos0 = pb->seq_lens[s] - query_len + task->token0;  // position of the first token
+    const int rows = group * nt;
+    const int padded_rows = (rows + BLOCK_ROWS - 1) / BLOCK_ROWS * BLOCK_ROWS;
+    const int h0 = task->kv_head * group;
+    memset(w->o, 0, (size_t)padded_rows * D * sizeof(float));
+    for (int r = 0; r < padded_rows; r++) {  // Q^T: row r in lane r % 8 of lane group r / 8
+        const int g = r / nt, t = r % nt;
+        float* qt = w->q + (int64_t)(r / 8) * D * 8 + r % 8;
+        const uint16_t* src = r < rows ? pb->q + (q0 + t) * pb->q_stride + (h0 + g) * D : NULL;
+        for (int d = 0; d < D; d++) qt[d * 8] = src ? bf16_to_f32(src[d]) * pb->scale : 0.0f;
+        w->last[r] = r < rows ? pos0 + t : -1;
+        w->m[r] = -1e30f;
+        w->l[r] = 0.0f;
+    }
+    const int64_t pack = pb->pack_offset[s] + (int64_t)task->kv_head * pb->padded_len[s] * D;
+    const float* k_pack = pb->k_pack + pack;
+    const float* v_pack = pb->v_pack + pack;
+    const int num_keys = pos0 + nt;  // the tile's last token sees keys 0..num_keys - 1
+    for (int k0 = 0; k0 < num_keys; k0 += KEY_TILE) {
+        for (int r0 = 0; r0 < padded_rows; r0 += BLOCK_ROWS) {
+            int last = -1;  // last key any row of the block sees
+            for (int r = r0; r < r0 + BLOCK_ROWS; r++) last = w->last[r] > last ? w->last[r] : last;
+            if (last < k0) continue;
+            int n = last - k0 + 1;
+            n = n > KEY_TILE ? KEY_TILE : (n + 3) / 4 * 4;
+            const float* q = w->q + (int64_t)(r0 / 8) * D * 8;
+            for (int c = 0; c < n; c += 4)
+                qk_kernel(q, k_pack + (int64_t)(k0 + c) * D, w->s + c * BLOCK_ROWS, D);
+            __m256 alpha[3];
+            for (int g = 0; g < 3; g++)
+                alpha[g] = softmax_lanes(w->s + 8 * g, w->p + 8 * g, n, k0, w->m + r0 + 8 * g,
+                                         w->l + r0 + 8 * g, w->last + r0 + 8 * g);
+            pv_kernel(w->p, v_pack + (int64_t)k0 * D, w->o + (int64_t)(r0 / 8) * D * 8, alpha, n,
+                      D);
+        }
+    }
+    for (int r = 0; r < rows; r++) {  // out = O / l
+        const int g = r / nt, t = r % nt;
+        const float inv = 1.0f / w->l[r];
+        const float* o = w->o + (int64_t)(r / 8) * D * 8 + r % 8;
+        uint16_t* dst = pb->out + (q0 + t) * pb->out_stride + (h0 + g) * D;
+        for (int d = 0; d < D; d++) dst[d] = f32_to_bf16(o[d * 8] * inv);
+    }
+}
+
+// Keys [k0, k0 + KEY_TILE) of one (request, KV head) as float32 rows into the K and V packs:
+// bf16 rows widened exactly; a quantized row as code * scale rounded to bf16 (what the AVX-512
+// loop reads); zeros at or past seq_len.
+static void pack_tile(const Problem* pb, int s, int kv_head, int k0) {
+    const int D = pb->head_dim;
+    const int64_t pack = pb->pack_offset[s] + (int64_t)kv_head * pb->padded_len[s] * D;
+    for (int j = 0; j < KEY_TILE; j++) {
+        float* kp = pb->k_pack + pack + (int64_t)(k0 + j) * D;
+        float* vp = pb->v_pack + pack + (int64_t)(k0 + j) * D;
+        if (k0 + j >= pb->seq_lens[s]) {
+            memset(kp, 0, D * sizeof(float));
+            memset(vp, 0, D * sizeof(float));
+            continue;
+        }
+        const int64_t at = row_offset(pb, s, kv_head, k0 + j);
+        const char* rows[2] = {pb->k_cache + at, pb->v_cache + at};
+        float* dst[2] = {kp, vp};
+        for (int e = 0; e < 2; e++) {
+            if (pb->kv_kind) {
+                kv_dequant_row(pb->kv_kind, (const uint8_t*)rows[e], D, dst[e]);
+                for (int d = 0; d < D; d++) dst[e][d] = bf16_to_f32(f32_to_bf16(dst[e][d]));
+                continue;
+            }
+            for (int d = 0; d < D; d += 8) {
+                const __m128i b = _mm_loadu_si128((const __m128i*)(rows[e] + 2 * d));
+                _mm256_storeu_ps(dst[e] + d, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                                 _mm256_cvtepu16_epi32(b), 16)));
+            }
+        }
+    }
+}
+
+static void run_task(const Problem* pb, const Task* task, Scratch* w) { attend(pb, task, w); }
+
+static int head_dim_supported(int head_dim) {
+    return head_dim % 8 == 0 && head_dim >= 8 && head_dim <= 256;
+}
+#endif
+
+#if defined(PREFILL_AVX512) || defined(PREFILL_AVX2)
 static int by_work_descending(const void* a, const void* b) {
     const int64_t x = ((const Task*)a)->work, y = ((const Task*)b)->work;
     return (x < y) - (x > y);
@@ -580,8 +810,12 @@ int prefill_attention_uses_amx(void) {
 #endif
 }
 
-int prefill_attention_bf16_available(void) {
-#if defined(__AVX512BF16__)
+// Which loop the kernel runs in this build: 2 AVX-512 BF16 (or AMX tiles, above), 1 AVX2, 0 none
+// (prefill_attention_bf16 returns -2).
+int prefill_attention_path(void) {
+#if defined(PREFILL_AVX512)
+    return 2;
+#elif defined(PREFILL_AVX2)
     return 1;
 #else
     return 0;
@@ -597,11 +831,11 @@ int prefill_attention_bf16(const uint16_t* q, const void* k_cache, const void* v
                            int64_t out_stride, int num_seqs, int num_heads, int num_kv_heads,
                            int head_dim, int block_size, int max_blocks, float scale,
                            int kv_kind, int num_threads) {
-#if defined(__AVX512BF16__)
+#if defined(PREFILL_AVX512) || defined(PREFILL_AVX2)
     if (kv_kind < 0 || kv_kind > KV_FP8_E5M2) return -1;
     // At least 8 tokens of the GQA group per task.
     if (num_heads % num_kv_heads != 0 || num_heads / num_kv_heads * 8 > MAX_ROWS ||
-        (head_dim != 32 && head_dim != 64 && head_dim != 128 && head_dim != 256))
+        !head_dim_supported(head_dim))
         return -1;
     for (int s = 0; s < num_seqs; s++) {
         const int query_len = query_start_loc[s + 1] - query_start_loc[s];
@@ -645,15 +879,33 @@ int prefill_attention_bf16(const uint16_t* q, const void* k_cache, const void* v
         }
     }
     qsort(tasks, num_tasks, sizeof *tasks, by_work_descending);
-    Problem pb = {q, k_cache, v_cache, kv_kind, block_tables, query_start_loc, seq_lens, out, q_stride,
-                  out_stride, num_heads, num_kv_heads, head_dim, block_size, max_blocks,
-                  scale * 1.4426950408889634f, alloc64(pack_elems * 2), alloc64(pack_elems * 2),
-                  pack_offset, padded_len, prefill_attention_uses_amx()};
+    Problem pb = {.q = q,
+                  .k_cache = k_cache,
+                  .v_cache = v_cache,
+                  .kv_kind = kv_kind,
+                  .block_tables = block_tables,
+                  .query_start_loc = query_start_loc,
+                  .seq_lens = seq_lens,
+                  .out = out,
+                  .q_stride = q_stride,
+                  .out_stride = out_stride,
+                  .num_heads = num_heads,
+                  .num_kv_heads = num_kv_heads,
+                  .head_dim = head_dim,
+                  .block_size = block_size,
+                  .max_blocks = max_blocks,
+                  .scale = scale,
+                  .scale_log2 = scale * 1.4426950408889634f,
+                  .k_pack = alloc64(pack_elems * sizeof(PackElem)),
+                  .v_pack = alloc64(pack_elems * sizeof(PackElem)),
+                  .pack_offset = pack_offset,
+                  .padded_len = padded_len,
+                  .amx = prefill_attention_uses_amx()};
     Scratch* scratch = calloc(num_threads, sizeof *scratch);
     int status = pb.k_pack && pb.v_pack && scratch ? 0 : -3;
     for (int i = 0; status == 0 && i < num_threads; i++) {
-        scratch[i].q = alloc64((size_t)MAX_ROWS * head_dim * 2);
-        scratch[i].o = alloc64((size_t)MAX_ROWS * head_dim * sizeof(float));
+        scratch[i].q = alloc64(SCRATCH_Q_BYTES(head_dim));
+        scratch[i].o = alloc64((size_t)PADDED_ROWS * head_dim * sizeof(float));
         if (!scratch[i].q || !scratch[i].o) status = -3;
     }
     if (status == 0) {
