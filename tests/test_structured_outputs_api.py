@@ -14,6 +14,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+import xgrammar
 from test_api_server import ServerThread
 
 from quire.config import EngineConfig
@@ -146,9 +147,26 @@ def test_json_object_gives_an_object(client):
             for t, s in OBJECT_TEMPERATURES
         ]
     )
+    # Greedy finishes an object; a sample at temperature 0.7 or 1 may instead run to max_tokens
+    # inside one (a string of digits that never closes: seeded, so whether it does depends on
+    # the CPU's bf16 sums), never out of it.
+    assert responses[0].choices[0].finish_reason == "stop"
     for response in responses:
-        assert response.choices[0].finish_reason == "stop", response.choices[0].message.content
-        assert isinstance(json.loads(response.choices[0].message.content), dict)
+        content = response.choices[0].message.content
+        if response.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(content), dict)
+        else:
+            assert response.choices[0].finish_reason == "length"
+            assert json_object_prefix(content), content
+
+
+def json_object_prefix(text: str) -> bool:
+    """Whether `text` starts a JSON object: a "{" that xgrammar's JSON grammar accepts so far."""
+    compiled = xgrammar.GrammarCompiler(
+        xgrammar.TokenizerInfo(["{"])
+    ).compile_builtin_json_grammar()
+    matcher = xgrammar.GrammarMatcher(compiled)
+    return text.lstrip().startswith("{") and matcher.accept_string(text)
 
 
 def test_regex_choice_and_grammar_on_chat_and_completions(client):
