@@ -95,8 +95,7 @@ typedef struct {
     uint16_t* out;
     int64_t q_stride, out_stride;
     int num_heads, num_kv_heads, head_dim, block_size, max_blocks;
-    float scale;       // the softmax scale (AVX2: scores exponentiated base e)
-    float scale_log2;  // scale * log2(e) (AVX-512: scores exponentiated base 2)
+    float scale_log2;  // softmax scale * log2(e): scores are exponentiated base 2
     PackElem *k_pack, *v_pack;
     const int64_t* pack_offset;  // [num_seqs]: first element of request s's packs (KV head 0)
     const int* padded_len;       // [num_seqs]: context length rounded up to KEY_TILE
@@ -591,22 +590,40 @@ static int head_dim_supported(int head_dim) {
     return head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
 }
 #elif defined(PREFILL_AVX2)
-#include "vec_math.h"
 // ---------------------------------------------------------------------------------------------
 // AVX2 (no AVX-512: Zen 1-3, Haswell to Skylake and client chips): the same tasks, key tiles and
-// online softmax with query rows in the 8 lanes of a ymm, all in float32. Q^T holds q * scale,
+// online softmax with query rows in the 8 lanes of a ymm, all in float32. Q^T holds q * scale *
+// log2(e),
 // K and V are packed as float32 rows (a quantized row as its bf16-rounded values, as above), and
 // P stays float32:
 //   S^T = K Q^T     kernel 4 keys x 24 rows: per dimension, three Q^T vectors times 4 broadcast
 //                   keys, 12 accumulators; stored as [key][24];
-//   softmax         online, base e (exp256), lane-wise; P^T stored as [key][24];
+//   softmax         online, base 2 (exp2_256), lane-wise; P^T stored as [key][24];
 //   O^T += V^T P^T  kernel 4 dims x 24 rows: per key, three P^T vectors times 4 broadcast V
 //                   values, O^T rescaled as it is loaded.
 // A row's sums are in the same order whatever block, tile of tokens or thread it falls in, and
 // the keys it does not see add exact zeros, so its bits depend on its query and context only.
 // They are not the AVX-512 loop's bits.
 #define SCRATCH_Q_BYTES(D) ((size_t)PADDED_ROWS * (D) * sizeof(float))
-#define UNSEEN (-3.0e38f)  // a masked score: its exponential is 0 (exp256 gives 0 below -87)
+#define UNSEEN (-3.0e38f)  // a masked score: its exponential is 0 (exp2_256 gives 0 below -127)
+
+// 2^x for x <= 0: exp2_ps's reduction and polynomial, 2^round(x) built in the exponent bits (0
+// for x below -126.5, where exp2_ps gives a subnormal or 0). Cheaper than paged_decode.c's
+// base-e exp256 with its degree-7 polynomial, as accurate here (BENCHMARKS.md).
+static inline __m256 exp2_256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-127.0f));
+    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(x, n);
+    __m256 p = _mm256_set1_ps(1.3333558146428443e-3f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618129107628477e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550410866482158e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402265069591007e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471805599453e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
 
 typedef struct {  // per-thread scratch, one task at a time
     float* q;     // Q^T [PADDED_ROWS / 8][head_dim][8]
@@ -674,9 +691,9 @@ static inline __m256 softmax_lanes(float* s, float* p, int n, int k0, float* m_r
         for (int k = 0; k < n; k++) {  // key k0 + k is seen where last > k0 + k - 1
             const __m256 sees =
                 _mm256_castsi256_ps(_mm256_cmpgt_epi32(last, _mm256_set1_epi32(k0 + k - 1)));
-            _mm256_storeu_ps(s + k * BLOCK_ROWS, _mm256_blendv_ps(_mm256_set1_ps(UNSEEN),
-                                                                  _mm256_loadu_ps(s + k * BLOCK_ROWS),
-                                                                  sees));
+            const __m256 score = _mm256_loadu_ps(s + k * BLOCK_ROWS);
+            _mm256_storeu_ps(s + k * BLOCK_ROWS,
+                             _mm256_blendv_ps(_mm256_set1_ps(UNSEEN), score, sees));
         }
     }
     const __m256 m_old = _mm256_loadu_ps(m_row);
@@ -688,14 +705,14 @@ static inline __m256 softmax_lanes(float* s, float* p, int n, int k0, float* m_r
     const __m256 m = _mm256_max_ps(m0, m1);
     __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
     for (int k = 0; k < n; k += 2) {
-        const __m256 e0 = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + k * BLOCK_ROWS), m));
-        const __m256 e1 = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + (k + 1) * BLOCK_ROWS), m));
+        const __m256 e0 = exp2_256(_mm256_sub_ps(_mm256_loadu_ps(s + k * BLOCK_ROWS), m));
+        const __m256 e1 = exp2_256(_mm256_sub_ps(_mm256_loadu_ps(s + (k + 1) * BLOCK_ROWS), m));
         _mm256_storeu_ps(p + k * BLOCK_ROWS, e0);
         _mm256_storeu_ps(p + (k + 1) * BLOCK_ROWS, e1);
         sum0 = _mm256_add_ps(sum0, e0);
         sum1 = _mm256_add_ps(sum1, e1);
     }
-    const __m256 alpha = exp256(_mm256_sub_ps(m_old, m));
+    const __m256 alpha = exp2_256(_mm256_sub_ps(m_old, m));
     _mm256_storeu_ps(m_row, m);
     _mm256_storeu_ps(l_row,
                      _mm256_fmadd_ps(_mm256_loadu_ps(l_row), alpha, _mm256_add_ps(sum0, sum1)));
@@ -716,7 +733,8 @@ static void attend(const Problem* pb, const Task* task, Scratch* w) {
         const int g = r / nt, t = r % nt;
         float* qt = w->q + (int64_t)(r / 8) * D * 8 + r % 8;
         const uint16_t* src = r < rows ? pb->q + (q0 + t) * pb->q_stride + (h0 + g) * D : NULL;
-        for (int d = 0; d < D; d++) qt[d * 8] = src ? bf16_to_f32(src[d]) * pb->scale : 0.0f;
+        for (int d = 0; d < D; d++)
+            qt[d * 8] = src ? bf16_to_f32(src[d]) * pb->scale_log2 : 0.0f;
         w->last[r] = r < rows ? pos0 + t : -1;
         w->m[r] = -1e30f;
         w->l[r] = 0.0f;
@@ -894,7 +912,6 @@ int prefill_attention_bf16(const uint16_t* q, const void* k_cache, const void* v
                   .head_dim = head_dim,
                   .block_size = block_size,
                   .max_blocks = max_blocks,
-                  .scale = scale,
                   .scale_log2 = scale * 1.4426950408889634f,
                   .k_pack = alloc64(pack_elems * sizeof(PackElem)),
                   .v_pack = alloc64(pack_elems * sizeof(PackElem)),
