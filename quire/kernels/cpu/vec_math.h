@@ -1,11 +1,8 @@
-// Vectorized float32 math shared by the AVX-512 and AVX2 paths of the CPU kernels.
+// Vectorized float32 math shared by the AVX-512 paths of the CPU kernels.
 #ifndef QUIRE_VEC_MATH_H
 #define QUIRE_VEC_MATH_H
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #if defined(__AVX512F__)
+#include <immintrin.h>
 
 // exp(x) for each lane, to about 1 ulp (Cephes expf): x = n ln2 + r with |r| <= ln2 / 2, a
 // degree-7 polynomial for exp(r), then scaling by 2^n. x is clamped to [-104, 88]: the low end
@@ -29,31 +26,4 @@ static inline __m512 exp512(__m512 x) {
 }
 
 #endif
-
-#if defined(__AVX2__) && defined(__FMA__)
-// exp(x) per lane: exp512's reduction and polynomial, 2^n built in the exponent bits, so x is
-// kept to [-87, 88]; below -87 (where expf is under 1.7e-38, a softmax weight nothing can use
-// next to the largest, 1) the result is 0.
-static inline __m256 exp256(__m256 x) {
-    const __m256 lowest = _mm256_set1_ps(-87.0f);
-    const __m256 under = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
-    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), lowest);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r);
-    y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);  // n in [-126, 127]
-    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
-}
-#endif
-
 #endif
