@@ -593,9 +593,8 @@ static int head_dim_supported(int head_dim) {
 // ---------------------------------------------------------------------------------------------
 // AVX2 (no AVX-512: Zen 1-3, Haswell to Skylake and client chips): the same tasks, key tiles and
 // online softmax with query rows in the 8 lanes of a ymm, all in float32. Q^T holds q * scale *
-// log2(e),
-// K and V are packed as float32 rows (a quantized row as its bf16-rounded values, as above), and
-// P stays float32:
+// log2(e), K and V are packed as float32 rows (a quantized row as its bf16-rounded values, as
+// above), and P stays float32:
 //   S^T = K Q^T     kernel 4 keys x 24 rows: per dimension, three Q^T vectors times 4 broadcast
 //                   keys, 12 accumulators; stored as [key][24];
 //   softmax         online, base 2 (exp2_256), lane-wise; P^T stored as [key][24];
