@@ -184,7 +184,10 @@ TEXT = "The capital of France is Paris. The capital of Germany is Berlin. The ca
 def test_default_model_keeps_its_blocks_on_three_ranks(default_model, tokenizer_dir):
     """Q4_1 blocks cut per rank (o_proj: 192 input features a rank, down_proj 512: whole
     blocks), the C step on each rank: one rank's greedy tokens up to bf16 near-ties, and a
-    text's perplexity within 1%."""
+    text's token logprobs as close as two bf16 sum orders get. Those move by ~0.07 a token on
+    this file (prompt rows quantized to int8 amplify a last bit), so over PROSE's 196 tokens the
+    perplexity moves by up to ~2%: on an AMD EPYC Zen 1, tp 1 22.07, tp 3 21.62, float32 21.72,
+    every pair 0.066-0.070 apart a token on average."""
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
     scored = SamplingParams(max_tokens=1, prompt_logprobs=0)
     small = dict(num_kv_blocks=16, max_model_len=256, tokenizer=tokenizer_dir)
@@ -196,13 +199,16 @@ def test_default_model_keeps_its_blocks_on_three_ranks(default_model, tokenizer_
             logprobs = [
                 d[t].logprob for d, t in zip(ppl.prompt_logprobs[1:], ppl.prompt_token_ids[1:])
             ]
-            results.append((greedy.outputs[0], math.exp(-sum(logprobs) / len(logprobs))))
+            results.append((greedy.outputs[0], logprobs))
         finally:
             llm.engine.shutdown()
-    (one, one_ppl), (three, three_ppl) = results
+    (one, one_lp), (three, three_lp) = results
     assert one.token_ids[:2] == three.token_ids[:2]  # " Rome."
     assert_close_greedy([one], [three], BF16_TIE_GAP, BF16_LOGPROB_ATOL)
-    assert abs(three_ppl / one_ppl - 1) < 0.01, (three_ppl, one_ppl)
+    apart = sum(abs(a - b) for a, b in zip(one_lp, three_lp, strict=True)) / len(one_lp)
+    assert apart < 0.15, apart
+    one_ppl, three_ppl = (math.exp(-sum(lp) / len(lp)) for lp in (one_lp, three_lp))
+    assert abs(three_ppl / one_ppl - 1) < 0.04, (three_ppl, one_ppl)
 
 
 def test_heads_not_divisible_fail_at_start(models):
