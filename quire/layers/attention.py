@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from quire.attention.forward_context import get_forward_context
+from quire.kernels import gpu_pointwise
 from quire.kernels.cpu import pointwise
 from quire.layers.norm import RMSNorm
 from quire.layers.parallel_linear import QKVParallelLinear, RowParallelLinear
@@ -52,14 +53,20 @@ class Attention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)  # [T, Hq + 2 Hkv, D]
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
-        if self.q_norm is not None:
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         cos, sin = rotary
-        if pointwise.rotary_supported(qk):  # in place, in the qkv buffer
-            pointwise.rotary_(qk, cos, sin)
+        triton = gpu_pointwise(qk)
+        if triton is not None:  # q/k norm and rotary in one kernel, in place in the qkv buffer
+            norms = () if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+            eps = 0.0 if self.q_norm is None else self.q_norm.eps
+            triton.qk_norm_rotary_(qk, self.num_heads, cos, sin, *norms, eps=eps)
         else:
-            qk = apply_rotary(qk, cos, sin)  # queries and keys in one pass
+            if self.q_norm is not None:
+                q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+                qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+            if pointwise.rotary_supported(qk):  # in place, in the qkv buffer
+                pointwise.rotary_(qk, cos, sin)
+            else:
+                qk = apply_rotary(qk, cos, sin)  # queries and keys in one pass
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         context = get_forward_context()
         k_cache, v_cache = context.kv_caches[self.layer_idx]

@@ -1,8 +1,8 @@
 """RMSNorm, optionally fused with the residual add that precedes it (the residual stream is carried
 beside the hidden states, as in vLLM, so each layer's add and norm are one pass).
 
-bf16 on CPU runs the C kernel (quire/kernels/cpu/pointwise.c); elsewhere torch's fused kernel.
-Both accumulate in float32.
+bf16 on CPU runs the C kernel (quire/kernels/cpu/pointwise.c), a CUDA tensor the Triton kernel
+(quire/kernels/pointwise.py), anything else torch's. All accumulate in float32.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quire.kernels import gpu_pointwise
 from quire.kernels.cpu import pointwise
 
 
@@ -31,6 +32,12 @@ class RMSNorm(nn.Module):
                 return pointwise.add_rms_norm(rows, None, self.weight, self.eps).view(x.shape)
             if x.dim() == 2 and residual.is_contiguous():
                 return pointwise.add_rms_norm(x, residual, self.weight, self.eps), residual
+        triton = gpu_pointwise(x)
+        if triton is not None and x.dim() == 2 and self.weight.dtype == x.dtype:
+            if residual is None:
+                return triton.add_rms_norm(x, None, self.weight, self.eps)
+            if residual.is_contiguous():
+                return triton.add_rms_norm(x, residual, self.weight, self.eps), residual
         if residual is None:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         residual = x + residual
