@@ -41,7 +41,8 @@ tests() {
     [ -d .tok ] && export QUIRE_TEST_TOKENIZER_DIR=$PWD/.tok
     # shellcheck disable=SC2086
     "$PY" -m pytest -q -p no:cacheprovider -rs --timeout 300 --durations 5 \
-        ${QUIRE_GPU_TESTS:-tests/test_triton_kernels.py tests/test_triton_e2e.py tests/test_cuda_graph.py}
+        ${QUIRE_GPU_TESTS:-tests/test_triton_kernels.py tests/test_triton_pointwise.py \
+        tests/test_triton_e2e.py tests/test_cuda_graph.py}
 }
 
 kernel() {
