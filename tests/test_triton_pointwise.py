@@ -149,8 +149,7 @@ def test_qk_norm_rotary_equals_the_modules_ops_and_leaves_v_alone(
     assert torch.equal(qkv[:, num_q_heads + num_kv_heads :], v_before)
 
 
-def test_qk_norm_rotary_in_bf16_is_within_two_ulps_of_the_modules_step_by_step_rounding():
-    tokens, num_q_heads, num_kv_heads, head_dim = 4, 4, 2, 32
+def check_bf16_qk_norm_rotary(tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int):
     qk = randn(tokens, num_q_heads + num_kv_heads, head_dim, dtype=torch.bfloat16)
     cos, sin = rotary_tables(tokens, head_dim, torch.bfloat16)
     weights = (
@@ -160,6 +159,10 @@ def test_qk_norm_rotary_in_bf16_is_within_two_ulps_of_the_modules_step_by_step_r
     expected = reference_qk_norm_rotary(qk.clone(), num_q_heads, cos, sin, *weights)
     pointwise.qk_norm_rotary_(qk, num_q_heads, cos, sin, *weights, eps=EPS)
     assert_rotated_close(qk, expected)
+
+
+def test_qk_norm_rotary_in_bf16_is_within_two_ulps_of_the_modules_step_by_step_rounding():
+    check_bf16_qk_norm_rotary(tokens=4, num_q_heads=4, num_kv_heads=2, head_dim=32)
 
 
 # ---- SiLU-and-mul ----------------------------------------------------------------------------
@@ -189,15 +192,7 @@ def test_benchmark_model_shapes_in_bf16_agree_with_torch():
     expected, _ = reference_add_rms_norm(x, residual.clone(), weight)
     assert ulps_apart(pointwise.add_rms_norm(x, residual, weight, EPS), expected) <= 1
 
-    qk = randn(tokens, num_q_heads + num_kv_heads, head_dim, dtype=torch.bfloat16)
-    cos, sin = rotary_tables(tokens, head_dim, torch.bfloat16)
-    weights = (
-        randn(head_dim, dtype=torch.bfloat16, seed=3),
-        randn(head_dim, dtype=torch.bfloat16, seed=4),
-    )
-    expected = reference_qk_norm_rotary(qk.clone(), num_q_heads, cos, sin, *weights)
-    pointwise.qk_norm_rotary_(qk, num_q_heads, cos, sin, *weights, eps=EPS)
-    assert_rotated_close(qk, expected)
+    check_bf16_qk_norm_rotary(tokens, num_q_heads, num_kv_heads, head_dim)
 
     gate_up = randn(tokens, 6144, dtype=torch.bfloat16, seed=5)
     gate, up = gate_up.chunk(2, dim=-1)
