@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import in_process_model, load_model_alone
+from conftest import in_process_model, load_model_alone, make_adapter
 
-from quire import LLM, SamplingParams
+from quire import LLM, LoRARequest, SamplingParams
 from quire.attention.backend import AttentionMetadata
 from quire.attention.forward_context import forward_context
 from quire.attention.torch_backend import TorchAttentionBackend
@@ -299,6 +299,20 @@ def test_cuda_greedy_tokens_match_the_cpu_torch_backend(tiny_llama):
     llm = tiny_llm(tiny_llama, device="cuda", max_num_seqs=8)
     assert llm.stats().cuda_graphs
     assert greedy_tokens(llm) == expected
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_decode_steps_with_an_adapter_run_eagerly_and_give_the_cpu_tokens(tiny_llama, tmp_path):
+    adapter = LoRARequest("a", 1, make_adapter(tiny_llama, str(tmp_path / "a"), seed=3))
+    prompts, params = prompts_and_params()
+
+    def tokens(device: str) -> list[list[int]]:  # the graphs hold the base model's linears
+        llm = tiny_llm(tiny_llama, device=device, enable_lora=True, max_num_seqs=8)
+        outputs = llm.generate(prompts, params, lora_request=adapter, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outputs]
+
+    assert tokens("cuda") == tokens("cpu") != greedy_tokens(tiny_llm(tiny_llama, device="cpu"))
 
 
 @pytest.mark.gpu

@@ -13,7 +13,10 @@ captured with fixes every host-side value the Triton backend reads: num_decodes 
 = num_seqs = the captured size, and max_seq_len = max_model_len, an upper bound on every seq_len
 that keeps the decode grid the same whatever the batch's real lengths. The graphs run the fused
 pointwise kernels (kernels/pointwise.py: add + RMSNorm, q/k norm + rotary, SiLU-and-mul), so a
-step launches fewer kernels on the device; eager steps keep PyTorch's ops.
+step launches fewer kernels on the device; eager steps keep PyTorch's ops. Those round the
+rotation and the gate step by step, so in bf16 a replayed step can sit an ulp from an eager one
+(as cuBLAS's choice of kernel per batch size already makes a GPU step's bits depend on its
+batch). A step that runs adapters runs eagerly: the graphs hold the base model's linears.
 """
 
 from __future__ import annotations

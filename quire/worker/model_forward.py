@@ -8,8 +8,8 @@ through a faster path than the modules, the path is chosen once, when the cache 
 - the C decode step (worker/cpu_step.py) for decode-only steps on a CPU, which can also take
   each row's argmax in the same call (`argmax_tokens`); its LM head and argmax also take the
   greedy rows of any other step (`greedy_tokens`, `fuses_lm_head_argmax`);
-- CUDA graphs (worker/cuda_graph.py) for decode-only batches on a GPU (the target only: its
-  `max_num_seqs` ladder);
+- CUDA graphs (worker/cuda_graph.py) for decode-only batches on a GPU that run no adapter (the
+  target only: its `max_num_seqs` ladder);
 - the model's modules, in a forward context of the step's attention metadata, for every other
   step.
 
@@ -40,6 +40,7 @@ from quire.distributed.parallel_state import (
     send_to_next_stage,
     tp_size,
 )
+from quire.layers.lora_linear import get_lora_context
 from quire.lora.config import LoRAConfig
 from quire.model.loader import load_model
 from quire.model.model_config import ModelConfig
@@ -191,7 +192,12 @@ class ModelForward:
                 return self.cpu_step.forward(input_ids, positions, metadata)
             send_to_next_stage(self.cpu_step.forward_to_next_stage(input_ids, positions, metadata))
             return None
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(metadata):
+        # the graphs hold the base model's linears: a step that runs adapters runs eagerly
+        if (
+            self.cuda_graphs is not None
+            and get_lora_context() is None
+            and self.cuda_graphs.can_run(metadata)
+        ):
             return self.cuda_graphs.run(input_ids, positions, metadata)
         hidden = residual = None
         if not model.is_first_stage:
