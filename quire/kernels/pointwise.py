@@ -17,20 +17,38 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_HIDDEN = 16384  # a row is one program's tile
+MAX_TILE = 16384  # elements of one program's tile: a norm's row, a token's q/k heads
 
 
 def supported(x: torch.Tensor) -> bool:
-    """A CUDA tensor of a float dtype whose last dimension is contiguous and fits one tile."""
+    """A CUDA tensor of a float dtype whose last dimension is contiguous."""
     return (
         x.is_cuda
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
         and x.stride(-1) == 1
-        and x.shape[-1] <= MAX_HIDDEN
+    )
+
+
+def norm_supported(x: torch.Tensor) -> bool:
+    """Rows [rows, dim] that one program's tile holds."""
+    return x.dim() == 2 and triton.next_power_of_2(x.shape[1]) <= MAX_TILE
+
+
+def rotary_supported(qk: torch.Tensor) -> bool:
+    """[tokens, heads, head_dim] with heads packed in each token's row (a view into qkv is),
+    whose heads one program's tile holds."""
+    tokens, heads, head_dim = qk.shape
+    return (
+        qk.stride(1) == head_dim
+        and head_dim % 2 == 0
+        and triton.next_power_of_2(heads) * triton.next_power_of_2(head_dim // 2) <= MAX_TILE
     )
 
 
 def _num_warps(block: int) -> int:
+    # At least as many elements as threads (32 a warp), so no element is held by two threads:
+    # add_rms_norm stores the residual and the q/k kernel its rows in place, before or after
+    # reductions that every thread joins.
     return 1 if block <= 256 else 4 if block <= 2048 else 8
 
 
@@ -98,7 +116,8 @@ def _qk_norm_rotary_kernel(
     stride_token,
     num_heads,  # query heads and key heads together
     num_q_heads,
-    eps,
+    q_eps,
+    k_eps,
     HEAD_DIM: tl.constexpr,
     HAS_NORM: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -114,8 +133,10 @@ def _qk_norm_rotary_kernel(
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_HALF]
     x2 = tl.load(first + half, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:  # each head's RMSNorm, its q or k weight, rounded as the module hands it on
+        is_q_head = heads < num_q_heads
+        eps = tl.where(is_q_head, q_eps, k_eps)
         rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)
-        is_q = (heads < num_q_heads)[:, None]
+        is_q = is_q_head[:, None]
         w1 = tl.where(
             is_q,
             tl.load(q_weight_ptr + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :],
@@ -145,12 +166,13 @@ def qk_norm_rotary_(
     sin: torch.Tensor,
     q_weight: torch.Tensor | None = None,  # [head_dim]: each head's RMSNorm first (Qwen3)
     k_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
+    q_eps: float = 1e-6,
+    k_eps: float = 1e-6,
 ) -> None:
     """Rotates the queries and keys (rotate-half form) in place, each head RMS-normed first when
-    weights are given."""
+    weights are given. `rotary_supported(qk)`."""
     tokens, num_heads, head_dim = qk.shape
-    assert qk.stride(2) == 1 and qk.stride(1) == head_dim and head_dim % 2 == 0
+    assert qk.stride(2) == 1 and rotary_supported(qk)
     if tokens == 0:
         return
     cos, sin = (
@@ -169,7 +191,8 @@ def qk_norm_rotary_(
         qk.stride(0),
         num_heads,
         num_q_heads,
-        eps,
+        q_eps,
+        k_eps,
         HEAD_DIM=head_dim,
         HAS_NORM=has_norm,
         BLOCK_H=block_h,

@@ -55,10 +55,13 @@ class Attention(nn.Module):
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         cos, sin = rotary
         triton = gpu_pointwise(qk)
-        if triton is not None:  # q/k norm and rotary in one kernel, in place in the qkv buffer
-            norms = () if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
-            eps = 0.0 if self.q_norm is None else self.q_norm.eps
-            triton.qk_norm_rotary_(qk, self.num_heads, cos, sin, *norms, eps=eps)
+        if triton is not None and triton.rotary_supported(qk):
+            # q/k norm and rotary in one kernel, in place in the qkv buffer
+            norms = ()
+            if self.q_norm is not None:
+                q, k = self.q_norm, self.k_norm
+                norms = (q.weight, k.weight, q.eps, k.eps)
+            triton.qk_norm_rotary_(qk, self.num_heads, cos, sin, *norms)
         else:
             if self.q_norm is not None:
                 q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)

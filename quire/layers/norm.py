@@ -33,10 +33,10 @@ class RMSNorm(nn.Module):
             if x.dim() == 2 and residual.is_contiguous():
                 return pointwise.add_rms_norm(x, residual, self.weight, self.eps), residual
         triton = gpu_pointwise(x)
-        if triton is not None and x.dim() == 2 and self.weight.dtype == x.dtype:
+        if triton is not None and triton.norm_supported(x) and self.weight.dtype == x.dtype:
             if residual is None:
                 return triton.add_rms_norm(x, None, self.weight, self.eps)
-            if residual.is_contiguous():
+            if residual.is_contiguous() and residual.dtype == x.dtype:
                 return triton.add_rms_norm(x, residual, self.weight, self.eps), residual
         if residual is None:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
