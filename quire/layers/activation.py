@@ -1,6 +1,6 @@
 """SiLU-gated MLP activation. bf16 on CPU runs the C kernel (quire/kernels/cpu/pointwise.c),
-torch's bits in one pass instead of three ops; on a GPU the Triton kernel (quire/kernels/pointwise.py);
-elsewhere torch."""
+torch's bits in one pass instead of three ops; inside CUDA graph capture the Triton kernel
+(quire/kernels/pointwise.py); elsewhere torch."""
 
 from __future__ import annotations
 

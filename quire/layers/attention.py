@@ -59,8 +59,7 @@ class Attention(nn.Module):
             # q/k norm and rotary in one kernel, in place in the qkv buffer
             norms = ()
             if self.q_norm is not None:
-                q, k = self.q_norm, self.k_norm
-                norms = (q.weight, k.weight, q.eps, k.eps)
+                norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.k_norm.eps)
             triton.qk_norm_rotary_(qk, self.num_heads, cos, sin, *norms)
         else:
             if self.q_norm is not None:

@@ -1,8 +1,9 @@
 """RMSNorm, optionally fused with the residual add that precedes it (the residual stream is carried
 beside the hidden states, as in vLLM, so each layer's add and norm are one pass).
 
-bf16 on CPU runs the C kernel (quire/kernels/cpu/pointwise.c), a CUDA tensor the Triton kernel
-(quire/kernels/pointwise.py), anything else torch's. All accumulate in float32.
+bf16 on CPU runs the C kernel (quire/kernels/cpu/pointwise.c), a CUDA tensor inside CUDA graph
+capture the Triton kernel (quire/kernels/pointwise.py), anything else torch's. All accumulate in
+float32.
 """
 
 from __future__ import annotations
