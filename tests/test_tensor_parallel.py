@@ -184,10 +184,9 @@ TEXT = "The capital of France is Paris. The capital of Germany is Berlin. The ca
 def test_default_model_keeps_its_blocks_on_three_ranks(default_model, tokenizer_dir):
     """Q4_1 blocks cut per rank (o_proj: 192 input features a rank, down_proj 512: whole
     blocks), the C step on each rank: one rank's greedy tokens up to bf16 near-ties, and a
-    text's token logprobs as close as two bf16 sum orders get. Those move by ~0.07 a token on
-    this file (prompt rows quantized to int8 amplify a last bit), so over PROSE's 196 tokens the
-    perplexity moves by up to ~2%: on an AMD EPYC Zen 1, tp 1 22.07, tp 3 21.62, float32 21.72,
-    every pair 0.066-0.070 apart a token on average."""
+    text's token logprobs as close as two bf16 sum orders get (prompt rows quantized to int8
+    amplify a last bit, so the perplexity moves by a few percent; measured in BENCHMARKS.md,
+    "AVX2 prefill attention")."""
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
     scored = SamplingParams(max_tokens=1, prompt_logprobs=0)
     small = dict(num_kv_blocks=16, max_model_len=256, tokenizer=tokenizer_dir)
